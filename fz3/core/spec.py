@@ -1,0 +1,78 @@
+"""The static tables of a model: parameters, fetch units (modules), shard layout.
+
+Built once by `build_spec` from plain names and numels (the shell reads them off an nn.Module;
+tests generate them). Never changes afterwards, so every state shares it by reference.
+
+Layout, as in DeepSpeed: shard = ceil(numel / W); the flat param is padded to shard * W and rank
+r owns [r * shard, (r + 1) * shard). A rank may own padding only; numel 0 gives empty shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from fz3.core.ids import ModuleId, ParamId
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements each rank keeps of a param of `numel` elements: ceil(numel / W)."""
+    return -(-numel // world_size)
+
+
+def padding(numel: int, world_size: int) -> int:
+    """Zeros appended so the flat param splits evenly: (W - numel mod W) mod W."""
+    return shard_numel(numel, world_size) * world_size - numel
+
+
+class ParamSpec(NamedTuple):
+    id: ParamId
+    name: str  # qualified name, display only
+    numel: int
+    shard_numel: int
+    persistent: bool  # numel <= param_persistence_threshold: stays gathered for the whole step
+
+
+class ModuleSpec(NamedTuple):
+    id: ModuleId
+    name: str  # qualified name, display only
+    params: tuple[ParamId, ...]  # the fetch unit: direct params (whole subtree for a leaf), sorted
+    is_leaf: bool
+    numel: int  # sum of its params' numel
+
+
+@dataclass(frozen=True, eq=False)
+class ModelSpec:
+    params: tuple[ParamSpec, ...]
+    modules: tuple[ModuleSpec, ...]
+    world_size: int
+
+    def module_named(self, name: str) -> ModuleSpec:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(f"no module named {name!r}")
+
+
+def build_spec(params: Sequence[tuple[str, int]], modules: Sequence[tuple[str, Sequence[int], bool]],
+               *, world_size: int, persistence_threshold: int) -> ModelSpec:
+    """params: (name, numel) per ParamId; modules: (name, param ids, is_leaf) per ModuleId.
+
+    A param may belong to several modules (tied weights appear once, with one id).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    pspecs = []
+    for i, (name, numel) in enumerate(params):
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"param {name!r} has numel {numel!r}; expected an int >= 0")
+        pspecs.append(ParamSpec(ParamId(i), name, numel, shard_numel(numel, world_size),
+                                numel <= persistence_threshold))
+    mspecs = []
+    for i, (name, pids, is_leaf) in enumerate(modules):
+        ids = tuple(sorted(set(pids)))
+        for p in ids:
+            if not 0 <= p < len(pspecs):
+                raise ValueError(f"module {name!r} names param id {p}; ids run 0..{len(pspecs) - 1}")
+        mspecs.append(ModuleSpec(ModuleId(i), name, tuple(ParamId(p) for p in ids), bool(is_leaf),
+                                 sum(pspecs[p].numel for p in ids)))
+    return ModelSpec(tuple(pspecs), tuple(mspecs), world_size)
