@@ -1,0 +1,86 @@
+"""Invariants of the parameter lifecycle, written once.
+
+Used by the unit tests, the Hypothesis machines (fz3/testing) and the shell's debug mode
+(`Config.debug_checks`). Each raises InvariantError naming what broke. They walk the whole model,
+so they are for checking, never for the hot path.
+
+    check_state       structural: live numel adds up, handles and INFLIGHT agree, <= 2 in flight,
+                      an active param is AVAILABLE, counters >= 0
+    check_fetched     a module about to compute has every param AVAILABLE
+    check_live_budget I1: a fetch that prefetched left live numel <= max_live_parameters
+    check_quiescent   I2: after a whole forward+backward nothing is in flight, every
+                      non-persistent non-external param is NOT_AVAILABLE, counters are 0
+"""
+from __future__ import annotations
+
+from fz3.core.config import Config
+from fz3.core.effects import AllGather
+from fz3.core.ids import ModuleId, Status
+from fz3.core.state import MAX_INFLIGHT, Effects, ParamState, unit_params
+
+
+class InvariantError(AssertionError):
+    """A lifecycle invariant does not hold; the message names the param or module."""
+
+
+def _fail(msg: str) -> None:
+    raise InvariantError(msg)
+
+
+def check_state(st: ParamState) -> None:
+    spec = st.spec
+    live = 0
+    handles = {f.handle: f.params for f in st.inflight}
+    if len(st.inflight) > MAX_INFLIGHT:
+        _fail(f"{len(st.inflight)} gathers in flight, at most {MAX_INFLIGHT} allowed")
+    for p, s in enumerate(st.params):
+        name = spec.params[p].name
+        if s.status is not Status.NOT_AVAILABLE:
+            live += spec.params[p].numel
+        if s.status is Status.INFLIGHT and (s.handle not in handles or p not in handles[s.handle]):
+            _fail(f"param {name} is INFLIGHT on handle {s.handle}, which is not in flight with it")
+        if s.status is not Status.INFLIGHT and s.handle is not None:
+            _fail(f"param {name} is {s.status.name} but still holds handle {s.handle}")
+        if s.active and s.status is not Status.AVAILABLE:
+            _fail(f"param {name} is used by modules {sorted(s.active)} but is {s.status.name}")
+    for h, pids in handles.items():
+        for p in pids:
+            if st.params[p].status is not Status.INFLIGHT:
+                _fail(f"handle {h} is in flight but carries {spec.params[p].name}, which is "
+                      f"{st.params[p].status.name}")
+    if live != st.live_numel:
+        _fail(f"live numel is {st.live_numel} but the gathered params add up to {live}")
+    for m, ms in enumerate(st.modules):
+        if ms.pre_backward < 0 or ms.grads_remaining < 0:
+            _fail(f"module {spec.modules[m].name} has negative counters {ms}")
+
+
+def check_fetched(st: ParamState, module: ModuleId) -> None:
+    for p in unit_params(st, module):
+        s = st.params[p]
+        if s.status is not Status.AVAILABLE or module not in s.active:
+            _fail(f"module {st.spec.modules[module].name} computes with param "
+                  f"{st.spec.params[p].name}, which is {s.status.name} (active: {sorted(s.active)})")
+
+
+def check_live_budget(after: ParamState, effects: Effects, *, config: Config) -> None:
+    if any(isinstance(e, AllGather) and e.prefetch for e in effects):
+        if after.live_numel > config.max_live_parameters:
+            _fail(f"prefetch left {after.live_numel} elements live, over max_live_parameters="
+                  f"{config.max_live_parameters}")
+
+
+def check_quiescent(st: ParamState) -> None:
+    if st.inflight:
+        _fail(f"gathers still in flight after the pass: {[f.handle for f in st.inflight]}")
+    spec = st.spec
+    for p, s in enumerate(st.params):
+        ps = spec.params[p]
+        if s.status is not Status.NOT_AVAILABLE and not ps.persistent and not s.external:
+            _fail(f"param {ps.name} is {s.status.name} after the pass (not persistent, not external)")
+        if s.active:
+            _fail(f"param {ps.name} still used by modules {sorted(s.active)} after the pass")
+    for m, ms in enumerate(st.modules):
+        if ms.pre_backward or ms.grads_remaining:
+            _fail(f"module {spec.modules[m].name} has pre_backward={ms.pre_backward}, "
+                  f"grads_remaining={ms.grads_remaining} after the pass")

@@ -1,0 +1,110 @@
+"""The trace: the recorded order of module fetches that drives prefetch and reuse-aware release.
+
+    INVALID --reset--> RECORD --reset--> COMPLETE --reset (pass matched)--> COMPLETE
+       ^                                     |
+       +---- a fetch departs from the plan --+   (or a pass ends early: reset goes on to RECORD)
+
+A pass is one forward (+ its backward); `reset` runs at the start of each pass. A RECORD pass
+logs every fetch; the next reset freezes the log into a `TracePlan`: the module order, the param
+queue prefetch walks, and, per step, which params are used again within `max_reuse_distance`.
+Building the plan costs O(trace) once; each fetch after that costs O(its params).
+
+Pure bookkeeping on TraceState only: draining gathers and freeing wrong prefetches when a trace
+is invalidated is done by `step.invalidate`, which owns the parameter state.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+from fz3.core.ids import ModuleId, ParamId, TraceMode
+
+
+class TracePlan(NamedTuple):
+    """A frozen recording. DeepSpeed: __submodule_order + __param_order, built by
+    construct_parameter_trace_from_module_trace, plus __params_to_release's look-ahead."""
+
+    order: tuple[ModuleId, ...]  # module fetched at each step
+    queue: tuple[tuple[int, ParamId], ...]  # (step, param) in fetch order; one step's params sorted
+    step_start: tuple[int, ...]  # queue index where step s starts; len(order) + 1 entries
+    reused: tuple[frozenset[ParamId], ...]  # per step: its params used again within the distance
+
+
+class TraceState(NamedTuple):
+    mode: TraceMode
+    step_id: int  # fetches so far in this pass
+    recording: Optional[tuple]  # this pass's fetches, newest first, as a cons list
+    plan: Optional[TracePlan]  # set while COMPLETE
+    cursor: int  # next queue index prefetch looks at
+    invalidations: int  # how many times a pass departed from its plan
+
+
+def initial_trace() -> TraceState:
+    return TraceState(TraceMode.INVALID, 0, None, None, 0, 0)
+
+
+def on_fetch(tr: TraceState, module: ModuleId) -> tuple[TraceState, bool]:
+    """Log a fetch of `module`; -> (trace, departed). `departed` is True when a COMPLETE plan
+    expected another module here (or none). DeepSpeed: trace_prologue + record_module."""
+    departed = tr.mode is TraceMode.COMPLETE and (
+        tr.step_id >= len(tr.plan.order) or tr.plan.order[tr.step_id] != module)
+    return tr._replace(step_id=tr.step_id + 1, recording=(module, tr.recording)), departed
+
+
+def invalidated(tr: TraceState) -> TraceState:
+    """Drop the plan: no prefetch, no reuse-keeping, for the rest of this pass.
+    DeepSpeed: _invalidate_trace."""
+    return tr._replace(mode=TraceMode.INVALID, plan=None, cursor=0,
+                       invalidations=tr.invalidations + 1)
+
+
+def reset(tr: TraceState, unit: Callable[[ModuleId], tuple[ParamId, ...]],
+          numel: Callable[[ParamId], int], max_reuse_distance: int) -> TraceState:
+    """Start a new pass. INVALID -> RECORD; RECORD -> COMPLETE (freeze what was logged);
+    COMPLETE stays COMPLETE if the pass matched the plan, else it records again.
+    DeepSpeed: reset_step."""
+    mode, plan, invalidations = tr.mode, tr.plan, tr.invalidations
+    if mode is TraceMode.COMPLETE and tr.step_id not in (0, len(plan.order)):
+        mode, plan, invalidations = TraceMode.INVALID, None, invalidations + 1  # ended early
+    if mode is TraceMode.INVALID:
+        mode = TraceMode.RECORD
+    elif mode is TraceMode.RECORD and tr.recording is not None:
+        order = tuple(reversed(list(iter_cons(tr.recording))))
+        mode, plan = TraceMode.COMPLETE, build_plan(order, unit, numel, max_reuse_distance)
+    return TraceState(mode, 0, None, plan, 0, invalidations)
+
+
+def build_plan(order: tuple[ModuleId, ...], unit: Callable[[ModuleId], tuple[ParamId, ...]],
+               numel: Callable[[ParamId], int], max_reuse_distance: int) -> TracePlan:
+    """Param queue and reuse sets for a module order.
+
+    A param of step s is *reused* if its next use is at step t and the modules strictly between
+    s and t hold fewer than `max_reuse_distance` elements: DeepSpeed's __params_to_release walks
+    forward from s + 1 adding each module's numel and stops once the sum reaches the distance.
+    """
+    units = [unit(m) for m in order]
+    queue, step_start = [], []
+    for s, pids in enumerate(units):
+        step_start.append(len(queue))
+        queue.extend((s, p) for p in pids)
+    step_start.append(len(queue))
+    before = [0]  # before[s]: numel of steps 0..s-1
+    for pids in units:
+        before.append(before[-1] + sum(numel(p) for p in pids))
+    reused: list[frozenset[ParamId]] = [frozenset()] * len(units)
+    next_use: dict[ParamId, int] = {}
+    for s in range(len(units) - 1, -1, -1):
+        keep = set()
+        for p in units[s]:
+            t = next_use.get(p)
+            if t is not None and before[t] - before[s + 1] < max_reuse_distance:
+                keep.add(p)
+            next_use[p] = s
+        reused[s] = frozenset(keep)
+    return TracePlan(order, tuple(queue), tuple(step_start), tuple(reused))
+
+
+def iter_cons(lst: Optional[tuple]):
+    """Walk a (head, tail) cons list from its head."""
+    while lst is not None:
+        yield lst[0]
+        lst = lst[1]
