@@ -16,69 +16,77 @@ from then on, never freed by a release, and freed at the end of the optimizer st
 from __future__ import annotations
 
 from fz3.core.config import Config
-from fz3.core.fetch import fetch
-from fz3.core.ids import ModuleId, ParamId, Status, TraceMode
-from fz3.core.release import release
-from fz3.core.state import Effects, ParamState, gather, wait_for
+from fz3.core.fetch import fetch_into
+from fz3.core.ids import ModuleId, ParamId, TraceMode
+from fz3.core.release import release_into
+from fz3.core.state import (ACTIVE, EXTERNALS, FETCH_STEP, FETCHED_FOR, GRADS_REMAINING, HANDLE,
+                            NOT_AVAILABLE, PRE_BACKWARD, STATUS, USERS, Effects, ParamState, Txn,
+                            gather, wait_for)
 from fz3.core.step import invalidate
 
 
 def outputs_wrapped(st: ParamState, module: ModuleId) -> ParamState:
-    """A forward call of `module` produced grad-requiring outputs (PreBackwardFunction applied)."""
-    m = st.modules[module]
-    return st._replace(modules=st.modules.set(module, m._replace(pre_backward=m.pre_backward + 1)))
+    """A forward call of `module` produced grad-requiring outputs (PreBackwardFunction applied).
+    The same as `release(..., grad_outputs=True)` does, for shells that report it apart."""
+    m = st.module_rows[module]
+    return st._replace(module_rows=st.module_rows.set(module, (m[PRE_BACKWARD] + 1,) + m[1:]))
 
 
 def inputs_wrapped(st: ParamState, module: ModuleId, count: int) -> ParamState:
-    """A forward call of `module` got `count` grad-requiring inputs (PostBackwardFunction)."""
+    """A forward call of `module` got `count` grad-requiring inputs (PostBackwardFunction).
+    The same as `fetch(..., grad_inputs=count)` does, for shells that report it apart."""
     if count < 0:
         raise ValueError(f"inputs_wrapped count must be >= 0, got {count}")
-    m = st.modules[module]
-    return st._replace(modules=st.modules.set(module, m._replace(grads_remaining=m.grads_remaining + count)))
+    m = st.module_rows[module]
+    return st._replace(module_rows=st.module_rows.set(
+        module, (m[PRE_BACKWARD], m[GRADS_REMAINING] + count) + m[2:]))
 
 
 def pre_backward(st: ParamState, module: ModuleId, *, config: Config) -> tuple[ParamState, Effects]:
     """Gradient reached `module`'s outputs: fetch its params, once per forward call.
     DeepSpeed: _run_before_backward_function."""
-    m = st.modules[module]
-    if m.pre_backward == 0:
+    m = st.module_rows[module]
+    if m[PRE_BACKWARD] == 0:
         return st, ()
-    st = st._replace(modules=st.modules.set(module, m._replace(pre_backward=m.pre_backward - 1)))
-    return fetch(st, module, forward=False, config=config)
+    tx = Txn(st)
+    tx.put_module(module, (m[PRE_BACKWARD] - 1,) + m[1:])
+    fetch_into(tx, module, forward=False, config=config)
+    return tx.commit()
 
 
 def post_backward(st: ParamState, module: ModuleId, *, config: Config) -> tuple[ParamState, Effects]:
     """One grad-requiring input of `module` got its grad; at the last, release.
     DeepSpeed: PostBackwardFunctionModule.backward."""
-    m = st.modules[module]
-    if m.grads_remaining == 0:
+    m = st.module_rows[module]
+    if m[GRADS_REMAINING] == 0:
         return st, ()
-    st = st._replace(modules=st.modules.set(module, m._replace(grads_remaining=m.grads_remaining - 1)))
-    if m.grads_remaining > 1:
-        return st, ()
-    return release(st, module, config=config)
+    tx = Txn(st)
+    tx.put_module(module, (m[PRE_BACKWARD], m[GRADS_REMAINING] - 1) + m[2:])
+    if m[GRADS_REMAINING] == 1:
+        release_into(tx, module, config=config)
+    return tx.commit()
 
 
 def register_external(st: ParamState, module: ModuleId, pids: tuple[ParamId, ...], *,
                       config: Config) -> tuple[ParamState, Effects]:
     """`module` uses params it does not own; make them AVAILABLE now and part of its fetch unit.
     DeepSpeed: register_external_parameter / the post-forward dangling-param scan."""
-    m = st.modules[module]
-    new = tuple(sorted(set(pids) - set(m.externals) - set(st.spec.modules[module].params)))
+    m = st.module_rows[module]
+    new = tuple(sorted(set(pids) - set(m[EXTERNALS]) - set(st.spec.modules[module].params)))
     if not new:
         return st, ()
-    effects: Effects = ()
-    if st.trace.mode is TraceMode.COMPLETE:
-        st, effects = invalidate(st)  # the plan's fetch units changed
-    slots = st.params
-    updates = [(p, slots[p]._replace(external=True, active=slots[p].active | {module})) for p in new]
-    mods = st.modules
-    st = st._replace(params=slots.set_many(updates), modules=mods.set(
-        module, m._replace(externals=tuple(sorted(m.externals + new)))))
-    missing = tuple(p for p in new if st.params[p].status is Status.NOT_AVAILABLE)
+    tx = Txn(st)
+    if tx.trace.mode is TraceMode.COMPLETE:
+        invalidate(tx)  # the plan's fetch units changed
+    missing = []
+    for p in new:
+        s = tx.slots[p]
+        tx.put(p, (s[STATUS], s[HANDLE], s[USERS] + m[ACTIVE], s[FETCHED_FOR], True))
+        if s[STATUS] == NOT_AVAILABLE:
+            missing.append(p)
+    tx.put_module(module, m[:EXTERNALS] + (tuple(sorted(m[EXTERNALS] + new)),))
     if missing:
-        step = st.modules[module].fetch_step
-        st, e = gather(st, missing, prefetch=False, forward=True, fetched_for=(step,) * len(missing))
-        effects += e
-    st, e = wait_for(st, new)
-    return st, effects + e
+        gather(tx, tuple(missing), prefetch=False, forward=True,
+               fetched_for=(m[FETCH_STEP],) * len(missing))
+    wait_for(tx, new)
+    return tx.commit()

@@ -18,72 +18,77 @@ live numel past it, so I1 holds exactly. Such a param is fetched on demand inste
 from __future__ import annotations
 
 from fz3.core.config import Config
-from fz3.core.ids import ModuleId, ParamId, Status, TraceMode
-from fz3.core.state import Effects, ParamState, gather, unit_params, wait_for
+from fz3.core.ids import ModuleId, ParamId, TraceMode
+from fz3.core.state import (ACTIVE, EXTERNAL, EXTERNALS, FETCHED_FOR, GRADS_REMAINING, HANDLE,
+                            NOT_AVAILABLE, PRE_BACKWARD, STATUS, USERS, Effects, ParamState, Txn,
+                            gather, unit_params, wait_for)
 from fz3.core.step import invalidate
-from fz3.core.trace import on_fetch
+from fz3.core.trace import TraceState, on_fetch
 
 
-def fetch(st: ParamState, module: ModuleId, *, forward: bool, config: Config) -> tuple[ParamState, Effects]:
+def fetch(st: ParamState, module: ModuleId, *, forward: bool, config: Config,
+          grad_inputs: int = 0) -> tuple[ParamState, Effects]:
     """Pre-forward / pre-backward of `module`: its params are AVAILABLE when this returns.
-    DeepSpeed: PartitionedParameterCoordinator.fetch_sub_module."""
-    trace, departed = on_fetch(st.trace, module)
-    st = st._replace(trace=trace)
-    effects: Effects = ()
+
+    `grad_inputs`: in forward, how many grad-requiring inputs the shell wrapped for the
+    post-backward count (see backward.py). DeepSpeed: PartitionedParameterCoordinator.
+    fetch_sub_module, plus the input half of _post_backward_module_hook."""
+    if grad_inputs < 0:
+        raise ValueError(f"grad_inputs must be >= 0, got {grad_inputs}")
+    tx = Txn(st)
+    fetch_into(tx, module, forward=forward, config=config, grad_inputs=grad_inputs)
+    return tx.commit()
+
+
+def fetch_into(tx: Txn, module: ModuleId, *, forward: bool, config: Config, grad_inputs: int = 0) -> None:
+    tx.trace, departed = on_fetch(tx.trace, module)
     if departed:
-        st, effects = invalidate(st)
-    step = trace.step_id - 1
-    pids = unit_params(st, module)
-    st = _activate(st, module, pids, step)
-    slots = st.params
-    missing = tuple(p for p in pids if slots[p].status is Status.NOT_AVAILABLE)
-    if missing:
-        st, e = gather(st, missing, prefetch=False, forward=forward, fetched_for=(step,) * len(missing))
-        effects += e
-    st, e = wait_for(st, pids)
-    effects += e
-    if st.trace.mode is TraceMode.COMPLETE and config.prefetch_bucket_size > 0:
-        st, e = prefetch(st, step, forward=forward, config=config)
-        effects += e
-    return st, effects
-
-
-def _activate(st: ParamState, module: ModuleId, pids: tuple[ParamId, ...], step: int) -> ParamState:
-    """Mark `module` as using `pids` (DeepSpeed's ds_active_sub_modules) at trace step `step`."""
-    slots = st.params
-    updates = []
+        invalidate(tx)
+    step = tx.trace.step_id - 1
+    pids = unit_params(tx, module)
+    ms = tx.mods[module]
+    users = 0 if ms[ACTIVE] else 1  # a module counts once among its params' users
+    tx.put_module(module, (ms[PRE_BACKWARD], ms[GRADS_REMAINING] + grad_inputs, step, True,
+                           ms[EXTERNALS]))
+    slots, olds, missing = tx.slots, tx.olds, []
     for p in pids:
         s = slots[p]
-        updates.append((p, s._replace(active=s.active | {module}, fetched_for=max(s.fetched_for, step))))
-    mods = st.modules
-    return st._replace(params=slots.set_many(updates),
-                       modules=mods.set(module, mods[module]._replace(fetch_step=step)))
+        if p not in olds:
+            olds[p] = s
+        ff = s[FETCHED_FOR]
+        slots[p] = (s[STATUS], s[HANDLE], s[USERS] + users, step if step > ff else ff, s[EXTERNAL])
+        if s[STATUS] == NOT_AVAILABLE:
+            missing.append(p)
+    if missing:
+        gather(tx, tuple(missing), prefetch=False, forward=forward, fetched_for=(step,) * len(missing))
+    wait_for(tx, pids)
+    if tx.trace.mode is TraceMode.COMPLETE and config.prefetch_bucket_size > 0:
+        prefetch(tx, step, forward=forward, config=config)
 
 
-def prefetch(st: ParamState, step: int, *, forward: bool, config: Config) -> tuple[ParamState, Effects]:
-    """Gather, ahead of need, the next NOT_AVAILABLE params of the plan that fit the budget.
+def prefetch(tx: Txn, step: int, *, forward: bool, config: Config) -> None:
+    """Gather, ahead of need, the next NOT_AVAILABLE params of the plan that fit.
 
     The queue cursor only moves forward, so a whole pass walks the queue once (O(1) amortized
     per fetch). Params already AVAILABLE or INFLIGHT are stepped over; the walk stops at the
     first param that does not fit, which the next fetch looks at again.
     """
-    plan, slots, spec = st.trace.plan, st.params, st.spec.params
-    queue = plan.queue
-    i = max(st.trace.cursor, plan.step_start[step + 1])
-    room = config.max_live_parameters - st.live_numel
+    tr, spec, slots = tx.trace, tx.st.spec.params, tx.slots
+    queue = tr.plan.queue
+    i = max(tr.cursor, tr.plan.step_start[step + 1])
+    room, bucket, end = config.max_live_parameters - tx.live, config.prefetch_bucket_size, len(queue)
     chosen: dict[ParamId, int] = {}
     numel = 0
-    while i < len(queue) and numel < config.prefetch_bucket_size:
+    while i < end and numel < bucket:
         t, p = queue[i]
-        if slots[p].status is Status.NOT_AVAILABLE and p not in chosen:
+        if slots[p][STATUS] == NOT_AVAILABLE and p not in chosen:
             n = spec[p].numel
             if numel + n > room:
                 break
             chosen[p] = t
             numel += n
         i += 1
-    st = st._replace(trace=st.trace._replace(cursor=i))
-    if not chosen:
-        return st, ()
-    pids = tuple(sorted(chosen))
-    return gather(st, pids, prefetch=True, forward=forward, fetched_for=tuple(chosen[p] for p in pids))
+    tx.trace = TraceState(tr.mode, tr.step_id, tr.recording, tr.plan, i, tr.invalidations)
+    if chosen:
+        pids = tuple(sorted(chosen))
+        gather(tx, pids, prefetch=True, forward=forward, fetched_for=tuple(chosen[p] for p in pids))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from fz3.core.config import Config
 from fz3.core.effects import AllGather
 from fz3.core.ids import ModuleId, Status
-from fz3.core.state import MAX_INFLIGHT, Effects, ParamState, unit_params
+from fz3.core.state import MAX_INFLIGHT, Effects, ParamState, Txn, unit_params
 
 
 class InvariantError(AssertionError):
@@ -41,8 +41,8 @@ def check_state(st: ParamState) -> None:
             _fail(f"param {name} is INFLIGHT on handle {s.handle}, which is not in flight with it")
         if s.status is not Status.INFLIGHT and s.handle is not None:
             _fail(f"param {name} is {s.status.name} but still holds handle {s.handle}")
-        if s.active and s.status is not Status.AVAILABLE:
-            _fail(f"param {name} is used by modules {sorted(s.active)} but is {s.status.name}")
+        if s.users and s.status is not Status.AVAILABLE:
+            _fail(f"param {name} has {s.users} active users but is {s.status.name}")
     for h, pids in handles.items():
         for p in pids:
             if st.params[p].status is not Status.INFLIGHT:
@@ -56,11 +56,12 @@ def check_state(st: ParamState) -> None:
 
 
 def check_fetched(st: ParamState, module: ModuleId) -> None:
-    for p in unit_params(st, module):
+    for p in unit_params(Txn(st), module):
         s = st.params[p]
-        if s.status is not Status.AVAILABLE or module not in s.active:
+        if s.status is not Status.AVAILABLE or not s.users or not st.modules[module].active:
             _fail(f"module {st.spec.modules[module].name} computes with param "
-                  f"{st.spec.params[p].name}, which is {s.status.name} (active: {sorted(s.active)})")
+                  f"{st.spec.params[p].name}, which is {s.status.name} with {s.users} users "
+                  f"(module active: {st.modules[module].active})")
 
 
 def check_live_budget(after: ParamState, effects: Effects, *, config: Config) -> None:
@@ -78,8 +79,8 @@ def check_quiescent(st: ParamState) -> None:
         ps = spec.params[p]
         if s.status is not Status.NOT_AVAILABLE and not ps.persistent and not s.external:
             _fail(f"param {ps.name} is {s.status.name} after the pass (not persistent, not external)")
-        if s.active:
-            _fail(f"param {ps.name} still used by modules {sorted(s.active)} after the pass")
+        if s.users:
+            _fail(f"param {ps.name} still has {s.users} users after the pass")
     for m, ms in enumerate(st.modules):
         if ms.pre_backward or ms.grads_remaining:
             _fail(f"module {spec.modules[m].name} has pre_backward={ms.pre_backward}, "

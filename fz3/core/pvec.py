@@ -1,82 +1,112 @@
-"""A persistent (immutable, structurally shared) vector: a 32-way trie of tuples.
+"""A persistent (immutable-to-the-observer) array with O(1) reads and updates of the newest
+version: Baker's trick, as in Conchon & Filliatre, "A Persistent Union-Find Data Structure"
+(ML Workshop 2007), section 2.
+
+    v0 --set--> v1 --set--> v2          the newest version owns the one real list;
+    (diff)      (diff)      [list]      older versions hold {index: old value} + a newer version
 
 Why: the core's state is immutable, yet a transition must cost O(params it touches), not
-O(params in the model). Copying a 20 000-entry tuple per fetch would break that; replacing one
-entry of a PVec copies only the log32(n) nodes on its path (three 32-tuples for 32 768 entries).
+O(params in the model). Copying a 20 000-entry tuple per fetch would break that, and a 32-way
+trie costs a path copy per update. Here `set_many` writes the changes into the list and turns
+the old version into a small diff, so the shell, which always works on the newest state, pays
+O(changes). Reading an older version still gives its own values: it first *reroots* (walks the
+diffs back, swapping values, and takes the list), which costs O(changes in between). Every
+version's contents never change, so `PVec` behaves as a value; it is not safe to use one
+lineage from two threads at once (the core is single-threaded).
 """
 from __future__ import annotations
 
-from typing import Generic, Iterable, Iterator, Sequence, TypeVar
+from typing import Generic, Iterable, Iterator, Mapping, Optional, TypeVar
 
 T = TypeVar("T")
-BITS = 5
-WIDTH = 1 << BITS
-MASK = WIDTH - 1
 
 
 class PVec(Generic[T]):
-    """Fixed-length persistent vector. `set`/`set_many` return a new PVec; reads are O(log32 n)."""
+    """Fixed-length persistent vector: `set`/`set_many` return a new version, leaving this one."""
 
-    __slots__ = ("_root", "_len", "_shift")
+    __slots__ = ("_arr", "_diff")
 
     def __init__(self, items: Iterable[T] = ()) -> None:
-        leaves: list[tuple] = []
-        items = list(items)
-        for i in range(0, len(items), WIDTH):
-            leaves.append(tuple(items[i:i + WIDTH]))
-        shift = 0
-        nodes: list[tuple] = leaves or [()]
-        while len(nodes) > 1:
-            nodes = [tuple(nodes[i:i + WIDTH]) for i in range(0, len(nodes), WIDTH)]
-            shift += BITS
-        self._root, self._len, self._shift = nodes[0], len(items), shift
+        self._arr: Optional[list] = list(items)
+        self._diff: Optional[tuple[dict, "PVec[T]"]] = None
 
-    @classmethod
-    def _make(cls, root: tuple, length: int, shift: int) -> "PVec[T]":
-        new = cls.__new__(cls)
-        new._root, new._len, new._shift = root, length, shift
-        return new
+    def _reroot(self) -> list:
+        path = []
+        v = self
+        while v._arr is None:
+            path.append(v)
+            v = v._diff[1]
+        for u in reversed(path):
+            olds, newer = u._diff
+            arr = newer._arr
+            news = {i: arr[i] for i in olds}
+            for i, x in olds.items():
+                arr[i] = x
+            u._arr, u._diff = arr, None
+            newer._arr, newer._diff = None, (news, u)
+        return self._arr
 
     def __len__(self) -> int:
-        return self._len
+        arr = self._arr
+        return len(arr if arr is not None else self._reroot())
 
     def __getitem__(self, i: int) -> T:
-        if not 0 <= i < self._len:
-            raise IndexError(f"PVec index {i} out of range [0, {self._len})")
-        node, shift = self._root, self._shift
-        while shift:
-            node = node[(i >> shift) & MASK]
-            shift -= BITS
-        return node[i & MASK]
+        arr = self._arr
+        if arr is None:
+            arr = self._reroot()
+        if i < 0:
+            raise IndexError(f"PVec index {i} out of range [0, {len(arr)})")
+        return arr[i]
 
     def __iter__(self) -> Iterator[T]:
-        for i in range(self._len):
-            yield self[i]
+        arr = self._arr
+        return iter(list(arr if arr is not None else self._reroot()))
+
+    def current(self) -> list:
+        """This version's backing list, for fast reads. Valid only until the next `set_many` on
+        this lineage; never mutate it."""
+        arr = self._arr
+        return arr if arr is not None else self._reroot()
+
+    def begin(self) -> tuple["PVec[T]", list, dict]:
+        """Start the next version for in-place edits: -> (next version, its list, olds).
+
+        The caller writes the next version's values into the list, recording each index's value
+        from before its first write in `olds` (`if i not in olds: olds[i] = arr[i]`). This
+        version then reads through `olds`. For hot loops that touch a few entries several times.
+        """
+        arr = self.current()
+        olds: dict = {}
+        new = PVec.__new__(PVec)
+        new._arr, new._diff = arr, None
+        self._arr, self._diff = None, (olds, new)
+        return new, arr, olds
 
     def set(self, i: int, value: T) -> "PVec[T]":
-        if not 0 <= i < self._len:
-            raise IndexError(f"PVec index {i} out of range [0, {self._len})")
-        return PVec._make(_set(self._root, self._shift, i, value), self._len, self._shift)
+        return self.set_many({i: value})
 
-    def set_many(self, pairs: Sequence[tuple[int, T]]) -> "PVec[T]":
-        root = self._root
-        for i, value in pairs:
-            if not 0 <= i < self._len:
-                raise IndexError(f"PVec index {i} out of range [0, {self._len})")
-            root = _set(root, self._shift, i, value)
-        return PVec._make(root, self._len, self._shift)
+    def set_many(self, changes: Mapping[int, T]) -> "PVec[T]":
+        """Apply {index: value} and return the new version; costs O(len(changes))."""
+        if not changes:
+            return self
+        arr = self._arr
+        if arr is None:
+            arr = self._reroot()
+        for i in changes:
+            if not 0 <= i < len(arr):
+                raise IndexError(f"PVec index {i} out of range [0, {len(arr)})")
+        olds = {i: arr[i] for i in changes}
+        for i, x in changes.items():
+            arr[i] = x
+        new = PVec.__new__(PVec)
+        new._arr, new._diff = arr, None
+        self._arr, self._diff = None, (olds, new)
+        return new
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PVec) and len(self) == len(other) and all(
-            a == b for a, b in zip(self, other))
+        return isinstance(other, PVec) and list(self) == list(other)
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"PVec({list(self)!r})"
-
-
-def _set(node: tuple, shift: int, i: int, value: object) -> tuple:
-    j = (i >> shift) & MASK
-    child = value if shift == 0 else _set(node[j], shift - BITS, i, value)
-    return node[:j] + (child,) + node[j + 1:]

@@ -2,8 +2,8 @@
 full params nobody needs any more.
 
     release(module)
-      - drop `module` from each of its params' active sets
-      - candidates: AVAILABLE, active set now empty, not persistent, not external
+      - count `module` out of its params' users (DeepSpeed: ds_active_sub_modules)
+      - candidates: AVAILABLE, no user left, not persistent, not external
       - COMPLETE trace only, keep a candidate if
           * a module within max_reuse_distance numel ahead in the plan uses it (tied weights), or
           * it was prefetched for a later step of this pass
@@ -13,39 +13,58 @@ full params nobody needs any more.
 from __future__ import annotations
 
 from fz3.core.config import Config
-from fz3.core.ids import ModuleId, ParamId, Status, TraceMode
-from fz3.core.state import Effects, ParamState, free, unit_params
+from fz3.core.ids import ModuleId, ParamId, TraceMode
+from fz3.core.state import (ACTIVE, AVAILABLE, EXTERNAL, EXTERNALS, FETCH_STEP, FETCHED_FOR,
+                            GRADS_REMAINING, HANDLE, PRE_BACKWARD, STATUS, USERS, Effects,
+                            ParamState, Txn, free, unit_params)
 
 
-def release(st: ParamState, module: ModuleId, *, config: Config) -> tuple[ParamState, Effects]:
+def release(st: ParamState, module: ModuleId, *, config: Config,
+            grad_outputs: bool = False) -> tuple[ParamState, Effects]:
     """Post-forward / post-backward of `module`. DeepSpeed: release_sub_module with
     __params_to_release. Departs from DeepSpeed in one way: DeepSpeed's reuse-keeping ignores
     max_live_parameters; here a keep that would exceed it is dropped, so DeepSpeed's documented
-    meaning ("the maximum number of parameters resident per GPU before releasing") holds."""
-    slots, spec = st.params, st.spec.params
-    updates, candidates = [], []
-    for p in unit_params(st, module):
+    meaning ("the maximum number of parameters resident per GPU before releasing") holds.
+
+    `grad_outputs`: in forward, the shell wrapped this call's outputs for pre-backward, which
+    counts one more backward fetch (the output half of DeepSpeed's post-forward hooks)."""
+    tx = Txn(st)
+    if grad_outputs:
+        ms = tx.mods[module]
+        tx.put_module(module, (ms[PRE_BACKWARD] + 1,) + ms[1:])
+    release_into(tx, module, config=config)
+    return tx.commit()
+
+
+def release_into(tx: Txn, module: ModuleId, *, config: Config) -> None:
+    ms = tx.mods[module]
+    if not ms[ACTIVE]:
+        return  # not fetched since its last release (e.g. after a forced sweep)
+    tx.put_module(module, (ms[PRE_BACKWARD], ms[GRADS_REMAINING], ms[FETCH_STEP], False, ms[EXTERNALS]))
+    spec, slots, olds = tx.st.spec.params, tx.slots, tx.olds
+    candidates = []
+    for p in unit_params(tx, module):
         s = slots[p]
-        if module not in s.active:
-            continue  # not fetched by this module in this pass (e.g. after a forced sweep)
-        active = s.active - {module}
-        updates.append((p, s._replace(active=active)))
-        if not active and s.status is Status.AVAILABLE and not spec[p].persistent and not s.external:
+        if p not in olds:
+            olds[p] = s
+        users = s[USERS] - 1
+        slots[p] = (s[STATUS], s[HANDLE], users, s[FETCHED_FOR], s[EXTERNAL])
+        if not users and s[STATUS] == AVAILABLE and not s[EXTERNAL] and not spec[p].persistent:
             candidates.append(p)
-    st = st._replace(params=slots.set_many(updates))
-    keep = _keep_for_reuse(st, module, candidates, config)
-    return free(st, tuple(p for p in candidates if p not in keep))
+    keep = _keep_for_reuse(tx, module, candidates, config) if candidates else ()
+    free(tx, tuple(p for p in candidates if p not in keep) if keep else tuple(candidates))
 
 
-def _keep_for_reuse(st: ParamState, module: ModuleId, candidates: list[ParamId],
+def _keep_for_reuse(tx: Txn, module: ModuleId, candidates: list[ParamId],
                     config: Config) -> frozenset[ParamId]:
-    tr = st.trace
-    step = st.modules[module].fetch_step
-    if tr.mode is not TraceMode.COMPLETE or not candidates or not (
+    tr = tx.trace
+    step = tx.mods[module][FETCH_STEP]
+    if tr.mode is not TraceMode.COMPLETE or not (
             0 <= step < len(tr.plan.order) and tr.plan.order[step] == module):
         return frozenset()
-    reused, slots = tr.plan.reused[step], st.params
-    keep = frozenset(p for p in candidates if p in reused or slots[p].fetched_for > step)
-    spec = st.spec.params
+    reused = tr.plan.reused[step]
+    slots = tx.slots
+    keep = frozenset(p for p in candidates if p in reused or slots[p][FETCHED_FOR] > step)
+    spec = tx.st.spec.params
     freed = sum(spec[p].numel for p in candidates if p not in keep)
-    return keep if st.live_numel - freed <= config.max_live_parameters else frozenset()
+    return keep if tx.live - freed <= config.max_live_parameters else frozenset()

@@ -2,8 +2,8 @@
 
     NOT_AVAILABLE --gather--> INFLIGHT(h) --wait(h)--> AVAILABLE --free--> NOT_AVAILABLE
 
-`gather`, `wait` and `free` update the state and return the matching effect; they never decide
-*what* to move. The decisions live in fetch.py, release.py, trace.py and backward.py.
+`gather`, `wait` and `free` update a transition's working copy (`Txn`) and log the matching
+effect; they never decide *what* to move. The decisions live in fetch.py, release.py, trace.py and backward.py.
 
 State is immutable. Per-param and per-module entries sit in persistent vectors (pvec.py), so a
 move costs O(params moved). Params gathered since the last sweep are kept in a cons list
@@ -25,22 +25,37 @@ Effects = tuple  # tuple of effect records, in issue order
 
 
 class ParamSlot(NamedTuple):
-    """Dynamic state of one param. DeepSpeed keeps these as ds_* attributes on the Parameter."""
+    """Dynamic state of one param, as a readable record (DeepSpeed keeps these as ds_*
+    attributes on the Parameter). Stored as a plain tuple row, see [Note: rows]."""
 
     status: Status
     handle: Optional[Handle]  # the gather it rides while INFLIGHT
-    active: frozenset[ModuleId]  # modules between fetch and release that use it
+    users: int  # active modules (between fetch and release) whose unit holds it
     fetched_for: int  # trace step it was last fetched or prefetched for (-1: none)
     external: bool  # registered on a module that does not own it; freed at step end only
 
 
 class ModuleSlot(NamedTuple):
-    """Dynamic state of one fetch unit."""
+    """Dynamic state of one fetch unit, as a readable record; stored as a plain tuple row."""
 
     pre_backward: int  # DeepSpeed's applied_pre_backward_ref_cnt: +1 per forward call
     grads_remaining: int  # DeepSpeed's ds_grads_remaining: grad-requiring inputs not yet done
     fetch_step: int  # trace step of its latest fetch (-1: none this pass)
+    active: bool  # between fetch and release; its unit's params count it in `users`
     externals: tuple[ParamId, ...]  # external params registered on it, sorted
+
+
+# [Note: rows] The hot path stores each slot as a plain tuple of ints/None/bools, read by the
+# column indices below, not as a NamedTuple of enums. Plain tuples of atoms are built by one
+# bytecode and CPython's GC untracks them on first sight, so the tens of thousands of rows
+# that survive a pass never reach the old generation; NamedTuple rows holding enum members
+# made full collections, and so the cost per visit, grow with the model (bench/RESULTS.md).
+# `ParamState.params[p]` / `.modules[m]` give the readable records.
+STATUS, HANDLE, USERS, FETCHED_FOR, EXTERNAL = range(5)
+PRE_BACKWARD, GRADS_REMAINING, FETCH_STEP, ACTIVE, EXTERNALS = range(5)
+NOT_AVAILABLE, INFLIGHT, AVAILABLE = int(Status.NOT_AVAILABLE), int(Status.INFLIGHT), int(Status.AVAILABLE)
+NA_ROW = (NOT_AVAILABLE, None, 0, -1, False)
+IDLE_ROW = (0, 0, -1, False, ())
 
 
 class Inflight(NamedTuple):
@@ -50,14 +65,33 @@ class Inflight(NamedTuple):
 
 Cons = Optional[tuple]  # (head, tail) linked list; None is empty
 
-NA_SLOT = ParamSlot(Status.NOT_AVAILABLE, None, frozenset(), -1, False)
-IDLE_MODULE = ModuleSlot(0, 0, -1, ())
+
+class _Records:
+    """Read-only sequence view turning rows into records (for checks, tests and display)."""
+
+    __slots__ = ("rows", "make")
+
+    def __init__(self, rows: PVec[tuple], make) -> None:
+        self.rows, self.make = rows, make
+
+    def __getitem__(self, i: int):
+        return self.make(self.rows[i])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        return (self.make(r) for r in self.rows)
+
+
+def _param_record(r: tuple) -> ParamSlot:
+    return ParamSlot(Status(r[0]), *r[1:])
 
 
 class ParamState(NamedTuple):
     spec: ModelSpec
-    params: PVec[ParamSlot]
-    modules: PVec[ModuleSlot]
+    param_rows: PVec[tuple]  # ParamSlot rows, by ParamId
+    module_rows: PVec[tuple]  # ModuleSlot rows, by ModuleId
     live_numel: int  # numel of full params resident or in flight (DeepSpeed __n_available_params)
     peak_live_numel: int
     inflight: tuple[Inflight, ...]  # oldest first
@@ -65,82 +99,132 @@ class ParamState(NamedTuple):
     gathered: Cons  # params gathered since the last sweep (may repeat, may be stale)
     trace: TraceState
 
+    @property
+    def params(self) -> _Records:
+        """params[p] -> ParamSlot"""
+        return _Records(self.param_rows, _param_record)
+
+    @property
+    def modules(self) -> _Records:
+        """modules[m] -> ModuleSlot"""
+        return _Records(self.module_rows, ModuleSlot._make)
+
 
 def initial_state(spec: ModelSpec) -> ParamState:
     """Every param NOT_AVAILABLE, no trace yet."""
-    return ParamState(spec, PVec([NA_SLOT] * len(spec.params)), PVec([IDLE_MODULE] * len(spec.modules)),
+    return ParamState(spec, PVec([NA_ROW] * len(spec.params)), PVec([IDLE_ROW] * len(spec.modules)),
                       0, 0, (), 0, None, initial_trace())
 
 
-def gather(st: ParamState, pids: tuple[ParamId, ...], *, prefetch: bool, forward: bool,
-           fetched_for: tuple[int, ...]) -> tuple[ParamState, Effects]:
+class Txn:
+    """A transient: one transition's private, mutable working copy of a ParamState.
+
+    Why: a fetch touches the same few params several times (activate, gather, wait, prefetch);
+    building a new immutable state at each touch would dominate the cost. A Txn edits the next
+    version of the per-param and per-module vectors in place (`PVec.begin`) and `commit`
+    builds the new state record once. The old state still reads its own values, and the Txn
+    never escapes the transition that made it, so transitions stay pure functions of
+    (state, event).
+    """
+
+    __slots__ = ("st", "param_rows", "slots", "olds", "module_rows", "mods", "mod_olds", "live",
+                 "peak", "inflight", "next_handle", "gathered", "trace", "effects")
+
+    def __init__(self, st: ParamState) -> None:
+        self.st = st
+        self.param_rows, self.slots, self.olds = st.param_rows.begin()
+        self.module_rows, self.mods, self.mod_olds = st.module_rows.begin()
+        self.live, self.peak, self.inflight = st.live_numel, st.peak_live_numel, list(st.inflight)
+        self.next_handle, self.gathered, self.trace = st.next_handle, st.gathered, st.trace
+        self.effects: list = []
+
+    def put(self, p: ParamId, row: tuple) -> None:
+        if p not in self.olds:
+            self.olds[p] = self.slots[p]
+        self.slots[p] = row
+
+    def put_module(self, m: ModuleId, row: tuple) -> None:
+        if m not in self.mod_olds:
+            self.mod_olds[m] = self.mods[m]
+        self.mods[m] = row
+
+    def commit(self) -> tuple[ParamState, Effects]:
+        return ParamState(self.st.spec, self.param_rows, self.module_rows, self.live, self.peak,
+                          tuple(self.inflight), self.next_handle, self.gathered,
+                          self.trace), tuple(self.effects)
+
+
+def gather(tx: Txn, pids: tuple[ParamId, ...], *, prefetch: bool, forward: bool,
+           fetched_for: tuple[int, ...]) -> None:
     """Issue one AllGather for `pids` (all NOT_AVAILABLE, sorted); `fetched_for[i]` is the trace
     step pids[i] is gathered for. Waits the oldest in-flight gather first if MAX_INFLIGHT are
     already out (DeepSpeed's __max_ongoing_fetch_events)."""
-    effects: Effects = ()
-    if len(st.inflight) >= MAX_INFLIGHT:
-        st, effects = wait(st, st.inflight[0].handle)
-    h = Handle(st.next_handle)
-    slots, spec, numel, gathered = st.params, st.spec.params, 0, st.gathered
-    updates = []
+    if len(tx.inflight) >= MAX_INFLIGHT:
+        wait(tx, tx.inflight[0].handle)
+    h = tx.next_handle
+    spec, slots, olds, numel, gathered = tx.st.spec.params, tx.slots, tx.olds, 0, tx.gathered
     for p, step in zip(pids, fetched_for):
         s = slots[p]
-        updates.append((p, s._replace(status=Status.INFLIGHT, handle=h, fetched_for=step)))
+        if p not in olds:
+            olds[p] = s
+        slots[p] = (INFLIGHT, h, s[USERS], step, s[EXTERNAL])
         numel += spec[p].numel
         gathered = (p, gathered)
-    live = st.live_numel + numel
-    st = st._replace(params=slots.set_many(updates), live_numel=live,
-                     peak_live_numel=max(st.peak_live_numel, live),
-                     inflight=st.inflight + (Inflight(h, pids),), next_handle=h + 1, gathered=gathered)
-    return st, effects + (AllGather(h, pids, prefetch, forward),)
+    tx.live += numel
+    if tx.live > tx.peak:
+        tx.peak = tx.live
+    tx.inflight.append(Inflight(h, pids))
+    tx.next_handle, tx.gathered = h + 1, gathered
+    tx.effects.append(AllGather(h, pids, prefetch, forward))
 
 
-def wait(st: ParamState, handle: Handle) -> tuple[ParamState, Effects]:
+def wait(tx: Txn, handle: Handle) -> None:
     """Wait the in-flight gather `handle`: its params become AVAILABLE."""
-    rest, pids = [], ()
-    for f in st.inflight:
-        if f.handle == handle:
-            pids = f.params
-        else:
-            rest.append(f)
-    slots = st.params
-    updates = [(p, slots[p]._replace(status=Status.AVAILABLE, handle=None)) for p in pids]
-    return st._replace(params=slots.set_many(updates), inflight=tuple(rest)), (Wait(handle),)
+    inflight, slots, olds = tx.inflight, tx.slots, tx.olds
+    i = 0
+    while inflight[i].handle != handle:
+        i += 1
+    for p in inflight.pop(i).params:
+        s = slots[p]
+        if p not in olds:
+            olds[p] = s
+        slots[p] = (AVAILABLE, None, s[USERS], s[FETCHED_FOR], s[EXTERNAL])
+    tx.effects.append(Wait(handle))
 
 
-def wait_for(st: ParamState, pids: tuple[ParamId, ...]) -> tuple[ParamState, Effects]:
+def wait_for(tx: Txn, pids: tuple[ParamId, ...]) -> None:
     """Wait every in-flight gather that carries one of `pids`, oldest first."""
-    slots = st.params
-    needed = {slots[p].handle for p in pids if slots[p].status is Status.INFLIGHT}
-    effects: Effects = ()
-    for f in st.inflight:
-        if f.handle in needed:
-            st, e = wait(st, f.handle)
-            effects += e
-    return st, effects
+    if not tx.inflight:
+        return
+    slots = tx.slots
+    needed = {slots[p][HANDLE] for p in pids if slots[p][STATUS] == INFLIGHT}
+    if needed:
+        for f in [f for f in tx.inflight if f.handle in needed]:
+            wait(tx, f.handle)
 
 
-def drain(st: ParamState) -> tuple[ParamState, Effects]:
+def drain(tx: Txn) -> None:
     """Wait every in-flight gather, oldest first (a handle is never left behind)."""
-    effects: Effects = ()
-    while st.inflight:
-        st, e = wait(st, st.inflight[0].handle)
-        effects += e
-    return st, effects
+    while tx.inflight:
+        wait(tx, tx.inflight[0].handle)
 
 
-def free(st: ParamState, pids: tuple[ParamId, ...]) -> tuple[ParamState, Effects]:
-    """Drop the full values of `pids` (all AVAILABLE, sorted); clears their active sets."""
+def free(tx: Txn, pids: tuple[ParamId, ...]) -> None:
+    """Drop the full values of `pids` (all AVAILABLE, sorted); nobody uses them any more."""
     if not pids:
-        return st, ()
-    slots, spec = st.params, st.spec.params
-    updates = [(p, slots[p]._replace(status=Status.NOT_AVAILABLE, active=frozenset())) for p in pids]
-    numel = sum(spec[p].numel for p in pids)
-    return st._replace(params=slots.set_many(updates), live_numel=st.live_numel - numel), (Free(pids),)
+        return
+    spec, slots, olds = tx.st.spec.params, tx.slots, tx.olds
+    for p in pids:
+        s = slots[p]
+        if p not in olds:
+            olds[p] = s
+        slots[p] = (NOT_AVAILABLE, None, 0, s[FETCHED_FOR], s[EXTERNAL])
+        tx.live -= spec[p].numel
+    tx.effects.append(Free(pids))
 
 
-def unit_params(st: ParamState, module: ModuleId) -> tuple[ParamId, ...]:
+def unit_params(tx: Txn, module: ModuleId) -> tuple[ParamId, ...]:
     """The params a fetch of `module` needs: its own plus the external ones registered on it."""
-    own = st.spec.modules[module].params
-    ext = st.modules[module].externals
+    own = tx.st.spec.modules[module].params
+    ext = tx.mods[module][EXTERNALS]
     return own if not ext else tuple(sorted(set(own).union(ext)))

@@ -47,7 +47,8 @@ def on_fetch(tr: TraceState, module: ModuleId) -> tuple[TraceState, bool]:
     expected another module here (or none). DeepSpeed: trace_prologue + record_module."""
     departed = tr.mode is TraceMode.COMPLETE and (
         tr.step_id >= len(tr.plan.order) or tr.plan.order[tr.step_id] != module)
-    return tr._replace(step_id=tr.step_id + 1, recording=(module, tr.recording)), departed
+    return TraceState(tr.mode, tr.step_id + 1, (module, tr.recording), tr.plan, tr.cursor,
+                      tr.invalidations), departed
 
 
 def invalidated(tr: TraceState) -> TraceState:

@@ -1,0 +1,102 @@
+"""Cost of the pure core per module visit, as the model grows.
+
+Drives fz3's parameter core through whole forward+backward passes of synthetic models of
+10, 100, 1 000 and 10 000 modules (each a Linear: weight + bias, plus a tied embedding / head
+pair) and reports microseconds per module visit: one fetch + release, forward or backward,
+with the trace COMPLETE (steady state). No tensors, no torch: this is the control plane alone.
+
+    python bench/core_overhead.py            # table to stdout
+    python bench/core_overhead.py --json out.json
+
+Target (issue #2): flat (10 000-module cost within 1.5x of 100-module) and < 20 us per visit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+from fz3.core.backward import post_backward, pre_backward
+from fz3.core.config import Config
+from fz3.core.fetch import fetch
+from fz3.core.release import release
+from fz3.core.spec import build_spec
+from fz3.core.state import initial_state
+from fz3.core.step import finish_backward, reset_step
+
+CONFIGS = {
+    "defaults": Config(),
+    "tight": Config(prefetch_bucket_size=4096, max_live_parameters=16384, max_reuse_distance=0,
+                    param_persistence_threshold=0),
+}
+
+
+def synthetic(n_modules: int, world_size: int, config: Config):
+    """Root + embedding + (n - 3) linears + head tied to the embedding."""
+    params = [("emb.weight", 4096)]
+    modules = [("", [], False), ("emb", [0], False)]
+    for i in range(n_modules - 3):
+        params += [(f"l{i}.weight", 1024), (f"l{i}.bias", 32)]
+        modules.append((f"l{i}", [len(params) - 2, len(params) - 1], False))
+    modules.append(("head", [0], False))
+    return build_spec(params, modules, world_size=world_size,
+                      persistence_threshold=config.param_persistence_threshold)
+
+
+def one_pass(st, order, config):
+    st, _ = reset_step(st, config=config)
+    st, _ = fetch(st, 0, forward=True, config=config)
+    for m in order:
+        st, _ = fetch(st, m, forward=True, config=config, grad_inputs=1)
+        st, _ = release(st, m, config=config, grad_outputs=True)
+    st, _ = release(st, 0, config=config)
+    for m in reversed(order):
+        st, _ = pre_backward(st, m, config=config)
+        st, _ = post_backward(st, m, config=config)
+    st, _ = finish_backward(st, config=config)
+    return st
+
+
+def measure(n_modules: int, config: Config, *, world_size: int = 2, budget_s: float = 1.0) -> float:
+    """Median over repeats of seconds per module visit, after two warm-up passes."""
+    spec = synthetic(n_modules, world_size, config)
+    order = list(range(1, n_modules))
+    st = initial_state(spec)
+    for _ in range(2):  # RECORD, then COMPLETE
+        st = one_pass(st, order, config)
+    visits = 2 * len(order) + 1
+    samples = []
+    deadline = time.perf_counter() + budget_s
+    while len(samples) < 5 or (time.perf_counter() < deadline and len(samples) < 200):
+        t0 = time.perf_counter()
+        st = one_pass(st, order, config)
+        samples.append((time.perf_counter() - t0) / visits)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 1000, 10000])
+    ap.add_argument("--json", help="also write the table here")
+    args = ap.parse_args()
+    rows = []
+    for name, cfg in CONFIGS.items():
+        for n in args.sizes:
+            rows.append({"config": name, "modules": n, "us_per_visit": measure(n, cfg) * 1e6})
+    print(f"core overhead ({platform.python_implementation()} {platform.python_version()}, "
+          f"{platform.machine()})")
+    print(f"{'config':<10} {'modules':>8} {'us/visit':>9} {'vs 100':>7}")
+    for r in rows:
+        base = next(x for x in rows if x["config"] == r["config"] and x["modules"] == 100)["us_per_visit"] \
+            if 100 in args.sizes else r["us_per_visit"]
+        r["ratio_vs_100"] = r["us_per_visit"] / base
+        print(f"{r['config']:<10} {r['modules']:>8} {r['us_per_visit']:>9.2f} {r['ratio_vs_100']:>7.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
