@@ -16,7 +16,7 @@ from __future__ import annotations
 from fz3.core.config import Config
 from fz3.core.effects import AllGather
 from fz3.core.ids import ModuleId, Status
-from fz3.core.state import MAX_INFLIGHT, Effects, ParamState, Txn, unit_params
+from fz3.core.state import MAX_INFLIGHT, Effects, ParamState, unit_of
 
 
 class InvariantError(AssertionError):
@@ -48,6 +48,15 @@ def check_state(st: ParamState) -> None:
             if st.params[p].status is not Status.INFLIGHT:
                 _fail(f"handle {h} is in flight but carries {spec.params[p].name}, which is "
                       f"{st.params[p].status.name}")
+    users = [0] * len(spec.params)
+    for m, ms in enumerate(st.modules):
+        if ms.active:
+            for p in unit_of(st, m):
+                users[p] += 1
+    for p, s in enumerate(st.params):
+        if s.users != users[p]:
+            _fail(f"param {spec.params[p].name} counts {s.users} users, but {users[p]} active "
+                  "modules hold it")
     if live != st.live_numel:
         _fail(f"live numel is {st.live_numel} but the gathered params add up to {live}")
     for m, ms in enumerate(st.modules):
@@ -56,7 +65,7 @@ def check_state(st: ParamState) -> None:
 
 
 def check_fetched(st: ParamState, module: ModuleId) -> None:
-    for p in unit_params(Txn(st), module):
+    for p in unit_of(st, module):
         s = st.params[p]
         if s.status is not Status.AVAILABLE or not s.users or not st.modules[module].active:
             _fail(f"module {st.spec.modules[module].name} computes with param "

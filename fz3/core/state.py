@@ -228,3 +228,10 @@ def unit_params(tx: Txn, module: ModuleId) -> tuple[ParamId, ...]:
     own = tx.st.spec.modules[module].params
     ext = tx.mods[module][EXTERNALS]
     return own if not ext else tuple(sorted(set(own).union(ext)))
+
+
+def unit_of(st: ParamState, module: ModuleId) -> tuple[ParamId, ...]:
+    """`unit_params` read off a state (for checks and tests; starts no edit)."""
+    own = st.spec.modules[module].params
+    ext = st.module_rows[module][EXTERNALS]
+    return own if not ext else tuple(sorted(set(own).union(ext)))
