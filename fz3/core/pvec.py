@@ -13,6 +13,10 @@ O(changes). Reading an older version still gives its own values: it first *reroo
 diffs back, swapping values, and takes the list), which costs O(changes in between). Every
 version's contents never change, so `PVec` behaves as a value; it is not safe to use one
 lineage from two threads at once (the core is single-threaded).
+
+Cost of keeping old versions: an old version references the diffs of every later version, so
+holding one keeps all changes since alive (and, in CPython, makes the GC walk them). The shell
+holds only its newest state; a test that keeps a history pays memory for it, nothing else.
 """
 from __future__ import annotations
 
