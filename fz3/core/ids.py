@@ -1,4 +1,4 @@
-"""Small typed ids and the status enums of the parameter lifecycle.
+r"""Small typed ids and the status enums of the parameter lifecycle.
 
     NOT_AVAILABLE --AllGather--> INFLIGHT --Wait--> AVAILABLE --Free--> NOT_AVAILABLE
           \____________________ (sync gather) _______/

@@ -1,0 +1,84 @@
+"""The gradient lifecycle, part 2: the end of a backward and the end of an accumulation window.
+
+    micro_step:   0 --epilogue--> 1 --epilogue--> ... --epilogue--> gas   (window complete:
+                  ^                                                  |     partitions averaged)
+                  +------------------ optimizer_step ----------------+
+
+    epilogue (every backward):  flush every open bucket -> WaitReduce (overlap_comm)
+                                -> backward += 1 (clears every "reported" flag at once)
+                                -> micro_step += 1
+    ... and at the boundary (micro_step reaches gradient_accumulation_steps):
+                                ZeroPartitions(params never written in the window)
+                                -> AverageGrads(world_size * gradient_accumulation_steps)
+
+Partitions hold SUMs over ranks and micro-steps until the boundary, where one division turns
+them into the mean gradient, exposed to the optimizer in place. DeepSpeed instead pre-divides by
+the world size before each reduce and scales the loss by 1/gas; summing first keeps the integer
+test data exact and never relies on a backend's AVG.
+"""
+from __future__ import annotations
+
+from fz3.core.config import Config
+from fz3.core.effects import AverageGrads, GradEffect, WaitReduce, ZeroPartitions
+from fz3.core.grads import GradError, GradState, flush
+from fz3.core.ids import ParamId
+
+
+def epilogue(state: GradState, *, config: Config) -> tuple[GradState, tuple[GradEffect, ...]]:
+    """End one backward: flush what is left, wait for the reduce stream, reset per-backward flags.
+
+    At the accumulation boundary also zero the partitions no grad reached in this window and
+    average them all once. Raises GradError if the window was already complete.
+    DeepSpeed: `independent_gradient_partition_epilogue` (flush, synchronize, clear
+    `params_already_reduced`, build `averaged_gradients` views); DeepSpeed advances
+    micro_step_id at the next forward, fz3 here.
+    """
+    gas = config.gradient_accumulation_steps
+    if state.micro_step >= gas:
+        raise GradError(f"epilogue: the accumulation window is complete ({state.micro_step} "
+                        f"micro-steps of {gas}); call optimizer_step first")
+    state, flushed = flush(state, config=config)
+    effects: list[GradEffect] = list(flushed)
+    if config.overlap_comm:
+        effects.append(WaitReduce())
+    state = state._replace(backward=state.backward + 1, micro_step=state.micro_step + 1)
+    if state.micro_step == gas:
+        unwritten = never_written(state)
+        if unwritten:
+            effects.append(ZeroPartitions(unwritten))
+        effects.append(AverageGrads(grad_divisor(state.spec.world_size, gas)))
+    return state, tuple(effects)
+
+
+def optimizer_step(state: GradState, *, config: Config) -> tuple[GradState, tuple[GradEffect, ...]]:
+    """The optimizer consumed the averaged partitions: start the next accumulation window.
+
+    Resets micro_step to 0; the next write of every partition is a copy. Raises GradError if
+    the window is not complete (partitions would still hold sums, not means).
+    DeepSpeed: the micro_step_id reset in `step` / `zero_grad`.
+    """
+    if state.micro_step != config.gradient_accumulation_steps:
+        raise GradError(f"optimizer_step after {state.micro_step} of "
+                        f"{config.gradient_accumulation_steps} micro-steps: the grad partitions "
+                        "are averaged only at the accumulation boundary")
+    if state.buckets:
+        raise GradError("optimizer_step with open IPG buckets: run the epilogue first")
+    return state._replace(micro_step=0, window=state.window + 1), ()
+
+
+def grad_divisor(world_size: int, gradient_accumulation_steps: int) -> int:
+    """Sum -> mean over ranks and micro-steps: W x gas (each micro-step's loss is one term)."""
+    return world_size * gradient_accumulation_steps
+
+
+def never_written(state: GradState) -> tuple[ParamId, ...]:
+    """Params whose partition got no write in the current window (frozen or unused params).
+
+    O(params): run once per optimizer step, the same order as the optimizer's own work.
+    """
+    return tuple(ParamId(i) for i, pg in enumerate(state.params) if pg.written != state.window)
+
+
+def at_boundary(state: GradState, *, config: Config) -> bool:
+    """True when the partitions hold the averaged grads and the optimizer may step."""
+    return state.micro_step == config.gradient_accumulation_steps

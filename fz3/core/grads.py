@@ -1,0 +1,234 @@
+"""The gradient lifecycle, part 1: the IPG bucket. `bucket_add` places a grad, `flush` reduces.
+
+    grad of p ready (its AccumulateGrad hook fired)
+        |  bucket_add(p, dtype)
+        v
+    open IPG bucket of `dtype`: slots (param, offset, numel), fill <= reduce_bucket_size
+        |  (next grad would overflow: flush first;  grad > whole bucket: reduced on its own)
+        |  flush / epilogue
+        v
+    ReduceBucket(path) --> WritePartition(p, copy | add) per slot --> DropGrads (bucket free)
+                               copy: first write of p in this accumulation window; add: later
+
+Per-param flags cost O(1) to reset: a param records the backward (and graph task) of its last
+report, so "reported in this backward" is `reported == state.backward`, and advancing the
+backward counter (the epilogue, fz3/core/epilogue.py) clears every flag at once.
+
+[Note: copy vs add] DeepSpeed copies on micro_step 0 and adds later, so a param that gets no
+grad in micro-step 0 but does later adds onto the previous window's stale partition. fz3 copies
+on the param's *first write in the window* (it records the window of its last write), and the
+epilogue zeroes the partitions never written in a window.
+
+[Note: reentrant checkpointing] A param used inside and outside a reentrant-checkpointed region
+fires its grad hook once per graph task. The shell passes the graph task; a second report in a
+new task is a partial grad, reduced and added. If the first is still in an open bucket: with
+contiguous_gradients the first grad sits in the bucket and param.grad was released after the
+copy, so the bucket is flushed first and the new grad takes a fresh slot (no bucket ever holds a
+param twice; DeepSpeed PR #7780 fixed stale buckets here); without, autograd accumulated the new
+grad into param.grad, which the open slot reads at reduce time, so there is nothing to do.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from fz3.core.config import Config
+from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, GradEffect, ReduceBucket, Slot,
+                              WriteMode, WritePartition)
+from fz3.core.ids import BucketId, ParamId
+from fz3.core.pvec import PVec
+from fz3.core.spec import ModelSpec
+
+NEVER = -1
+
+
+class GradError(ValueError):
+    """A grad event the lifecycle cannot accept (a double report, a full accumulation window)."""
+
+
+class ParamGrad(NamedTuple):
+    """Per-param gradient bookkeeping (one PVec entry). NEVER (-1) = not yet."""
+
+    reported: int  # backward counter at its last bucket_add
+    task: int  # graph task of that report
+    bucket: int  # BucketId it was last placed in
+    written: int  # accumulation window of its last partition write
+
+
+UNSEEN = ParamGrad(NEVER, NEVER, NEVER, NEVER)
+
+
+class Link(NamedTuple):
+    """Slots of a bucket as a persistent stack (newest first): adding a slot is O(1)."""
+
+    slot: Slot
+    prev: Optional["Link"]
+
+
+class IPGBucket(NamedTuple):
+    """An open (non-empty) IPG bucket of one comm dtype. DeepSpeed: `IPGBucketZ3`."""
+
+    id: BucketId
+    dtype: str
+    last: Link  # newest slot; `slots` lists them oldest first
+    fill: int  # elements used; the next slot starts here
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        out: list[Slot] = []
+        link: Optional[Link] = self.last
+        while link is not None:
+            out.append(link.slot)
+            link = link.prev
+        return tuple(reversed(out))
+
+
+class GradState(NamedTuple):
+    """Gradient lifecycle state. Build with `init_grad_state(spec)`; never edit, replace."""
+
+    spec: ModelSpec  # static; shared by every state
+    params: PVec[ParamGrad]  # indexed by ParamId
+    buckets: tuple[IPGBucket, ...]  # open buckets, at most one per dtype, sorted by dtype
+    next_bucket: int  # BucketId of the next bucket opened
+    backward: int  # epilogues run so far: the id of the current backward
+    micro_step: int  # backwards finished in this accumulation window (DeepSpeed micro_step_id)
+    window: int  # accumulation windows finished (optimizer steps taken)
+
+
+def init_grad_state(spec: ModelSpec) -> GradState:
+    """The state before the first backward: no buckets, no grads, micro_step 0."""
+    return GradState(spec, PVec([UNSEEN] * len(spec.params)), (), 0, 0, 0, 0)
+
+
+def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str = "float32",
+               graph_task: int = 0) -> tuple[GradState, tuple[GradEffect, ...]]:
+    """Place `param`'s ready grad (a `dtype` tensor) in the IPG bucket of `dtype`.
+
+    Flushes that bucket first if the grad would overflow it; a grad larger than the whole bucket
+    is reduced on its own, straight from param.grad. Raises GradError, naming the param, if it
+    was already reported in this backward and graph task, or if the window is complete.
+    DeepSpeed: `reduce_ready_partitions_and_remove_grads` -> `__add_grad_to_ipg_bucket`.
+    """
+    _check_report(state, param, graph_task, config)
+    pg = state.params[param]
+    effects: list[GradEffect] = []
+    stale = _open(state, pg.bucket) if pg.reported == state.backward else None
+    if stale is not None and not config.contiguous_gradients:
+        # the new partial grad accumulated into param.grad, which the open slot reads at reduce
+        return state._replace(params=state.params.set(param, pg._replace(task=graph_task))), ()
+    if stale is not None:  # its first grad waits in the bucket; reduce that before this one
+        state, eff = flush(state, config=config, dtype=stale.dtype)
+        effects += eff
+    numel = state.spec.params[param].numel
+    bucket = _bucket_of(state, dtype)
+    if bucket is not None and not fits(bucket.fill, numel, config.reduce_bucket_size):
+        state, eff = flush(state, config=config, dtype=dtype)
+        effects += eff
+    state = state._replace(params=state.params.set(param, state.params[param]._replace(
+        reported=state.backward, task=graph_task)))
+    if numel > config.reduce_bucket_size:
+        state, eff = _reduce_alone(state, param, dtype, config)
+    else:
+        state, eff = _place(state, param, dtype, config)
+    return state, tuple(effects) + eff
+
+
+def flush(state: GradState, *, config: Config, dtype: Optional[str] = None
+          ) -> tuple[GradState, tuple[GradEffect, ...]]:
+    """Reduce the open IPG bucket of `dtype` (every open bucket, in dtype order, if None).
+
+    Emits ReduceBucket on `config.reduce_path`, one WritePartition per slot, then DropGrads.
+    A flush with nothing open emits nothing.
+    DeepSpeed: `__reduce_and_partition_ipg_grads` (+ `partition_grads`).
+    """
+    effects: list[GradEffect] = []
+    for bucket in state.buckets:
+        if dtype is None or bucket.dtype == dtype:
+            state, eff = _reduce(state, bucket.id, bucket.dtype, bucket.slots,
+                                 config.contiguous_gradients, config)
+            effects += eff
+    return state, tuple(effects)
+
+
+def fits(fill: int, numel: int, capacity: int) -> bool:
+    """A grad of `numel` still fits in a bucket holding `fill` of `capacity` elements."""
+    return fill + numel <= capacity
+
+
+def write_mode(pg: ParamGrad, window: int) -> WriteMode:
+    """copy on the param's first partition write in `window`, add on later ones."""
+    return ADD if pg.written == window else COPY
+
+
+def _reduce(state: GradState, bucket: BucketId, dtype: str, slots: tuple[Slot, ...],
+            contiguous: bool, config: Config) -> tuple[GradState, tuple[GradEffect, ...]]:
+    effects: list[GradEffect] = [ReduceBucket(bucket, dtype, config.reduce_path, slots, contiguous)]
+    params = state.params
+    for slot in slots:
+        pg = params[slot.param]
+        effects.append(WritePartition(bucket, slot.param, write_mode(pg, state.window)))
+        params = params.set(slot.param, pg._replace(written=state.window))
+    effects.append(DropGrads(bucket, tuple(s.param for s in slots), contiguous))
+    buckets = tuple(b for b in state.buckets if b.id != bucket)
+    return state._replace(params=params, buckets=buckets), tuple(effects)
+
+
+def _place(state: GradState, param: ParamId, dtype: str, config: Config
+           ) -> tuple[GradState, tuple[GradEffect, ...]]:
+    """Append a slot for `param` to the open bucket of `dtype` (opening one if none is open)."""
+    numel = state.spec.params[param].numel
+    bucket = _bucket_of(state, dtype)
+    if bucket is None:
+        slot = Slot(param, 0, numel)
+        bucket = IPGBucket(BucketId(state.next_bucket), dtype, Link(slot, None), numel)
+        state = state._replace(next_bucket=state.next_bucket + 1)
+    else:
+        slot = Slot(param, bucket.fill, numel)
+        bucket = bucket._replace(last=Link(slot, bucket.last), fill=bucket.fill + numel)
+    others = [b for b in state.buckets if b.dtype != dtype]
+    pg = state.params[param]._replace(bucket=bucket.id)
+    state = state._replace(buckets=tuple(sorted(others + [bucket], key=lambda b: b.dtype)),
+                           params=state.params.set(param, pg))
+    if not config.contiguous_gradients:
+        return state, ()
+    return state, (CopyToBucket(bucket.id, dtype, param, slot.offset, numel),)
+
+
+def _reduce_alone(state: GradState, param: ParamId, dtype: str, config: Config
+                  ) -> tuple[GradState, tuple[GradEffect, ...]]:
+    """A grad bigger than the bucket: reduce it from param.grad itself, in a bucket of its own."""
+    bucket = BucketId(state.next_bucket)
+    pg = state.params[param]._replace(bucket=bucket)
+    state = state._replace(next_bucket=state.next_bucket + 1, params=state.params.set(param, pg))
+    slot = Slot(param, 0, state.spec.params[param].numel)
+    return _reduce(state, bucket, dtype, (slot,), False, config)
+
+
+def _check_report(state: GradState, param: ParamId, graph_task: int, config: Config) -> None:
+    if not 0 <= param < len(state.spec.params):
+        raise GradError(f"bucket_add: no param with id {param} "
+                        f"(ids run 0..{len(state.spec.params) - 1})")
+    if state.micro_step >= config.gradient_accumulation_steps:
+        raise GradError(f"bucket_add({_name(state, param)}): the accumulation window is complete "
+                        f"({state.micro_step} micro-steps); call optimizer_step first")
+    pg = state.params[param]
+    if pg.reported == state.backward and pg.task == graph_task:
+        raise GradError(f"param {_name(state, param)} reported twice in one backward (graph task "
+                        f"{graph_task}); a new graph task (reentrant checkpointing) must say so")
+
+
+def _name(state: GradState, param: ParamId) -> str:
+    return f"{state.spec.params[param].name!r} (id {param})"
+
+
+def _bucket_of(state: GradState, dtype: str) -> Optional[IPGBucket]:
+    for b in state.buckets:
+        if b.dtype == dtype:
+            return b
+    return None
+
+
+def _open(state: GradState, bucket: int) -> Optional[IPGBucket]:
+    for b in state.buckets:
+        if b.id == bucket:
+            return b
+    return None

@@ -1,0 +1,131 @@
+"""Invariants of the gradient lifecycle, written once.
+
+Used by the unit tests, the Hypothesis machine (fz3/testing/grad_machine.py) and the shell's
+debug mode (`Config.debug_checks`). Each raises InvariantError naming what broke. They walk the
+whole bucket or log, so they are for checking, never for the hot path.
+
+    check_grad_state   buckets: one per dtype, slots packed from 0 without overlap, fill adds
+                       up and fits reduce_bucket_size, each slot's param points back at it;
+                       0 <= micro_step <= gradient_accumulation_steps
+    check_reduce_log   one backward's effects: every reported grad reduced exactly once, each
+                       reduce followed by one write per slot and one DropGrads, copies match slots
+    check_drained      after an epilogue: no open bucket, and (with overlap_comm) a WaitReduce
+                       after the last reduce
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional, Sequence
+
+from fz3.core.config import Config
+from fz3.core.effects import CopyToBucket, DropGrads, ReduceBucket, WaitReduce, WritePartition
+from fz3.core.grads import GradState
+from fz3.core.ids import ParamId
+from fz3.core.invariants import InvariantError
+
+
+def _fail(msg: str) -> None:
+    raise InvariantError(msg)
+
+
+def check_grad_state(state: GradState, *, config: Config) -> None:
+    """Structural invariants of the IPG buckets and counters."""
+    dtypes = [b.dtype for b in state.buckets]
+    if dtypes != sorted(set(dtypes)):
+        _fail(f"open buckets must be one per dtype, sorted by dtype; got {dtypes}")
+    for b in state.buckets:
+        slots = b.slots
+        if not slots:
+            _fail(f"bucket {b.id} ({b.dtype}) is open but empty")
+        offset = 0
+        for s in slots:
+            if s.offset != offset:
+                _fail(f"bucket {b.id}: slot of param {s.param} starts at {s.offset}, expected "
+                      f"{offset} (slots overlap or leave a hole)")
+            if s.numel != state.spec.params[s.param].numel:
+                _fail(f"bucket {b.id}: slot of param {s.param} has numel {s.numel}, the param "
+                      f"has {state.spec.params[s.param].numel}")
+            if state.params[s.param].bucket != b.id:
+                _fail(f"param {s.param} sits in bucket {b.id} but records bucket "
+                      f"{state.params[s.param].bucket}")
+            offset += s.numel
+        if offset != b.fill:
+            _fail(f"bucket {b.id}: fill {b.fill} != sum of slot numels {offset}")
+        if b.fill > config.reduce_bucket_size:
+            _fail(f"bucket {b.id}: fill {b.fill} > reduce_bucket_size {config.reduce_bucket_size}")
+        dup = [p for p, n in Counter(s.param for s in slots).items() if n > 1]
+        if dup:
+            _fail(f"bucket {b.id} holds params {dup} more than once")
+    if not 0 <= state.micro_step <= config.gradient_accumulation_steps:
+        _fail(f"micro_step {state.micro_step} outside [0, {config.gradient_accumulation_steps}]")
+
+
+def check_reduce_log(effects: Sequence[object], reported: Sequence[ParamId], *,
+                     config: Config) -> None:
+    """Over one whole backward (bucket_adds .. epilogue): each report reduced exactly once.
+
+    Without contiguous_gradients a re-report (new graph task) of a param whose slot is still
+    open merges into param.grad, so a param is then reduced at least once and at most once per
+    report; the values (I3) show nothing was counted twice.
+    """
+    reduced: Counter[ParamId] = Counter()
+    copies: dict[int, list[CopyToBucket]] = {}
+    pending: dict[int, tuple[ReduceBucket, list[ParamId]]] = {}  # reduced, not yet dropped
+    seen: set[int] = set()  # buckets reduced
+    for e in effects:
+        if isinstance(e, CopyToBucket):
+            copies.setdefault(e.bucket, []).append(e)
+        elif isinstance(e, ReduceBucket):
+            _check_reduce(e, copies, seen)
+            seen.add(e.bucket)
+            pending[e.bucket] = (e, [])
+            reduced.update(s.param for s in e.slots)
+        elif isinstance(e, WritePartition):
+            if e.bucket not in pending:
+                _fail(f"WritePartition of param {e.param} from bucket {e.bucket}, which is not "
+                      "being reduced")
+            pending[e.bucket][1].append(e.param)
+        elif isinstance(e, DropGrads):
+            _check_drop(e, pending.pop(e.bucket, None))
+    if pending:
+        _fail(f"buckets {sorted(pending)} reduced but their grads never dropped")
+    if copies:
+        _fail(f"grads copied into buckets {sorted(copies)} that were never reduced")
+    want = Counter(reported)
+    if config.contiguous_gradients:
+        ok = reduced == want
+    else:
+        ok = set(reduced) == set(want) and all(reduced[p] <= want[p] for p in reduced)
+    if not ok:
+        _fail(f"reduced {dict(reduced)} != reported {dict(want)}")
+
+
+def _check_reduce(e: ReduceBucket, copies: dict[int, list[CopyToBucket]], seen: set[int]) -> None:
+    if e.bucket in seen:
+        _fail(f"bucket {e.bucket} reduced twice")
+    if e.contiguous:
+        got = [(c.param, c.offset, c.numel) for c in copies.pop(e.bucket, [])]
+        if got != [tuple(s) for s in e.slots]:
+            _fail(f"bucket {e.bucket}: copies {got} do not match its slots {e.slots}")
+
+
+def _check_drop(e: DropGrads, reduce: Optional[tuple[ReduceBucket, list[ParamId]]]) -> None:
+    if reduce is None:
+        _fail(f"DropGrads of bucket {e.bucket}, which was not reduced")
+        return
+    red, written = reduce
+    want = tuple(s.param for s in red.slots)
+    if tuple(written) != want or e.params != want or e.contiguous != red.contiguous:
+        _fail(f"bucket {e.bucket}: slots {want}, written {written}, dropped {e}")
+
+
+def check_drained(state: GradState, effects: Sequence[object], *, config: Config) -> None:
+    """After an epilogue: every bucket flushed and, with overlap_comm, the reduce stream waited."""
+    if state.buckets:
+        _fail(f"open buckets after the epilogue: {[b.id for b in state.buckets]}")
+    if not config.overlap_comm:
+        return
+    last_reduce = max((i for i, e in enumerate(effects) if isinstance(e, ReduceBucket)), default=-1)
+    waits = [i for i, e in enumerate(effects) if isinstance(e, WaitReduce)]
+    if not waits or waits[-1] < last_reduce:
+        _fail("epilogue with overlap_comm did not wait for the reduce stream after the last reduce")

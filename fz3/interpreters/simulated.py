@@ -1,0 +1,213 @@
+"""The simulated world: N ranks in one process, executing the core's effects on real tensors.
+
+    world = SimulatedWorld(spec, config=cfg, shards=..., grad_dtypes=...)  # or .from_params
+    world.accumulate_grad(p, [grad_r0, ..., grad_rW-1])      # autograd wrote param.grad
+    world.run(effects)                                        # what a core transition returned
+    world.full[r][p], world.partitions[r][p]                  # read results
+
+Every rank runs every effect (the core is rank-agnostic, I6); collectives are the `sim_*`
+functions of fz3.data.collectives, so a gather is the concatenation of all ranks' shards and a
+reduce is a SUM over ranks. The interpreter decides nothing: an effect that the store cannot
+honour (waiting a handle never issued, reducing grads never placed, a slot past the bucket's
+capacity) raises SimulationError, which is how tests catch a core that emits nonsense.
+
+Per rank:  shards[p] (s,)  full[p] (n,) while AVAILABLE  grads[p] = param.grad not yet in a bucket
+           bucket buffer per BucketId (flat, capacity reduce_bucket_size)  partitions[p] (s,)
+Grad partitions start as NaN, like DeepSpeed's uninitialised flat buffer: a core that adds where
+it should copy poisons them, and the comparison with the naive model fails.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from fz3.core.config import Config
+from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, ReduceBucket,
+                              Wait, WaitReduce, WriteMode, WritePartition, ZeroPartitions)
+from fz3.core.ids import BucketId, Handle, ParamId
+from fz3.core.spec import ModelSpec
+from fz3.data import collectives, layout, partition
+
+
+class SimulationError(RuntimeError):
+    """An effect the simulated world cannot carry out; the message names it."""
+
+
+class SimulatedWorld:
+    """W ranks' tensors in one process; `run` applies effects to all of them."""
+
+    def __init__(self, spec: ModelSpec, *, config: Config,
+                 shards: Optional[Sequence[Sequence[torch.Tensor]]] = None,
+                 dtype: torch.dtype = torch.float32,
+                 grad_dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
+        self.spec, self.config, self.world_size = spec, config, spec.world_size
+        ranks = range(self.world_size)
+        if shards is None:
+            shards = [[torch.zeros(p.shard_numel, dtype=dtype) for p in spec.params] for _ in ranks]
+        self.shards: list[list[torch.Tensor]] = [list(s) for s in shards]
+        self.full: list[dict[ParamId, torch.Tensor]] = [{} for _ in ranks]
+        self.inflight: dict[Handle, list[dict[ParamId, torch.Tensor]]] = {}
+        self.grads: list[dict[ParamId, torch.Tensor]] = [{} for _ in ranks]
+        self.buckets: dict[BucketId, list[torch.Tensor]] = {}
+        self.reduced: dict[BucketId, dict[ParamId, list[torch.Tensor]]] = {}
+        gdt = list(grad_dtypes) if grad_dtypes is not None else [dtype] * len(spec.params)
+        self.partitions: list[list[torch.Tensor]] = [
+            [torch.full((p.shard_numel,), float("nan"), dtype=d) for p, d in zip(spec.params, gdt)]
+            for _ in ranks]
+        self.log: list[object] = []
+
+    @classmethod
+    def from_params(cls, spec: ModelSpec, params: Sequence[torch.Tensor], *, config: Config
+                    ) -> "SimulatedWorld":
+        """Shard full params (one tensor per ParamId) over the spec's world size."""
+        w = spec.world_size
+        shards = [[layout.shard_of(t, r, w) for t in params] for r in range(w)]
+        dtype = params[0].dtype if params else torch.float32
+        return cls(spec, config=config, shards=shards, dtype=dtype)
+
+    def accumulate_grad(self, param: ParamId, grads: Sequence[torch.Tensor]) -> None:
+        """Autograd's AccumulateGrad on every rank (one tensor per rank), before bucket_add:
+        param.grad = grad, or param.grad + grad if it still holds one."""
+        if len(grads) != self.world_size:
+            raise SimulationError(f"accumulate_grad({param}): {len(grads)} grads for "
+                                  f"{self.world_size} ranks")
+        for r, g in enumerate(grads):
+            old = self.grads[r].get(param)
+            self.grads[r][param] = g if old is None else old + g
+
+    def run(self, effects: Iterable[object]) -> None:
+        """Apply each effect, in order, on every rank."""
+        for e in effects:
+            self.log.append(e)
+            match e:
+                case AllGather(handle=h, params=ps):
+                    self._all_gather(h, ps)
+                case Wait(handle=h):
+                    self._wait(h)
+                case Free(params=ps):
+                    self._free(ps)
+                case CopyToBucket():
+                    self._copy_to_bucket(e)
+                case ReduceBucket():
+                    self._reduce(e)
+                case WritePartition(bucket=b, param=p, mode=mode):
+                    self._write(b, p, mode)
+                case DropGrads(bucket=b, params=ps, contiguous=c):
+                    self._drop(b, ps, c)
+                case WaitReduce():
+                    pass  # every collective here is synchronous
+                case ZeroPartitions(params=ps):
+                    for part in self.partitions:
+                        for p in ps:
+                            part[p] = torch.zeros_like(part[p])
+                case AverageGrads(divisor=d):
+                    self.partitions = [[partition.average(t, d) for t in part]
+                                       for part in self.partitions]
+                case _:
+                    raise SimulationError(f"unknown effect {e!r}")
+
+    # ---- parameter effects ------------------------------------------------------------------
+
+    def _all_gather(self, handle: Handle, params: tuple[ParamId, ...]) -> None:
+        if handle in self.inflight:
+            raise SimulationError(f"AllGather reuses handle {handle}, still in flight")
+        for p in params:
+            if p in self.full[0] or any(p in g[0] for g in self.inflight.values()):
+                raise SimulationError(f"AllGather of param {p}, which is already gathered or "
+                                      "in flight")
+        numels = [self.spec.params[p].numel for p in params]
+        outs = collectives.gather_world([[s[p] for p in params] for s in self.shards], numels)
+        self.inflight[handle] = [dict(zip(params, out)) for out in outs]
+
+    def _wait(self, handle: Handle) -> None:
+        if handle not in self.inflight:
+            raise SimulationError(f"Wait on handle {handle}, which is not in flight")
+        for full, got in zip(self.full, self.inflight.pop(handle)):
+            full.update(got)
+
+    def _free(self, params: tuple[ParamId, ...]) -> None:
+        for full in self.full:
+            for p in params:
+                if full.pop(p, None) is None:
+                    raise SimulationError(f"Free of param {p}, which is not gathered")
+
+    # ---- gradient effects -------------------------------------------------------------------
+
+    def _copy_to_bucket(self, e: CopyToBucket) -> None:
+        if e.offset < 0 or e.offset + e.numel > self.config.reduce_bucket_size:
+            raise SimulationError(f"{e}: slot outside the bucket's capacity "
+                                  f"{self.config.reduce_bucket_size}")
+        fresh = [torch.zeros(0) for _ in range(self.world_size)]
+        buffers = self.buckets.setdefault(e.bucket, fresh)
+        for r, grads in enumerate(self.grads):
+            grad = self._grad(r, e.param, e.dtype).reshape(-1)
+            if grad.numel() != e.numel:
+                raise SimulationError(f"{e}: param.grad has {grad.numel()} elements")
+            buf = buffers[r].to(grad.dtype)
+            if buf.numel() < e.offset + e.numel:
+                grow = e.offset + e.numel - buf.numel()
+                buf = torch.cat([buf, torch.full((grow,), float("nan"), dtype=grad.dtype)])
+            buf[e.offset:e.offset + e.numel] = grad  # the interpreter owns this buffer
+            buffers[r] = buf
+            del grads[e.param]  # param.grad is now a view of the bucket
+
+    def _reduce(self, e: ReduceBucket) -> None:
+        if e.bucket in self.reduced:
+            raise SimulationError(f"bucket {e.bucket} reduced twice")
+        inputs = [self._slot_grads(r, e) for r in range(self.world_size)]  # [rank][slot]
+        if e.path == "allreduce":
+            end = max((s.offset + s.numel for s in e.slots), default=0)
+            flats = [self.buckets[e.bucket][r][:end] if e.contiguous else
+                     collectives.pack_bucket(inputs[r]) for r in range(self.world_size)]
+            outs = collectives.sim_all_reduce(flats)
+            spans = [(s.offset, s.numel) for s in e.slots]
+            parts = [collectives.slice_allreduced(o, spans, r, self.world_size)
+                     for r, o in enumerate(outs)]
+            order = list(e.slots)
+        else:
+            order = sorted(e.slots, key=lambda s: s.param)
+            idx = [e.slots.index(s) for s in order]
+            packed = [collectives.pack_reduce_scatter([inputs[r][i] for i in idx], self.world_size)
+                      for r in range(self.world_size)]
+            outs = collectives.sim_reduce_scatter(packed)
+            parts = [collectives.unpack_reduce_scatter(o, [s.numel for s in order], self.world_size)
+                     for o in outs]
+        self.reduced[e.bucket] = {s.param: [parts[r][i] for r in range(self.world_size)]
+                                  for i, s in enumerate(order)}
+
+    def _slot_grads(self, rank: int, e: ReduceBucket) -> list[torch.Tensor]:
+        if not e.contiguous:
+            return [self._grad(rank, s.param, e.dtype).reshape(-1) for s in e.slots]
+        if e.bucket not in self.buckets:
+            raise SimulationError(f"ReduceBucket {e.bucket}: nothing was copied into it")
+        buf = self.buckets[e.bucket][rank]
+        return [buf[s.offset:s.offset + s.numel] for s in e.slots]
+
+    def _grad(self, rank: int, param: ParamId, dtype: str) -> torch.Tensor:
+        grad = self.grads[rank].get(param)
+        if grad is None:
+            raise SimulationError(f"rank {rank}: param {param} has no grad (never put, or dropped)")
+        if grad.dtype != getattr(torch, dtype):
+            raise SimulationError(f"param {param}: grad is {grad.dtype}, effect says {dtype}")
+        return grad
+
+    def _write(self, bucket: BucketId, param: ParamId, mode: WriteMode) -> None:
+        slices = self.reduced.get(bucket, {}).get(param)
+        if slices is None:
+            raise SimulationError(f"WritePartition of param {param}: bucket {bucket} has no "
+                                  "reduced grad for it")
+        for part, sl in zip(self.partitions, slices):
+            part[param] = partition.write_partition(part[param], sl, mode)
+
+    def _drop(self, bucket: BucketId, params: tuple[ParamId, ...], contiguous: bool) -> None:
+        if self.reduced.pop(bucket, None) is None:
+            raise SimulationError(f"DropGrads of bucket {bucket}, which was not reduced")
+        self.buckets.pop(bucket, None)
+        if contiguous:
+            return  # param.grad was released at the copy; a fresh grad may be there now
+        for grads in self.grads:
+            for p in params:
+                if grads.pop(p, None) is None:
+                    raise SimulationError(f"DropGrads: param {p} has no grad to drop")
+

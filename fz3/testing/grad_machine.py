@@ -1,0 +1,169 @@
+"""A Hypothesis state machine for the gradient lifecycle, checked against a naive model.
+
+    initialize: world size 1-4, params of numel 0-40 (float32 / float64 grads), a bucket of
+                1-64 elements (often the fill of a run of grads, +-1), a reduce path, 1-4
+                accumulation steps, overlap_comm on or off
+    rules:      report, report_all, report_backward (grad ready -> bucket_add)
+                report_twice (must raise, naming the param)
+                new_graph_task (reentrant checkpointing)   flush   end_backward (epilogue)
+                optimizer_step   step_too_early / epilogue_past_window (must raise)
+    invariant:  check_grad_state after every rule
+
+At every accumulation boundary each rank's partitions must equal the naive mean slices bit for
+bit (I3), every grad reported in a backward must have been reduced exactly once, and no bucket
+may be open. Reuse it: `TestGrads = GradMachine.TestCase`, or subclass and override rules.
+"""
+from __future__ import annotations
+
+import torch
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from fz3.core import epilogue as ep
+from fz3.core import grads
+from fz3.core.config import Config
+from fz3.core.grads import GradError
+from fz3.core.ids import ParamId
+from fz3.core.invariants_grad import check_drained, check_grad_state, check_reduce_log
+from fz3.interpreters.simulated import SimulatedWorld
+from fz3.testing.grad_naive import (DTYPES, PATHS, NaiveGrads, bucket_sizes, grad_spec,
+                                    small_int_grads)
+
+
+class GradMachine(RuleBasedStateMachine):
+    """bucket_add / flush / epilogue / optimizer_step on a simulated world vs NaiveGrads."""
+
+    @initialize(params=st.lists(st.tuples(st.integers(0, 40), st.sampled_from(sorted(DTYPES))),
+                                min_size=1, max_size=6),
+                world_size=st.integers(1, 4), path=st.sampled_from(sorted(PATHS)),
+                gas=st.integers(1, 4), overlap=st.booleans(), seed=st.integers(0, 2**32 - 1),
+                data=st.data())
+    def setup(self, params: list[tuple[int, str]], world_size: int, path: str, gas: int,
+              overlap: bool, seed: int, data: st.DataObject) -> None:
+        bucket = data.draw(bucket_sizes([n for n, _ in params]), label="reduce_bucket_size")
+        self.config = Config(reduce_bucket_size=bucket, gradient_accumulation_steps=gas,
+                             overlap_comm=overlap, **PATHS[path])
+        self.dtypes = [d for _, d in params]
+        tdtypes = [DTYPES[d] for d in self.dtypes]
+        spec = grad_spec([n for n, _ in params], world_size)
+        self.state = grads.init_grad_state(spec)
+        self.world = SimulatedWorld(spec, config=self.config, grad_dtypes=tdtypes)
+        self.naive = NaiveGrads([n for n, _ in params], tdtypes, world_size)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.task, self.seen, self.reported, self.log_start = 0, set(), [], 0
+        note(f"W={world_size} params={params} path={path} {self.config}")
+
+    def _run(self, effects: tuple) -> None:
+        note(f"  -> {list(effects)}")
+        self.world.run(effects)
+
+    def _window_open(self) -> bool:
+        return self.state.micro_step < self.config.gradient_accumulation_steps
+
+    @precondition(lambda self: self._window_open())
+    @rule(data=st.data())
+    def report(self, data: st.DataObject) -> None:
+        self._report(ParamId(data.draw(st.integers(0, len(self.dtypes) - 1), label="param")))
+
+    @precondition(lambda self: self._window_open())
+    @rule(data=st.data())
+    def report_all(self, data: st.DataObject) -> None:
+        """A whole backward's worth of grads, in an arbitrary order."""
+        for p in data.draw(st.permutations(range(len(self.dtypes))), label="order"):
+            self._report(ParamId(p))
+
+    @precondition(lambda self: self._window_open())
+    @rule()
+    def report_backward(self) -> None:
+        """A whole backward in the order autograd reports grads: last param first."""
+        for p in reversed(range(len(self.dtypes))):
+            self._report(ParamId(p))
+
+    def _report(self, p: ParamId) -> None:
+        if p in self.seen:
+            return  # reporting it again in this graph task is report_twice's business
+        g = small_int_grads(self.gen, self.state.spec.params[p].numel, len(self.world.shards),
+                            DTYPES[self.dtypes[p]])
+        note(f"report p{p} (task {self.task}) grads {[t.tolist() for t in g]}")
+        self.naive.add(p, g)
+        self.world.accumulate_grad(p, g)
+        self.state, eff = grads.bucket_add(self.state, p, config=self.config,
+                                           dtype=self.dtypes[p], graph_task=self.task)
+        self._run(eff)
+        self.seen.add(p)
+        self.reported.append(p)
+
+    @precondition(lambda self: bool(self.seen))
+    @rule(data=st.data())
+    def report_twice(self, data: st.DataObject) -> None:
+        p = data.draw(st.sampled_from(sorted(self.seen)), label="param")
+        note(f"report p{p} again in task {self.task}: must raise")
+        try:
+            grads.bucket_add(self.state, p, config=self.config, dtype=self.dtypes[p],
+                             graph_task=self.task)
+        except GradError as err:
+            assert f"'p{p}'" in str(err), f"the error does not name p{p}: {err}"
+        else:
+            raise AssertionError(f"p{p} reported twice in one graph task was accepted")
+
+    @rule()
+    def new_graph_task(self) -> None:
+        self.task += 1
+        self.seen = set()
+        note(f"new graph task {self.task} (reentrant checkpoint)")
+
+    @rule(which=st.sampled_from([None, *sorted(DTYPES)]))
+    def flush(self, which: str | None) -> None:
+        note(f"flush({which})")
+        self.state, eff = grads.flush(self.state, config=self.config, dtype=which)
+        self._run(eff)
+
+    @precondition(lambda self: self._window_open())
+    @rule()
+    def end_backward(self) -> None:
+        note(f"epilogue at micro_step {self.state.micro_step}")
+        self.state, eff = ep.epilogue(self.state, config=self.config)
+        self._run(eff)
+        check_drained(self.state, eff, config=self.config)
+        check_reduce_log(self.world.log[self.log_start:], self.reported, config=self.config)
+        self.task, self.seen, self.reported, self.log_start = 0, set(), [], len(self.world.log)
+        if ep.at_boundary(self.state, config=self.config):
+            self.naive.check(self.world, self.state.spec.world_size
+                             * self.config.gradient_accumulation_steps)
+
+    @precondition(lambda self: not self._window_open())
+    @rule()
+    def optimizer_step(self) -> None:
+        note("optimizer_step")
+        self.state, eff = ep.optimizer_step(self.state, config=self.config)
+        self._run(eff)
+        self.naive.reset()
+
+    @precondition(lambda self: not self._window_open())
+    @rule()
+    def epilogue_past_window(self) -> None:
+        note("epilogue / bucket_add past the window: must raise")
+        for call in (lambda: ep.epilogue(self.state, config=self.config),
+                     lambda: grads.bucket_add(self.state, ParamId(0), config=self.config,
+                                              dtype=self.dtypes[0], graph_task=self.task + 1)):
+            try:
+                call()
+            except GradError:
+                continue
+            raise AssertionError("a complete accumulation window accepted more grads")
+
+    @precondition(lambda self: self._window_open())
+    @rule()
+    def step_too_early(self) -> None:
+        note("optimizer_step inside the window: must raise")
+        try:
+            ep.optimizer_step(self.state, config=self.config)
+        except GradError:
+            return
+        raise AssertionError("optimizer_step accepted before the accumulation boundary")
+
+    @invariant()
+    def state_is_sound(self) -> None:
+        if hasattr(self, "state"):
+            check_grad_state(self.state, config=self.config)

@@ -1,0 +1,177 @@
+"""A deliberately naive model of gradient accumulation, and a scenario driver for the real one.
+
+    naive:  sums[p] += sum over ranks of grad_r(p)        (full size, no buckets, no shards)
+            at the boundary: rank r expects (sums[p] / (W * gas)) padded, [r*s, (r+1)*s)
+    real:   bucket_add / flush / epilogue (fz3.core) -> effects -> SimulatedWorld
+
+The naive side slices with its own index arithmetic, never with fz3.data, so a bug in the data
+plane cannot hide by being on both sides. Grads are small integers, so every sum is exact in
+fp32 and results are compared with torch.equal.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+from hypothesis import strategies as st
+
+from fz3.core import epilogue as ep
+from fz3.core import grads
+from fz3.core.config import Config
+from fz3.core.grads import GradState
+from fz3.core.ids import ParamId
+from fz3.core.invariants_grad import check_drained, check_grad_state, check_reduce_log
+from fz3.core.spec import ModelSpec, build_spec
+from fz3.interpreters.simulated import SimulatedWorld
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+PATHS = {  # name -> Config fields
+    "allreduce": dict(contiguous_gradients=True, reduce_scatter=False),
+    "reduce_scatter": dict(contiguous_gradients=True, reduce_scatter=True),
+    "reduce_scatter_loose": dict(contiguous_gradients=False, reduce_scatter=True),
+}
+Action = tuple  # ("report", p) | ("flush",) | ("task",)
+
+
+def grad_spec(numels: Sequence[int], world_size: int) -> ModelSpec:
+    """A flat model: params p0, p1, ... of these numels, all in one module."""
+    return build_spec([(f"p{i}", n) for i, n in enumerate(numels)],
+                      [("root", list(range(len(numels))), False)],
+                      world_size=world_size, persistence_threshold=0)
+
+
+def small_int_grads(gen: torch.Generator, numel: int, world_size: int, dtype: torch.dtype
+                    ) -> list[torch.Tensor]:
+    """One grad per rank, integer-valued in [-4, 4]: every sum of them is exact."""
+    return [torch.randint(-4, 5, (numel,), generator=gen).to(dtype) for _ in range(world_size)]
+
+
+class NaiveGrads:
+    """Full-size running sums per param; sliced only when asked."""
+
+    def __init__(self, numels: Sequence[int], dtypes: Sequence[torch.dtype], world_size: int):
+        self.numels, self.dtypes, self.world_size = list(numels), list(dtypes), world_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = [torch.zeros(n, dtype=d) for n, d in zip(self.numels, self.dtypes)]
+
+    def add(self, param: int, rank_grads: Sequence[torch.Tensor]) -> None:
+        for g in rank_grads:
+            self.sums[param] = self.sums[param] + g.reshape(-1)
+
+    def expected(self, param: int, rank: int, divisor: int) -> torch.Tensor:
+        n, w = self.numels[param], self.world_size
+        s = (n + w - 1) // w
+        padded = torch.cat([self.sums[param] / divisor,
+                            torch.zeros(s * w - n, dtype=self.dtypes[param])])
+        return padded[rank * s:(rank + 1) * s]
+
+    def check(self, world: SimulatedWorld, divisor: int) -> None:
+        """Every rank's every partition equals the naive mean slice, bit for bit (I3)."""
+        for r in range(self.world_size):
+            for p in range(len(self.numels)):
+                got, want = world.partitions[r][p], self.expected(p, r, divisor)
+                if got.dtype != want.dtype or not torch.equal(got, want):
+                    raise AssertionError(f"I3: rank {r} param p{p}: partition {got.tolist()} "
+                                         f"({got.dtype}) != naive mean slice {want.tolist()}")
+
+
+class Scenario(NamedTuple):
+    """One accumulation window: per micro-step, the order of grad events."""
+
+    world_size: int
+    params: tuple[tuple[int, str], ...]  # (numel, comm dtype) per ParamId
+    bucket_size: int
+    overlap_comm: bool
+    seed: int
+    micro_steps: tuple[tuple[Action, ...], ...]  # len = gradient_accumulation_steps
+
+    def config(self, path: str) -> Config:
+        return Config(reduce_bucket_size=self.bucket_size, overlap_comm=self.overlap_comm,
+                      gradient_accumulation_steps=len(self.micro_steps), **PATHS[path])
+
+
+@st.composite
+def scenarios(draw: st.DrawFn, max_params: int = 6) -> Scenario:
+    """World sizes 1-4, numels 0-40, buckets from 1 element (often at an edge), 1-4 micro-steps,
+    each a whole backward (in reverse param order or shuffled) or any run of reports, flushes
+    and new graph tasks."""
+    params = draw(st.lists(st.tuples(st.integers(0, 40), st.sampled_from(sorted(DTYPES))),
+                           min_size=1, max_size=max_params))
+    n = len(params)
+    action = st.one_of(st.tuples(st.just("report"), st.integers(0, n - 1)),
+                       st.just(("flush",)), st.just(("task",)))
+    backward = tuple(("report", p) for p in reversed(range(n)))  # the order autograd reports
+    step = st.one_of(st.just(backward), st.permutations(backward).map(tuple),
+                     st.lists(action, max_size=3 * n).map(tuple))
+    steps = draw(st.lists(step, min_size=1, max_size=4))
+    bucket = draw(bucket_sizes([p[0] for p in params]))
+    return Scenario(draw(st.integers(1, 4)), tuple(params), bucket, draw(st.booleans()),
+                    draw(st.integers(0, 2**32 - 1)), tuple(steps))
+
+
+def bucket_sizes(numels: Sequence[int]) -> st.SearchStrategy[int]:
+    """1-64 elements, often at an edge: the fill of a run of grads, plus -1, 0 or +1.
+
+    Suffix runs are the fills a backward in reverse param order reaches from an empty bucket.
+    """
+    n, d = len(numels), st.integers(-1, 1)
+    run = st.builds(lambda i, j, d: max(1, sum(numels[i:j + 1]) + d),
+                    st.integers(0, n - 1), st.integers(0, n - 1), d)
+    suffix = st.builds(lambda i, d: max(1, sum(numels[i:]) + d), st.integers(0, n - 1), d)
+    return st.one_of(st.integers(1, 64), run, suffix)
+
+
+def run_scenario(sc: Scenario, path: str) -> tuple[SimulatedWorld, GradState, NaiveGrads]:
+    """Drive the core through one whole window on `path`, checking invariants as it goes."""
+    config = sc.config(path)
+    spec = grad_spec([n for n, _ in sc.params], sc.world_size)
+    dtypes = [DTYPES[d] for _, d in sc.params]
+    world = SimulatedWorld(spec, config=config, grad_dtypes=dtypes)
+    naive = NaiveGrads([n for n, _ in sc.params], dtypes, sc.world_size)
+    state, gen = grads.init_grad_state(spec), torch.Generator().manual_seed(sc.seed)
+    for actions in sc.micro_steps:
+        start, reported, task, seen = len(world.log), [], 0, set()
+        for act in actions:
+            if act[0] == "task":
+                task, seen = task + 1, set()
+                continue
+            if act[0] == "flush":
+                state, eff = grads.flush(state, config=config)
+            else:
+                p = ParamId(act[1])
+                if p in seen:  # a second report in one graph task is an error (tested apart)
+                    continue
+                seen.add(p)
+                reported.append(p)
+                g = small_int_grads(gen, sc.params[p][0], sc.world_size, dtypes[p])
+                naive.add(p, g)
+                world.accumulate_grad(p, g)
+                state, eff = grads.bucket_add(state, p, config=config, dtype=sc.params[p][1],
+                                              graph_task=task)
+            world.run(eff)
+            check_grad_state(state, config=config)
+        state, eff = ep.epilogue(state, config=config)
+        world.run(eff)
+        check_drained(state, eff, config=config)
+        check_reduce_log(world.log[start:], reported, config=config)
+    return world, state, naive
+
+
+def divisor(sc: Scenario) -> int:
+    return sc.world_size * len(sc.micro_steps)
+
+
+_BACKWARD = (("report", 2), ("report", 1), ("report", 0))
+EDGES = [  # permanent examples: shrunk failures and edges the search reaches only sometimes
+    # re-reported in a new graph task while its first grad still sits in the bucket
+    Scenario(1, ((0, "float32"),), 1, False, 0, ((("report", 0), ("task",), ("report", 0)),)),
+    Scenario(2, ((3, "float32"), (2, "float64")), 8, True, 1,
+             ((("report", 1), ("report", 0), ("task",), ("report", 1), ("flush",)),)),
+    # the bucket filled to capacity exactly (3 + 4 = 7), then one element past it (7 + 1 = 8)
+    Scenario(2, ((1, "float32"), (4, "float32"), (3, "float32")), 7, True, 2, (_BACKWARD,)),
+    # two micro-steps; a bucket of one element: every grad bigger than 1 is reduced alone
+    Scenario(3, ((5, "float32"), (1, "float32"), (0, "float32")), 1, False, 3,
+             (_BACKWARD, (("report", 0),))),
+]

@@ -1,0 +1,82 @@
+"""The gradient tests have teeth: each planted bug is caught by the machine and by the properties.
+
+Each bug replaces one function of the core or the data plane (monkeypatch), then the state
+machine and the I3 property (with its permanent EDGES examples) run with fixed settings
+(derandomized, up to 300 examples, no shrinking, no example database) and must fail with the
+expected message. The clean code passes the same runs in
+test_grad_machine.py and test_grad_properties.py.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import Phase, example, given, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from fz3.core import epilogue, grads
+from fz3.core.spec import shard_numel
+from fz3.data import collectives, layout
+from fz3.interpreters.simulated import SimulationError
+from fz3.testing.grad_machine import GradMachine
+from fz3.testing.grad_naive import EDGES, PATHS, divisor, run_scenario, scenarios
+
+STRICT = settings(max_examples=300, deadline=None, database=None, derandomize=True,
+                  phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False)
+
+
+def add_on_first_write(pg, window):
+    """Planted: DeepSpeed's copy_ on the first write of a window becomes add_."""
+    return "add"
+
+
+def rank_slice_off_by_one(flat, rank, world_size):
+    """Planted: the padded slice ends one element early (the last owned element is lost)."""
+    n = flat.shape[-1]
+    s = shard_numel(n, world_size)
+    lo, hi = min(rank * s, n), min((rank + 1) * s - 1, n)
+    return F.pad(flat[..., lo:hi], (0, s - (hi - lo)))
+
+
+def pack_param_major(grads, world_size):
+    """Planted: the reduce-scatter input is param-major, not interleaved per rank."""
+    return torch.cat([layout.pad_flat(g, world_size) for g in grads]) if grads else torch.zeros(0)
+
+
+BUGS = {  # name: (module, attribute, replacement, error types, message)
+    "add instead of copy on the first write": (
+        grads, "write_mode", add_on_first_write, AssertionError, "I3"),
+    "off-by-one in the padded slice": (
+        layout, "rank_slice", rank_slice_off_by_one, AssertionError, "I3"),
+    "divide by W, not W * gas": (
+        epilogue, "grad_divisor", lambda w, gas: w, AssertionError, "I3"),
+    "bucket overflows by one element": (
+        grads, "fits", lambda fill, n, cap: fill + n <= cap + 1, (AssertionError, SimulationError),
+        "capacity|reduce_bucket_size"),
+    "reduce-scatter not interleaved": (
+        collectives, "pack_reduce_scatter", pack_param_major, AssertionError, "I3"),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_machine_catches(bug, monkeypatch):
+    module, attr, fn, errors, msg = BUGS[bug]
+    monkeypatch.setattr(module, attr, fn)
+    with pytest.raises(errors, match=msg):
+        run_state_machine_as_test(GradMachine, settings=STRICT)
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_properties_catch(bug, monkeypatch):
+    module, attr, fn, errors, msg = BUGS[bug]
+    monkeypatch.setattr(module, attr, fn)
+
+    def i3_on_every_path(sc):
+        for path in PATHS:
+            world, _, naive = run_scenario(sc, path)
+            naive.check(world, divisor(sc))
+
+    for sc in EDGES:  # the same permanent examples as test_grad_properties.py
+        i3_on_every_path = example(sc)(i3_on_every_path)
+    i3_on_every_path = STRICT(given(scenarios())(i3_on_every_path))
+
+    with pytest.raises(errors, match=msg):
+        i3_on_every_path()

@@ -1,0 +1,82 @@
+"""fz3.core.epilogue: end of a backward, accumulation boundary, optimizer_step reset."""
+import pytest
+
+from fz3.core.config import Config
+from fz3.core.effects import AverageGrads, ReduceBucket, WaitReduce, ZeroPartitions
+from fz3.core.epilogue import at_boundary, epilogue, grad_divisor, never_written, optimizer_step
+from fz3.core.grads import GradError, bucket_add, init_grad_state
+from fz3.core.invariants_grad import check_drained
+from fz3.core.spec import build_spec
+
+
+def grad_spec(numels, world_size):
+    return build_spec([(f"p{i}", n) for i, n in enumerate(numels)],
+                      [("root", range(len(numels)), False)], world_size=world_size,
+                      persistence_threshold=0)
+
+
+def kinds(effects):
+    return [type(e).__name__ for e in effects]
+
+
+@pytest.mark.parametrize("world_size, gas, overlap, reports, expected", [
+    # one micro-step: flush, wait, zero p1 (never reported), average by W
+    (2, 1, True, [[0]], [["ReduceBucket", "WritePartition", "DropGrads", "WaitReduce",
+                          "ZeroPartitions", "AverageGrads"]]),
+    # no overlap_comm: nothing to wait for
+    (3, 1, False, [[0, 1]], [["ReduceBucket", "WritePartition", "WritePartition", "DropGrads",
+                              "AverageGrads"]]),
+    # two micro-steps: the first only flushes and waits; p1 first written at micro-step 1
+    (4, 2, True, [[0], [1, 0]], [["ReduceBucket", "WritePartition", "DropGrads", "WaitReduce"],
+                                 ["ReduceBucket", "WritePartition", "WritePartition", "DropGrads",
+                                  "WaitReduce", "AverageGrads"]]),
+    # an empty backward still counts as a micro-step
+    (1, 2, True, [[], []], [["WaitReduce"], ["WaitReduce", "ZeroPartitions", "AverageGrads"]]),
+])
+def test_epilogue_effects(world_size, gas, overlap, reports, expected):
+    config = Config(gradient_accumulation_steps=gas, overlap_comm=overlap)
+    state = init_grad_state(grad_spec([3, 4], world_size))
+    for m, (ps, want) in enumerate(zip(reports, expected)):
+        for p in ps:
+            state, _ = bucket_add(state, p, config=config)
+        state, eff = epilogue(state, config=config)
+        check_drained(state, eff, config=config)
+        assert kinds(eff) == want
+        assert state.micro_step == m + 1 and state.backward == m + 1
+    assert at_boundary(state, config=config)
+    assert eff[-1] == AverageGrads(world_size * gas)
+    written = {p for ps in reports for p in ps}
+    zero = [e for e in eff if isinstance(e, ZeroPartitions)]
+    assert (zero[0].params if zero else ()) == tuple(p for p in (0, 1) if p not in written)
+
+
+@pytest.mark.parametrize("w, gas", [(1, 1), (2, 3), (4, 4), (3, 1)])
+def test_divisor_is_world_size_times_accumulation_steps(w, gas):
+    assert grad_divisor(w, gas) == w * gas
+
+
+def test_window_lifecycle_and_errors():
+    config = Config(gradient_accumulation_steps=2)
+    state = init_grad_state(grad_spec([3], 2))
+    with pytest.raises(GradError, match="after 0 of 2 micro-steps"):
+        optimizer_step(state, config=config)
+    state, _ = epilogue(state, config=config)
+    state, _ = epilogue(state, config=config)
+    with pytest.raises(GradError, match="window is complete"):
+        epilogue(state, config=config)
+    with pytest.raises(GradError, match="window is complete"):
+        bucket_add(state, 0, config=config)
+    state, eff = optimizer_step(state, config=config)
+    assert eff == () and state.micro_step == 0 and state.window == 1
+    assert never_written(state) == (0,)  # a new window: nothing written yet
+
+
+def test_epilogue_flushes_every_dtype_in_order():
+    config = Config(reduce_bucket_size=100)
+    state = init_grad_state(grad_spec([3, 4], 1))
+    state, _ = bucket_add(state, 0, config=config, dtype="float32")
+    state, _ = bucket_add(state, 1, config=config, dtype="bfloat16")
+    state, eff = epilogue(state, config=config)
+    assert [e.dtype for e in eff if isinstance(e, ReduceBucket)] == ["bfloat16", "float32"]
+    assert state.buckets == ()
+    assert eff.index(WaitReduce()) > max(i for i, e in enumerate(eff) if isinstance(e, ReduceBucket))

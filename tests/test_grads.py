@@ -1,0 +1,140 @@
+"""fz3.core.grads: bucket_add and flush, table-driven."""
+import pytest
+
+from fz3.core.config import Config
+from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, ReduceBucket, Slot,
+                              WritePartition)
+from fz3.core.epilogue import epilogue, optimizer_step
+from fz3.core.grads import GradError, bucket_add, flush, init_grad_state
+from fz3.core.invariants_grad import check_grad_state
+from fz3.core.spec import build_spec
+
+AR = dict(reduce_scatter=False)  # contiguous all-reduce path
+RS = dict(reduce_scatter=True)
+LOOSE = dict(contiguous_gradients=False, reduce_scatter=True)
+
+
+def grad_spec(numels, world_size):
+    return build_spec([(f"p{i}", n) for i, n in enumerate(numels)],
+                      [("root", range(len(numels)), False)], world_size=world_size,
+                      persistence_threshold=0)
+
+
+def run(numels, order, *, world_size=2, **cfg):
+    config = Config(**cfg)
+    state = init_grad_state(grad_spec(numels, world_size))
+    out = []
+    for p in order:
+        state, eff = bucket_add(state, p, config=config)
+        check_grad_state(state, config=config)
+        out.append(eff)
+    return state, out, config
+
+
+def reduced(bucket, slots, path="allreduce", contiguous=True, modes=None):
+    """The effects of one flush of `slots` [(param, offset, numel)]."""
+    ps = tuple(s[0] for s in slots)
+    modes = modes or [COPY] * len(ps)
+    return (ReduceBucket(bucket, "float32", path, tuple(Slot(*s) for s in slots), contiguous),
+            *(WritePartition(bucket, p, m) for p, m in zip(ps, modes)),
+            DropGrads(bucket, ps, contiguous))
+
+
+@pytest.mark.parametrize("numels, cap, order, cfg, expected", [
+    # fits exactly: two copies, nothing reduced yet
+    ([3, 5], 8, [0, 1], AR, [(CopyToBucket(0, "float32", 0, 0, 3),),
+                             (CopyToBucket(0, "float32", 1, 3, 5),)]),
+    # would overflow: flush bucket 0 first, then open bucket 1
+    ([3, 6], 8, [0, 1], AR, [(CopyToBucket(0, "float32", 0, 0, 3),),
+                             reduced(0, [(0, 0, 3)]) + (CopyToBucket(1, "float32", 1, 0, 6),)]),
+    # bigger than the whole bucket: flush, then reduced on its own from param.grad (no copy)
+    ([3, 20], 8, [0, 1], AR, [(CopyToBucket(0, "float32", 0, 0, 3),),
+                              reduced(0, [(0, 0, 3)]) + reduced(1, [(1, 0, 20)], contiguous=False)]),
+    # oversized first: nothing to flush
+    ([20, 3], 8, [0, 1], RS, [reduced(0, [(0, 0, 20)], "reduce_scatter", contiguous=False),
+                              (CopyToBucket(1, "float32", 1, 0, 3),)]),
+    # no contiguous_gradients: slots are bookkeeping only, no copies
+    ([3, 5, 4], 8, [2, 0, 1], LOOSE, [(), (), reduced(0, [(2, 0, 4), (0, 4, 3)], "reduce_scatter",
+                                                       contiguous=False)]),
+    # numel 0 takes a slot of size 0
+    ([0, 8], 8, [0, 1], AR, [(CopyToBucket(0, "float32", 0, 0, 0),),
+                             (CopyToBucket(0, "float32", 1, 0, 8),)]),
+    # a one-element bucket: every grad but numel <= 1 is reduced alone
+    ([1, 2], 1, [0, 1], AR, [(CopyToBucket(0, "float32", 0, 0, 1),),
+                             reduced(0, [(0, 0, 1)]) + reduced(1, [(1, 0, 2)], contiguous=False)]),
+])
+def test_bucket_add(numels, cap, order, cfg, expected):
+    _, effects, _ = run(numels, order, reduce_bucket_size=cap, **cfg)
+    assert effects == expected
+
+
+def test_flush_reduces_open_bucket_on_configured_path():
+    for cfg, path in ((AR, "allreduce"), (RS, "reduce_scatter")):
+        state, _, config = run([3, 5], [1, 0], reduce_bucket_size=100, **cfg)
+        state, eff = flush(state, config=config)
+        assert eff == reduced(0, [(1, 0, 5), (0, 5, 3)], path)
+        assert state.buckets == ()
+        assert flush(state, config=config)[1] == ()  # nothing open: nothing to do
+
+
+def test_one_bucket_per_dtype():
+    config = Config(reduce_bucket_size=100)
+    state = init_grad_state(grad_spec([3, 4, 5], 1))
+    for p, dt in ((0, "float32"), (1, "bfloat16"), (2, "float32")):
+        state, eff = bucket_add(state, p, config=config, dtype=dt)
+    assert [(b.dtype, b.fill) for b in state.buckets] == [("bfloat16", 4), ("float32", 8)]
+    state, eff = flush(state, config=config, dtype="float32")
+    assert [e.bucket for e in eff if isinstance(e, ReduceBucket)] == [0]
+    state, eff = flush(state, config=config)
+    assert [(e.bucket, e.dtype) for e in eff if isinstance(e, ReduceBucket)] == [(1, "bfloat16")]
+
+
+def test_double_report_names_the_param():
+    state, _, config = run([3, 4], [1])
+    with pytest.raises(GradError, match=r"'p1' \(id 1\) reported twice"):
+        bucket_add(state, 1, config=config)
+
+
+def test_unknown_param():
+    state, _, config = run([3], [])
+    with pytest.raises(GradError, match="no param with id 5"):
+        bucket_add(state, 5, config=config)
+
+
+def test_new_graph_task_contiguous_flushes_the_stale_bucket():
+    state, _, config = run([3, 4], [0, 1], reduce_bucket_size=100)
+    state, eff = bucket_add(state, 0, config=config, graph_task=1)
+    assert eff == (reduced(0, [(0, 0, 3), (1, 3, 4)], "reduce_scatter")
+                   + (CopyToBucket(1, "float32", 0, 0, 3),))
+    state, eff = flush(state, config=config)
+    assert [e for e in eff if isinstance(e, WritePartition)] == [WritePartition(1, 0, ADD)]
+
+
+def test_new_graph_task_loose_merges_into_param_grad():
+    state, _, config = run([3, 4], [0, 1], reduce_bucket_size=100, **LOOSE)
+    state, eff = bucket_add(state, 0, config=config, graph_task=1)
+    assert eff == ()  # autograd summed the new grad into param.grad; the open slot reads it
+    with pytest.raises(GradError, match="'p0'"):
+        bucket_add(state, 0, config=config, graph_task=1)
+
+
+def test_flags_reset_by_epilogue_and_write_modes_follow_the_window():
+    state, _, config = run([3, 4], [0], reduce_bucket_size=100, gradient_accumulation_steps=2)
+    state, eff = epilogue(state, config=config)
+    assert WritePartition(0, 0, COPY) in eff
+    for p, mode in ((0, ADD), (1, COPY)):  # p1's first grad of the window comes at micro-step 1
+        state, _ = bucket_add(state, p, config=config)  # no "reported twice": flags were reset
+        state, eff = flush(state, config=config)
+        assert [e.mode for e in eff if isinstance(e, WritePartition)] == [mode]
+    state, _ = epilogue(state, config=config)
+    state, _ = optimizer_step(state, config=config)
+    state, _ = bucket_add(state, 0, config=config)
+    assert [e.mode for e in flush(state, config=config)[1] if isinstance(e, WritePartition)] == [COPY]
+
+
+def test_transitions_do_not_touch_their_input():
+    state, _, config = run([3, 4], [0], reduce_bucket_size=100)
+    before = (state.buckets, list(state.params), state.next_bucket)
+    bucket_add(state, 1, config=config)
+    flush(state, config=config)
+    assert (state.buckets, list(state.params), state.next_bucket) == before

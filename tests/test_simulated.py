@@ -1,0 +1,84 @@
+"""fz3.interpreters.simulated: the N-rank world runs param and grad effects; rejects nonsense."""
+import pytest
+import torch
+
+from fz3.core.config import Config
+from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, ReduceBucket,
+                              Slot, Wait, WaitReduce, WritePartition, ZeroPartitions)
+from fz3.core.spec import build_spec
+from fz3.interpreters.simulated import SimulatedWorld, SimulationError
+
+SPEC = build_spec([("a", 5), ("b", 2), ("c", 0)], [("root", [0, 1, 2], False)], world_size=3,
+                  persistence_threshold=0)
+FULL = [torch.arange(1.0, 6), torch.tensor([10.0, 20.0]), torch.zeros(0)]
+
+
+def world(**cfg):
+    return SimulatedWorld.from_params(SPEC, FULL, config=Config(**cfg))
+
+
+def test_gather_wait_free():
+    w = world()
+    assert [s[0].tolist() for s in w.shards] == [[1, 2], [3, 4], [5, 0]]
+    w.run([AllGather(7, (0, 1, 2), prefetch=False, forward=True)])
+    assert w.full[0] == {} and 7 in w.inflight  # INFLIGHT: not readable yet
+    w.run([Wait(7)])
+    for r in range(3):
+        assert [t.tolist() for t in (w.full[r][0], w.full[r][1], w.full[r][2])] == [
+            [1, 2, 3, 4, 5], [10, 20], []]
+    w.run([Free((0, 2))])
+    assert list(w.full[1]) == [1]
+
+
+@pytest.mark.parametrize("effects, msg", [
+    ([Wait(1)], "not in flight"),
+    ([Free((0,))], "not gathered"),
+    ([AllGather(1, (0,), False, True), AllGather(1, (1,), False, True)], "reuses handle"),
+    ([AllGather(1, (0,), False, True), AllGather(2, (0,), False, True)], "already gathered"),
+    ([CopyToBucket(0, "float32", 0, 0, 5)], "has no grad"),
+    ([ReduceBucket(0, "float32", "allreduce", (Slot(0, 0, 5),), True)], "nothing was copied"),
+    ([WritePartition(0, 0, "copy")], "no reduced grad"),
+    ([DropGrads(0, (0,), True)], "not reduced"),
+    (["bogus"], "unknown effect"),
+])
+def test_rejects_nonsense(effects, msg):
+    with pytest.raises(SimulationError, match=msg):
+        world().run(effects)
+
+
+def test_copy_past_capacity_is_rejected():
+    w = world(reduce_bucket_size=4)
+    w.accumulate_grad(0, [torch.ones(5)] * 3)
+    with pytest.raises(SimulationError, match="capacity 4"):
+        w.run([CopyToBucket(0, "float32", 0, 0, 5)])
+
+
+def grads_of(r):
+    return [torch.arange(5.0) * (r + 1), torch.tensor([1.0, -1.0]) * r]
+
+
+@pytest.mark.parametrize("path", ["allreduce", "reduce_scatter"])
+def test_bucket_reduce_write_average(path):
+    w = world(reduce_bucket_size=8)
+    assert torch.isnan(w.partitions[0][0]).all()  # uninitialised until written
+    for p in (1, 0):
+        w.accumulate_grad(p, [grads_of(r)[p] for r in range(3)])
+    slots = (Slot(1, 0, 2), Slot(0, 2, 5))
+    w.run([CopyToBucket(0, "float32", 1, 0, 2), CopyToBucket(0, "float32", 0, 2, 5),
+           ReduceBucket(0, "float32", path, slots, True),
+           WritePartition(0, 1, "copy"), WritePartition(0, 0, "copy"), DropGrads(0, (1, 0), True),
+           WaitReduce(), ZeroPartitions((2,)), AverageGrads(2)])
+    # sum over ranks: a = [0, 6, 12, 18, 24], b = [3, -3]; then / 2; W=3 shards of 2 and 1
+    assert [w.partitions[r][0].tolist() for r in range(3)] == [[0, 3], [6, 9], [12, 0]]
+    assert [w.partitions[r][1].tolist() for r in range(3)] == [[1.5], [-1.5], [0]]
+    assert w.buckets == {} and w.reduced == {} and w.grads == [{}, {}, {}]
+
+
+def test_loose_bucket_reads_param_grads_and_drops_them():
+    w = world()
+    w.accumulate_grad(0, [torch.ones(5)] * 3)
+    w.accumulate_grad(0, [torch.ones(5)] * 3)  # a second graph task accumulates into param.grad
+    w.run([ReduceBucket(0, "float32", "reduce_scatter", (Slot(0, 0, 5),), False),
+           WritePartition(0, 0, "copy"), DropGrads(0, (0,), False)])
+    assert [w.partitions[r][0].tolist() for r in range(3)] == [[6, 6], [6, 6], [6, 0]]
+    assert w.grads == [{}, {}, {}]
