@@ -49,6 +49,8 @@ def check_state(st: ParamState) -> None:
                 _fail(f"handle {h} is in flight but carries {spec.params[p].name}, which is "
                       f"{st.params[p].status.name}")
     users = [0] * len(spec.params)
+    for p in st.held:
+        users[p] += 1
     for m, ms in enumerate(st.modules):
         if ms.active:
             for p in unit_of(st, m):

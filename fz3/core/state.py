@@ -98,6 +98,7 @@ class ParamState(NamedTuple):
     next_handle: int
     gathered: Cons  # params gathered since the last sweep (may repeat, may be stale)
     trace: TraceState
+    held: tuple[ParamId, ...] = ()  # held whole by gathered_parameters (sorted, may repeat)
 
     @property
     def params(self) -> _Records:
@@ -151,7 +152,7 @@ class Txn:
     def commit(self) -> tuple[ParamState, Effects]:
         return ParamState(self.st.spec, self.param_rows, self.module_rows, self.live, self.peak,
                           tuple(self.inflight), self.next_handle, self.gathered,
-                          self.trace), tuple(self.effects)
+                          self.trace, self.st.held), tuple(self.effects)
 
 
 def gather(tx: Txn, pids: tuple[ParamId, ...], *, prefetch: bool, forward: bool,

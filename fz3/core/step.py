@@ -22,9 +22,10 @@ from fz3.core.trace import invalidated, iter_cons, reset
 
 def sweep(tx: Txn, *, force: bool) -> None:
     """Drain, then free gathered params nothing holds: not persistent, not external and, unless
-    `force`, used by no active module. `force` also zeroes every user count (pass is over)."""
+    `force`, used by no active module. `force` also drops every module from the user counts
+    (the pass is over); holds (gathered_parameters) stay."""
     drain(tx)
-    spec = tx.st.spec.params
+    spec, held = tx.st.spec.params, tx.st.held
     seen: set[ParamId] = set()
     to_free, survivors = [], None
     for p in iter_cons(tx.gathered):
@@ -34,10 +35,11 @@ def sweep(tx: Txn, *, force: bool) -> None:
         s = tx.slots[p]
         if s[STATUS] != AVAILABLE:
             continue
-        if spec[p].persistent or s[EXTERNAL] or (s[USERS] and not force):
+        holds = held.count(p) if held else 0
+        if spec[p].persistent or s[EXTERNAL] or holds or (s[USERS] and not force):
             survivors = (p, survivors)
-            if force and s[USERS]:
-                tx.put(p, (s[STATUS], s[HANDLE], 0, s[FETCHED_FOR], s[EXTERNAL]))
+            if force and s[USERS] != holds:
+                tx.put(p, (s[STATUS], s[HANDLE], holds, s[FETCHED_FOR], s[EXTERNAL]))
         else:
             to_free.append(p)
     tx.gathered = survivors

@@ -1,0 +1,54 @@
+"""Holding params whole outside any module: the core half of `fz3.gathered_parameters`.
+
+    hold(pids)     each param gains a user; the NOT_AVAILABLE ones are gathered and waited
+    unhold(pids)   each loses it; with `stale` (the full values may have been edited, or the
+                   shards rewritten), params no module uses are freed even if persistent or
+                   external, so the next fetch gathers the current shards
+
+A hold counts like an active module in a param's `users`, so no release frees a held param.
+DeepSpeed: GatheredParameters.__enter__ / __exit__.
+"""
+from __future__ import annotations
+
+from fz3.core.config import Config
+from fz3.core.state import (AVAILABLE, FETCHED_FOR, HANDLE, NOT_AVAILABLE, STATUS, USERS, EXTERNAL,
+                            Effects, ParamState, Txn, free, gather, wait_for)
+from fz3.core.ids import ParamId
+
+
+def hold(st: ParamState, pids: tuple[ParamId, ...], *, config: Config) -> tuple[ParamState, Effects]:
+    pids = tuple(sorted(set(pids)))
+    tx = Txn(st)
+    missing = []
+    for p in pids:
+        s = tx.slots[p]
+        tx.put(p, (s[STATUS], s[HANDLE], s[USERS] + 1, s[FETCHED_FOR], s[EXTERNAL]))
+        if s[STATUS] == NOT_AVAILABLE:
+            missing.append(p)
+    if missing:
+        gather(tx, tuple(missing), prefetch=False, forward=True, fetched_for=(-1,) * len(missing))
+    wait_for(tx, pids)
+    new, effects = tx.commit()
+    return new._replace(held=tuple(sorted(st.held + pids))), effects
+
+
+def unhold(st: ParamState, pids: tuple[ParamId, ...], *, config: Config,
+           stale: bool = True) -> tuple[ParamState, Effects]:
+    pids = tuple(sorted(set(pids)))
+    held = list(st.held)
+    for p in pids:
+        if p not in held:
+            raise ValueError(f"unhold of param {st.spec.params[p].name}, which is not held")
+        held.remove(p)
+    tx = Txn(st)
+    to_free = []
+    for p in pids:
+        s = tx.slots[p]
+        users = s[USERS] - 1
+        tx.put(p, (s[STATUS], s[HANDLE], users, s[FETCHED_FOR], s[EXTERNAL]))
+        keep = st.spec.params[p].persistent or s[EXTERNAL]
+        if not users and s[STATUS] == AVAILABLE and (stale or not keep):
+            to_free.append(p)
+    free(tx, tuple(to_free))
+    new, effects = tx.commit()
+    return new._replace(held=tuple(held)), effects

@@ -1,0 +1,219 @@
+"""The real interpreter: runs the core's effects with torch.distributed on the tensor store.
+
+    AllGather(h)      flat 1-D all_gather_into_tensor of the params' shards, async (overlap_comm)
+    Wait(h)           wait that work, split the output into the params' full values
+    Free              params back to empty .data
+    CopyToBucket      param.grad -> slice of a flat IPG bucket buffer; param.grad = None
+    ReduceBucket      SUM all_reduce of the flat bucket, or one reduce_scatter_tensor of the
+                      padded rank-interleaved grads; async with overlap_comm
+    WritePartition    this rank's reduced slice -> its fp32 partition (copy | add)
+    DropGrads         the bucket buffer goes back to the pool (or param.grad = None)
+    WaitReduce        wait every reduce in flight and run the writes that waited for it
+    ZeroPartitions, AverageGrads   on the flat partition buffer (one division, never AVG)
+
+[Note: deferred writes] With overlap_comm a reduce runs while backward goes on, so the
+WritePartition / DropGrads effects that follow a ReduceBucket wait in a queue attached to that
+reduce; they run when it completes: at WaitReduce, or earlier when its buffer is needed again.
+On an accelerator the collectives run on side streams and the compute stream waits on them at
+Wait / WaitReduce; on CPU (gloo) the async Work objects are the only concurrency.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from fz3.core.config import Config
+from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, ReduceBucket,
+                              Wait, WaitReduce, WritePartition, ZeroPartitions)
+from fz3.core.ids import BucketId, Handle
+from fz3.data import collectives
+from fz3.shell.store import TensorStore
+
+
+class _Reduce:
+    """One reduce in flight: its work, what to do when it completes, and what waited for it."""
+
+    __slots__ = ("work", "finish", "deferred", "keep")
+
+    def __init__(self, work, finish, keep) -> None:
+        self.work, self.finish, self.deferred, self.keep = work, finish, [], keep
+
+
+class DistInterpreter:
+    def __init__(self, store: TensorStore, *, config: Config, device, group=None) -> None:
+        self.store, self.config, self.device, self.group = store, config, device, group
+        self.rank, self.world_size = store.rank, store.world_size
+        self.spec = store.tables.spec
+        self.async_op = config.overlap_comm
+        self.gather_stream = device.new_stream() if self.async_op else None
+        self.reduce_stream = device.new_stream() if self.async_op else None
+        self.gathers: dict[Handle, tuple] = {}
+        self.reduces: "deque[tuple[BucketId, _Reduce]]" = deque()
+        self.reduced: dict[BucketId, dict[int, torch.Tensor]] = {}
+        self.buffers: dict[BucketId, torch.Tensor] = {}
+        self.pool: dict[str, list[torch.Tensor]] = {}
+        trainable = sum(s.numel for s, t in zip(self.spec.params, store.trainable) if t)
+        self.bucket_capacity = max(1, min(config.reduce_bucket_size, trainable))
+        self.counts: Counter[str] = Counter()
+
+    def run(self, effects: Iterable[object]) -> None:
+        for e in effects:
+            match e:
+                case AllGather(handle=h, params=ps, prefetch=pre):
+                    self._all_gather(h, ps, pre)
+                case Wait(handle=h):
+                    self._wait(h)
+                case Free(params=ps):
+                    for p in ps:
+                        self.store.free(p)
+                case CopyToBucket():
+                    self._copy_to_bucket(e)
+                case ReduceBucket():
+                    self._reduce(e)
+                case WritePartition(bucket=b) | DropGrads(bucket=b) if self._pending(b) is not None:
+                    self._pending(b).deferred.append(e)
+                case WritePartition(bucket=b, param=p, mode=mode):
+                    self._write(b, p, mode)
+                case DropGrads(bucket=b, params=ps, contiguous=c):
+                    self._drop(b, ps, c)
+                case WaitReduce():
+                    while self.reduces:
+                        self._complete_oldest()
+                case ZeroPartitions(params=ps):
+                    for p in ps:
+                        if self.store.partitions[p] is not None:
+                            self.store.partitions[p].zero_()
+                case AverageGrads(divisor=d):
+                    self.store.grad_flat.div_(d)
+                case _:
+                    raise TypeError(f"DistInterpreter: unknown effect {e!r}")
+
+    # ---- parameters ---------------------------------------------------------------------------
+
+    def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
+        shards = [self.store.shards[p] for p in ps]
+        inp = shards[0] if len(shards) == 1 else collectives.pack_gather(shards)
+        out = torch.empty(inp.numel() * self.world_size, dtype=inp.dtype, device=inp.device)
+        with self._on(self.gather_stream):
+            work = dist.all_gather_into_tensor(out, inp, group=self.group, async_op=self.async_op)
+        self.gathers[h] = (work, out, ps, inp)  # inp stays alive until the gather is done
+        self.counts["all_gather"] += 1
+        self.counts["all_gather_prefetch" if prefetch else "all_gather_on_demand"] += 1
+        self.counts["gathered_bytes"] += out.numel() * out.element_size()
+
+    def _wait(self, h: Handle) -> None:
+        work, out, ps, _ = self.gathers.pop(h)
+        if work is not None:
+            work.wait()
+        if self.gather_stream is not None:
+            self.device.wait_stream(self.device.current_stream(), self.gather_stream)
+        numels = [self.spec.params[p].numel for p in ps]
+        fulls = [out[:numels[0]]] if len(ps) == 1 else collectives.unpack_gather(out, numels, self.world_size)
+        for p, full in zip(ps, fulls):
+            self.store.set_full(p, full)
+
+    # ---- gradients ------------------------------------------------------------------------------
+
+    def _copy_to_bucket(self, e: CopyToBucket) -> None:
+        param = self.store.params[e.param]
+        buf = self.buffers.get(e.bucket)
+        if buf is None:
+            buf = self.buffers[e.bucket] = self._acquire(e.dtype)
+        buf[e.offset:e.offset + e.numel].copy_(param.grad.reshape(-1))
+        param.grad = None
+
+    def _acquire(self, dtype: str) -> torch.Tensor:
+        free = self.pool.setdefault(dtype, [])
+        while not free and self.reduces:
+            self._complete_oldest()  # its DropGrads returns a buffer
+        if free:
+            return free.pop()
+        return torch.empty(self.bucket_capacity, dtype=getattr(torch, dtype), device=self.store.device)
+
+    def _reduce(self, e: ReduceBucket) -> None:
+        W, r = self.world_size, self.rank
+        if e.contiguous:
+            buf = self.buffers[e.bucket]
+            grads = [buf[s.offset:s.offset + s.numel] for s in e.slots]
+        else:
+            grads = [self.store.params[s.param].grad.reshape(-1) for s in e.slots]
+        if e.path == "allreduce":
+            flat = buf[:max(s.offset + s.numel for s in e.slots)] if e.contiguous else \
+                collectives.pack_bucket(grads)
+            with self._on(self.reduce_stream):
+                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=self.async_op)
+            spans = list(zip(collectives.slot_offsets([s.numel for s in e.slots]), [s.numel for s in e.slots])) \
+                if not e.contiguous else [(s.offset, s.numel) for s in e.slots]
+            finish = lambda: dict(zip((s.param for s in e.slots),
+                                      collectives.slice_allreduced(flat, spans, r, W)))
+            nbytes, keep = flat.numel() * flat.element_size(), flat
+        else:
+            order = sorted(range(len(e.slots)), key=lambda i: e.slots[i].param)
+            inp = collectives.pack_reduce_scatter([grads[i] for i in order], W)
+            out = torch.empty(inp.numel() // W, dtype=inp.dtype, device=inp.device)
+            with self._on(self.reduce_stream):
+                work = dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.group,
+                                                  async_op=self.async_op)
+            params = [e.slots[i].param for i in order]
+            finish = lambda: dict(zip(params, collectives.unpack_reduce_scatter(
+                out, [self.spec.params[p].numel for p in params], W)))
+            nbytes, keep = inp.numel() * inp.element_size(), inp
+        self.counts["reduce"] += 1
+        self.counts["reduced_bytes"] += nbytes
+        pending = _Reduce(work, finish, keep)
+        if work is None:
+            self.reduced[e.bucket] = finish()
+        else:
+            self.reduces.append((e.bucket, pending))
+
+    def _pending(self, bucket: BucketId) -> Optional[_Reduce]:
+        for b, pending in self.reduces:
+            if b == bucket:
+                return pending
+        return None
+
+    def _complete_oldest(self) -> None:
+        bucket, pending = self.reduces.popleft()
+        pending.work.wait()
+        if self.reduce_stream is not None:
+            self.device.wait_stream(self.device.current_stream(), self.reduce_stream)
+        self.reduced[bucket] = pending.finish()
+        self.run(pending.deferred)
+
+    def _write(self, bucket: BucketId, p: int, mode: str) -> None:
+        part = self.store.partitions[p]
+        reduced = self.reduced[bucket][p]
+        if mode == "copy":
+            part.copy_(reduced)
+        else:
+            part.add_(reduced)
+
+    def _drop(self, bucket: BucketId, ps: tuple[int, ...], contiguous: bool) -> None:
+        self.reduced.pop(bucket, None)
+        buf = self.buffers.pop(bucket, None)
+        if buf is not None:
+            self.pool.setdefault(str(buf.dtype).removeprefix("torch."), []).append(buf)
+        if not contiguous:
+            for p in ps:
+                self.store.params[p].grad = None
+
+    def _on(self, stream):
+        """Issue on a side stream that first waits for what compute queued (e.g. shard writes)."""
+        if stream is None:
+            return _NULL
+        self.device.wait_stream(stream, self.device.current_stream())
+        return self.device.stream(stream)
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()

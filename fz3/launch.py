@@ -1,0 +1,97 @@
+"""Run a function on N local ranks (gloo on 127.0.0.1), without torchrun.
+
+    results = fz3.launch.run(fn, world_size=2, args=(...,), timeout=300)
+    # fn(rank, world_size, *args) runs in N fresh processes with the default process group
+    # initialised; results[r] is what rank r returned (picklable)
+
+Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR set) use `init_from_env()` instead. Every rank
+ends with barrier, destroy_process_group, flush, os._exit(0): on torch 2.13 a gloo worker
+thread can abort a rank during interpreter shutdown after all its work is done (DESIGN.md §5).
+A rank that raises or a run that exceeds `timeout` fails the whole run with every rank's error.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import sys
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_from_env(timeout_s: float = 300) -> tuple[int, int]:
+    """Join the process group torchrun describes; -> (rank, world_size)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any],
+           results: "mp.Queue", timeout_s: float, threads: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
+    torch.set_num_threads(threads)
+    code = 0
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        # plain pickle: tensors travel by value, not as shared-memory handles that die with us
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        results.put((rank, False, traceback.format_exc()))
+        code = 1
+    results.close()
+    results.join_thread()  # Queue.put hands data to a feeder thread; let it finish first
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run(fn: Callable, *, world_size: int = 2, args: Sequence[Any] = (), timeout: float = 300,
+        threads: int = 1) -> list[Any]:
+    """fn(rank, world_size, *args) on `world_size` spawned ranks; -> per-rank results."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, timeout, threads),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        while len(out) + len(errors) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"fz3.launch.run: no result within {timeout}s; ranks alive: "
+                                   f"{[r for r, p in enumerate(procs) if p.is_alive()]}") from None
+            if ok:
+                out[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("fz3.launch.run: a rank failed\n" + "\n".join(errors))
+    return [out[r] for r in range(world_size)]

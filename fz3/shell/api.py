@@ -1,0 +1,34 @@
+"""fz3's public entry point: `initialize(model, optimizer, cfg) -> Engine`."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fz3.core.config import Config
+from fz3.shell import consolidate
+from fz3.shell.device import pick_device
+from fz3.shell.engine import Engine
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None,
+               *, group=None) -> Engine:
+    """Shard `model` over the default process group and rebind `optimizer` (built on
+    model.parameters()) to this rank's fp32 master shards. Every rank must call it.
+    DeepSpeed: deepspeed.initialize(model=..., optimizer=..., config=...) at stage 3."""
+    if config is None:
+        config = Config()
+    if not isinstance(config, Config):
+        raise TypeError(f"fz3.initialize expects a fz3.Config (use Config.from_deepspeed for a "
+                        f"DeepSpeed dict), got {type(config).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fz3.initialize expects an nn.Module, got {type(model).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError("fz3.initialize needs torch.distributed initialised (fz3.launch.run or "
+                           "torchrun + fz3.launch.init_from_env)")
+    device = pick_device()
+    device.set_device()
+    model.to(device.torch_device)
+    engine = Engine(model, optimizer, config, device=device, group=group)
+    consolidate.register(engine)
+    return engine

@@ -1,0 +1,87 @@
+"""Whole parameters out of shards: `full_state_dict` and `gathered_parameters`.
+
+    engine.full_state_dict()                      every rank gets the fp32 params (+ buffers),
+                                                  keys as model.state_dict()
+    with fz3.gathered_parameters(params_or_module, modifier_rank=None):
+        ...                                       the params are whole; with modifier_rank=r,
+                                                  rank r's edits are broadcast and re-sharded
+DeepSpeed: _zero3_consolidated_16bit_state_dict, zero.GatheredParameters.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fz3.core.hold import hold, unhold
+from fz3.data import layout
+
+_ENGINES: "weakref.WeakKeyDictionary[nn.Parameter, object]" = weakref.WeakKeyDictionary()
+
+
+def register(engine) -> None:
+    for p in engine.tables.params:
+        _ENGINES[p] = engine
+
+
+def _gather_master(engine, p: int) -> torch.Tensor:
+    """(numel,) fp32 full value of param p from every rank's master shard."""
+    shard = engine.store.masters[p].detach()
+    out = torch.empty(shard.numel() * engine.world_size, dtype=shard.dtype, device=shard.device)
+    dist.all_gather_into_tensor(out, shard.contiguous(), group=engine.group)
+    return out[:engine.spec.params[p].numel]
+
+
+def full_state_dict(engine) -> dict[str, torch.Tensor]:
+    full = {id(param): _gather_master(engine, p).view(param.shape if param.numel() else engine.store.shapes[p])
+            for p, param in enumerate(engine.tables.params)}
+    out = {}
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) in full:
+            out[name] = full[id(t)].clone()
+        else:
+            out[name] = t.detach().clone()
+    return out
+
+
+@contextlib.contextmanager
+def gathered_parameters(params: Union[nn.Module, nn.Parameter, Iterable[nn.Parameter]],
+                        modifier_rank: Optional[int] = None) -> Iterator[None]:
+    """Make `params` whole inside the block. Every rank must enter it (it gathers).
+
+    modifier_rank=None: edits are discarded on exit. modifier_rank=r: rank r's values are
+    broadcast on exit and become every rank's new shards (and fp32 masters).
+    """
+    if isinstance(params, nn.Module):
+        params = list(params.parameters())
+    elif isinstance(params, nn.Parameter):
+        params = [params]
+    params = list(params)
+    by_engine: dict[int, tuple[object, list[int]]] = {}
+    for param in params:
+        engine = _ENGINES.get(param)
+        if engine is None:
+            raise ValueError(f"gathered_parameters: a parameter of shape {tuple(param.shape)} is not "
+                             "managed by an fz3 engine (call fz3.initialize first)")
+        by_engine.setdefault(id(engine), (engine, []))[1].append(engine.param_ids[id(param)])
+    for engine, pids in by_engine.values():
+        if modifier_rank is not None and not 0 <= modifier_rank < engine.world_size:
+            raise ValueError(f"modifier_rank={modifier_rank}: expected None or a rank in "
+                             f"[0, {engine.world_size})")
+        engine._params(hold(engine.params_state, tuple(sorted(set(pids))), config=engine.config))
+    try:
+        yield
+    finally:
+        for engine, pids in by_engine.values():
+            pids = tuple(sorted(set(pids)))
+            if modifier_rank is not None:
+                for p in pids:
+                    full = engine.tables.params[p].data
+                    dist.broadcast(full, src=modifier_rank, group=engine.group)
+                    engine.store.write_full(p, full)
+            engine._params(unhold(engine.params_state, pids, config=engine.config,
+                                  stale=modifier_rank is not None))

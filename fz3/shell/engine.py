@@ -1,0 +1,241 @@
+"""The engine: the shell's mutable cells and the event handlers that drive the core.
+
+    engine(*args)      root pre-forward: reset_step; every registered module:
+                       fetch on entry, release on exit (hooks.py)
+    engine.backward(loss) / loss.backward()
+                       PreBackward -> pre_backward, PostBackward -> post_backward,
+                       grad hooks -> bucket_add, end of backward (queue_callback) ->
+                       epilogue + finish_backward
+    engine.step()      at the accumulation boundary: clip, optimizer.step() on the fp32 master
+                       shards, shards refreshed, optimizer_step + end_of_step
+
+Every decision is a core transition; this file only moves events in and effects out, and holds
+the only mutable cells: the current ParamState and GradState, the tensor store, the in-flight
+handles (in the interpreter) and the forward stack.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fz3.core import backward as core_bwd
+from fz3.core.config import Config
+from fz3.core.epilogue import at_boundary, epilogue, optimizer_step
+from fz3.core.fetch import fetch
+from fz3.core.grads import bucket_add, init_grad_state
+from fz3.core.ids import TraceMode
+from fz3.core.release import release
+from fz3.core.state import STATUS, initial_state
+from fz3.core.step import end_of_step, finish_backward, reset_step
+from fz3.interpreters.dist import DistInterpreter
+from fz3.shell import checks
+from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, tensors_in, wrap_tensors
+from fz3.shell.optim import bind_optimizer, clip_grad_norm
+from fz3.shell.store import DTYPES, TensorStore
+from fz3.shell.tables import read_tables
+
+
+class Engine:
+    """What `fz3.initialize` returns. Call it like the model."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, *,
+                 device, group=None) -> None:
+        self.module, self.optimizer, self.config, self.device = model, optimizer, config, device
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        _sync_from_rank0(model, group)
+        self.tables = read_tables(model, world_size=self.world_size, config=config)
+        self.spec = self.tables.spec
+        self.store = TensorStore(self.tables, rank=self.rank, world_size=self.world_size,
+                                 compute_dtype=config.compute_dtype, device=device.torch_device)
+        self.interp = DistInterpreter(self.store, config=config, device=device, group=group)
+        self.params_state = initial_state(self.spec)
+        self.grads_state = init_grad_state(self.spec)
+        self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
+        self.module_ids = {id(m): i for i, m in enumerate(self.tables.modules)}
+        self.units = [set(m.params) for m in self.spec.modules]
+        self.leaf_params = {p for m in self.spec.modules if m.is_leaf for p in m.params}
+        self.stack: list[int] = []
+        self.leaves_pending: set[int] = set()  # leaf modules run in forward, not yet reduced
+        self.callback_queued = False
+        self.optimizer_steps = 0
+        self.peak_live_numel = 0
+        if config.compute_dtype != "fp32":
+            _cast_buffers(model, DTYPES[config.compute_dtype])
+        bind_optimizer(optimizer, self.tables.params, self.store.masters)
+        self._install()
+
+    # ---- running effects ----------------------------------------------------------------------
+
+    def _params(self, result) -> None:
+        self.params_state, effects = result
+        self.interp.run(effects)
+        if self.config.debug_checks:
+            checks.after_param_event(self.params_state, effects, self.config)
+
+    def _grads(self, result) -> None:
+        self.grads_state, effects = result
+        self.interp.run(effects)
+        if self.config.debug_checks:
+            checks.after_grad_event(self.grads_state, self.config)
+
+    # ---- hooks ------------------------------------------------------------------------------
+
+    def _install(self) -> None:
+        for m, module in enumerate(self.tables.modules):
+            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True)
+            module.register_forward_hook(self._post_forward, with_kwargs=True)
+            if not self.spec.modules[m].is_leaf:
+                module._parameters = ParamDict(module._parameters, m, self._on_param_read)
+        for p, param in enumerate(self.tables.params):
+            if param.requires_grad and p not in self.leaf_params:
+                param.register_post_accumulate_grad_hook(self._make_grad_hook(p))
+
+    def _pre_forward(self, module, args, kwargs):
+        m = self.module_ids[id(module)]
+        if m == 0:  # the root: a new pass (a pass that raised left its stack behind)
+            self.stack.clear()
+            self._params(reset_step(self.params_state, config=self.config))
+            if self.store.dtype != torch.float32:
+                args, kwargs = _cast_floating((args, kwargs), self.store.dtype)
+        (args, kwargs), wrapped = wrap_tensors((args, kwargs), PostBackward, lambda: self._post_backward(m))
+        self._params(fetch(self.params_state, m, forward=True, config=self.config, grad_inputs=int(wrapped)))
+        self.peak_live_numel = max(self.peak_live_numel, self.params_state.live_numel)
+        if self.config.debug_checks:
+            checks.fetched(self.params_state, m)
+        if self.spec.modules[m].is_leaf and torch.is_grad_enabled():
+            self.leaves_pending.add(m)
+        self.stack.append(m)
+        return args, kwargs
+
+    def _post_forward(self, module, args, kwargs, output):
+        m = self.stack.pop()
+        found = [self.param_ids[id(t)] for t in tensors_in(output) if id(t) in self.param_ids]
+        if found and self.stack:  # a param returned to the caller: external on the caller
+            self._register_external(self.stack[-1], found)
+        output, wrapped = wrap_tensors(output, PreBackward, lambda: self._pre_backward(m))
+        self._params(release(self.params_state, m, config=self.config, grad_outputs=wrapped))
+        return output
+
+    def _on_param_read(self, owner: int, param: nn.Parameter) -> None:
+        if not self.stack or self.stack[-1] == owner:
+            return
+        p = self.param_ids[id(param)]
+        if p not in self.units[self.stack[-1]]:
+            self._register_external(self.stack[-1], [p])
+
+    def _register_external(self, m: int, pids: list[int]) -> None:
+        self.units[m].update(pids)
+        self._params(core_bwd.register_external(self.params_state, m, tuple(pids), config=self.config))
+
+    def _pre_backward(self, m: int) -> None:
+        self._queue_end_of_backward()
+        self._params(core_bwd.pre_backward(self.params_state, m, config=self.config))
+        self.peak_live_numel = max(self.peak_live_numel, self.params_state.live_numel)
+
+    def _post_backward(self, m: int) -> None:
+        self._queue_end_of_backward()
+        if self.spec.modules[m].is_leaf:
+            self._reduce_leaf(m)
+        self._params(core_bwd.post_backward(self.params_state, m, config=self.config))
+
+    def _reduce_leaf(self, m: int) -> None:
+        """A leaf's params are reduced together when its backward is done, zeros standing in
+        for grads its experts did not produce on this rank, so every rank reduces the same."""
+        self.leaves_pending.discard(m)
+        for p in self.spec.modules[m].params:
+            param = self.tables.params[p]
+            if not param.requires_grad:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            self._grad_ready(p)
+
+    def _make_grad_hook(self, p: int):
+        def hook(param: nn.Parameter) -> None:
+            self._queue_end_of_backward()
+            self._grad_ready(p)
+        return hook
+
+    def _grad_ready(self, p: int) -> None:
+        grad = self.tables.params[p].grad
+        dtype = str(grad.dtype).removeprefix("torch.")
+        self._grads(bucket_add(self.grads_state, p, config=self.config, dtype=dtype))
+
+    def _queue_end_of_backward(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self.callback_queued = False
+        for m in sorted(self.leaves_pending):  # no grad-requiring input: post-backward never ran
+            self._reduce_leaf(m)
+        self._grads(epilogue(self.grads_state, config=self.config))
+        self._params(finish_backward(self.params_state, config=self.config))
+        if self.config.debug_checks:
+            checks.quiescent(self.params_state)
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """loss.backward(); the grads are summed over ranks and micro-steps and divided once
+        by world_size * gradient_accumulation_steps at the boundary (no loss scaling here)."""
+        loss.backward(**kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return at_boundary(self.grads_state, config=self.config)
+
+    def step(self) -> None:
+        """Optimizer step at the accumulation boundary; a no-op between (as DeepSpeed's)."""
+        if not self.is_gradient_accumulation_boundary():
+            return
+        self.store.bind_grads()
+        if self.config.gradient_clipping > 0:
+            clip_grad_norm(self.store, self.config.gradient_clipping, self.group)
+        self.optimizer.step()
+        self.store.refresh_shards()
+        self._grads(optimizer_step(self.grads_state, config=self.config))
+        self._params(end_of_step(self.params_state, config=self.config))
+        self.optimizer_steps += 1
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 params (and buffers), keys as the model's state_dict."""
+        from fz3.shell.consolidate import full_state_dict
+        return full_state_dict(self)
+
+    def stats(self) -> dict[str, object]:
+        st = self.params_state
+        out: dict[str, object] = dict(self.interp.counts)
+        out.update(live_numel=st.live_numel, peak_live_numel=st.peak_live_numel,
+                   trace=TraceMode(st.trace.mode).name, trace_invalidations=st.trace.invalidations,
+                   micro_step=self.grads_state.micro_step, optimizer_steps=self.optimizer_steps,
+                   **self.store.shard_bytes())
+        return out
+
+    def param_status(self, param: nn.Parameter) -> str:
+        from fz3.core.ids import Status
+        return Status(self.params_state.param_rows[self.param_ids[id(param)]][STATUS]).name
+
+
+def _sync_from_rank0(model: nn.Module, group) -> None:
+    """Every rank starts from rank 0's values (DeepSpeed's zero.Init broadcasts them too)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(t.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+
+
+def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and b.is_floating_point():
+                module._buffers[name] = b.to(dtype)
+
+
+def _cast_floating(tree, dtype: torch.dtype):
+    import optree
+    return optree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                           else x, tree, none_is_leaf=True)

@@ -1,0 +1,80 @@
+"""The hooks that turn module calls and autograd into core events.
+
+    pre-forward   (every registered module)  wrap grad inputs in PostBackward, fetch
+    post-forward                             externals in outputs, wrap outputs in PreBackward,
+                                             release
+    PreBackward.backward   grads reached a forward call's outputs  -> pre_backward (fetch)
+    PostBackward.backward  grads of a forward call's inputs done    -> post_backward (release)
+    ParamDict.__getitem__  a module reads a param it does not own (nn.MultiheadAttention reads
+                           out_proj.weight without calling out_proj) -> register_external
+
+Both autograd Functions are identities over the tensors they wrap, written in the forward +
+setup_context form. DeepSpeed uses the same two Functions (PreBackwardFunctionForModule,
+PostBackwardFunctionModule); FSDP2's RegisterPostBackwardFunction is the second.
+[Note: why not register_full_backward_hook] Module backward hooks fire unreliably with
+multiple outputs, in-place ops and params without grads (seed article 4.2); a Function node
+sits in the graph itself, so autograd runs it exactly when the grads it wraps are ready.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optree
+import torch
+
+
+class PreBackward(torch.autograd.Function):
+    """Identity on a forward call's outputs; its backward fetches the module's params."""
+
+    @staticmethod
+    def forward(on_backward: Callable[[], None], *tensors: torch.Tensor):
+        return tensors
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.on_backward = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.on_backward()
+        return (None, *grads)
+
+
+class PostBackward(PreBackward):
+    """Identity on a forward call's inputs; its backward runs when their grads are done, after
+    every op of the call: the module's params may be released then."""
+
+
+def wrap_tensors(tree: Any, fn: type[torch.autograd.Function], on_backward: Callable[[], None]
+                 ) -> tuple[Any, bool]:
+    """Pass the grad-requiring tensors of a pytree (tuple, list, dict, namedtuple, None and
+    non-tensor leaves kept) through one `fn` node. -> (new tree, whether any was wrapped)."""
+    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not idx or not torch.is_grad_enabled():
+        return tree, False
+    out = fn.apply(on_backward, *(leaves[i] for i in idx))
+    for i, t in zip(idx, out):
+        leaves[i] = t
+    return optree.tree_unflatten(treedef, leaves), True
+
+
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    leaves = optree.tree_leaves(tree, none_is_leaf=True)
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+class ParamDict(dict):
+    """A registered module's `_parameters`: reading a param during some *other* module's
+    forward tells the shell, which registers it as an external param of the running module.
+    DeepSpeed: ZeROOrderedDict."""
+
+    def __init__(self, params: dict, module_id: int, on_read: Callable[[int, torch.nn.Parameter], None]):
+        super().__init__(params)
+        self.module_id, self.on_read = module_id, on_read
+
+    def __getitem__(self, name: str):
+        p = dict.__getitem__(self, name)
+        if p is not None:
+            self.on_read(self.module_id, p)
+        return p

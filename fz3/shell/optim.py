@@ -1,0 +1,52 @@
+"""The user's optimizer on fp32 master shards, and global-norm gradient clipping over partitions.
+
+`bind_optimizer` rewrites each param group's "params" list in place: the model's Parameter is
+replaced by its fp32 master shard (an nn.Parameter of shape (s,)), every other group setting is
+kept, so any torch.optim optimizer works unchanged. DeepSpeed: the fp32 flat partitions of
+`_create_fp32_partitions`; it builds its own optimizer groups, fz3 keeps the user's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fz3.shell.store import TensorStore
+
+
+def bind_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
+                   masters: list[nn.Parameter]) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"fz3.initialize expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if optimizer.state:
+        raise ValueError("fz3.initialize: the optimizer already has state (it has stepped); build it "
+                         "on model.parameters() and pass it before the first step")
+    master_of = {id(p): m for p, m in zip(params, masters)}
+    seen = set()
+    for i, group in enumerate(optimizer.param_groups):
+        rebound = []
+        for p in group["params"]:
+            if id(p) not in master_of:
+                raise ValueError(f"optimizer param group {i} holds a tensor of shape {tuple(p.shape)} "
+                                 "that is not a parameter of the model")
+            if id(p) in seen:
+                continue  # a tied param listed twice steps once
+            seen.add(id(p))
+            rebound.append(master_of[id(p)])
+        group["params"] = rebound
+
+
+def clip_grad_norm(store: TensorStore, max_norm: float, group=None) -> torch.Tensor:
+    """Scale every grad partition so the global L2 norm is at most `max_norm`; -> the norm.
+
+    Each rank sums the squares of its partitions (padding holds zeros), one all-reduce makes
+    the global sum. Same coefficient as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6),
+    capped at 1. DeepSpeed: get_grad_norm_direct + unscale_and_clip_grads.
+    """
+    flat = store.grad_flat
+    sq = (flat.double() * flat.double()).sum().reshape(1)
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+    norm = sq.sqrt().to(torch.float32)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    flat.mul_(coef)
+    return norm[0]

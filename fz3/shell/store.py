@@ -1,0 +1,81 @@
+"""The tensor store: the only mutable tensors of fz3, one row per ParamId.
+
+    params[p]      the user's nn.Parameter; .data is the full value while AVAILABLE, an empty
+                   tensor otherwise (autograd keeps the same Parameter object throughout)
+    masters[p]     fp32 shard (s,), an nn.Parameter the user's optimizer steps on
+    shards[p]      compute-dtype shard (s,) the gathers read; *is* masters[p] in fp32 mode
+    partitions[p]  fp32 grad partition (s,): a view of one flat buffer, also masters[p].grad
+
+Sizes: s = ceil(numel / W); rank r owns flat [r*s, (r+1)*s), zero-padded (fz3/core/spec.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fz3.data import layout
+from fz3.shell.tables import Tables
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class TensorStore:
+    def __init__(self, tables: Tables, *, rank: int, world_size: int, compute_dtype: str,
+                 device: torch.device) -> None:
+        self.tables, self.rank, self.world_size = tables, rank, world_size
+        self.dtype = DTYPES[compute_dtype]
+        self.device = device
+        self.params = tables.params
+        self.shapes = [p.shape for p in self.params]
+        self.trainable = [p.requires_grad for p in self.params]
+        self.masters: list[nn.Parameter] = []
+        for p in self.params:
+            full = p.detach().to(device=device, dtype=torch.float32)
+            self.masters.append(nn.Parameter(layout.shard_of(full, rank, world_size).clone(),
+                                             requires_grad=p.requires_grad))
+        self.shards: list[torch.Tensor] = []
+        self.refresh_shards()
+        sizes = [m.numel() if t else 0 for m, t in zip(self.masters, self.trainable)]
+        self.grad_flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        self.partitions: list[torch.Tensor | None] = []
+        offset = 0
+        for n, t in zip(sizes, self.trainable):
+            self.partitions.append(self.grad_flat[offset:offset + n] if t else None)
+            offset += n
+        self._empty = torch.empty(0, dtype=self.dtype, device=device)
+        for p in range(len(self.params)):
+            self.free(p)
+
+    def refresh_shards(self) -> None:
+        """Compute-dtype shards from the fp32 masters (after each optimizer step)."""
+        if self.dtype == torch.float32:
+            self.shards = [m.data for m in self.masters]
+        else:
+            self.shards = [m.detach().to(self.dtype) for m in self.masters]
+
+    def set_full(self, p: int, flat: torch.Tensor) -> None:
+        """Param p becomes AVAILABLE: its .data is the gathered full value (numel,)."""
+        self.params[p].data = flat.view(self.shapes[p])
+
+    def free(self, p: int) -> None:
+        """Param p becomes NOT_AVAILABLE: only the shard stays (DeepSpeed: partition())."""
+        self.params[p].data = self._empty
+
+    def bind_grads(self) -> None:
+        """The optimizer reads masters[p].grad; re-bind after a user's zero_grad set it None."""
+        for m, part in zip(self.masters, self.partitions):
+            if part is not None:
+                m.grad = part
+
+    def write_full(self, p: int, full: torch.Tensor) -> None:
+        """Take a new full value of param p (gathered_parameters with a modifier rank)."""
+        shard = layout.shard_of(full.detach().to(torch.float32).reshape(-1), self.rank, self.world_size)
+        self.masters[p].data.copy_(shard)
+        if self.dtype != torch.float32:
+            self.shards[p] = self.masters[p].detach().to(self.dtype)
+
+    def shard_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds: fp32 masters, compute shards (if separate), grad partitions."""
+        master = sum(m.numel() for m in self.masters) * 4
+        compute = 0 if self.dtype == torch.float32 else sum(s.numel() for s in self.shards) * 2
+        return {"param_shards": master + compute, "grad_partitions": self.grad_flat.numel() * 4}
