@@ -4,10 +4,19 @@
     cfg = fz3.Config(...)  /  fz3.Config.from_deepspeed(ds_dict)
     engine = fz3.initialize(model, optimizer, cfg)
     loss = f(engine(batch)); engine.backward(loss); engine.step()
+
+The shell's names load on first use, so `import fz3.core` stays free of torch.
 """
 from fz3.core.config import Config
-from fz3.shell.api import initialize
-from fz3.shell.consolidate import gathered_parameters
-from fz3.shell.tables import set_leaf_modules
 
 __all__ = ["Config", "initialize", "gathered_parameters", "set_leaf_modules"]
+
+_LAZY = {"initialize": "fz3.shell.api", "gathered_parameters": "fz3.shell.consolidate",
+         "set_leaf_modules": "fz3.shell.tables"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fz3' has no attribute {name!r}")

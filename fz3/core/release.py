@@ -56,15 +56,17 @@ def release_into(tx: Txn, module: ModuleId, *, config: Config) -> None:
 
 
 def _keep_for_reuse(tx: Txn, module: ModuleId, candidates: list[ParamId],
-                    config: Config) -> frozenset[ParamId]:
+                    config: Config) -> list[ParamId]:
+    """The candidates a COMPLETE plan says to keep: reused soon, or prefetched for later."""
     tr = tx.trace
     step = tx.mods[module][FETCH_STEP]
     if tr.mode is not TraceMode.COMPLETE or not (
             0 <= step < len(tr.plan.order) and tr.plan.order[step] == module):
-        return frozenset()
-    reused = tr.plan.reused[step]
-    slots = tx.slots
-    keep = frozenset(p for p in candidates if p in reused or slots[p][FETCHED_FOR] > step)
+        return []
+    reused, slots = tr.plan.reused[step], tx.slots
+    keep = [p for p in candidates if p in reused or slots[p][FETCHED_FOR] > step]
+    if not keep:
+        return keep
     spec = tx.st.spec.params
     freed = sum(spec[p].numel for p in candidates if p not in keep)
-    return keep if tx.live - freed <= config.max_live_parameters else frozenset()
+    return keep if tx.live - freed <= config.max_live_parameters else []
