@@ -86,12 +86,17 @@ def check_quiescent(st: ParamState) -> None:
     if st.inflight:
         _fail(f"gathers still in flight after the pass: {[f.handle for f in st.inflight]}")
     spec = st.spec
+    holds: dict[int, int] = {}  # an open gathered_parameters may span passes: its users stay
+    for p in st.held:
+        holds[p] = holds.get(p, 0) + 1
     for p, s in enumerate(st.params):
         ps = spec.params[p]
-        if s.status is not Status.NOT_AVAILABLE and not ps.persistent and not s.external:
-            _fail(f"param {ps.name} is {s.status.name} after the pass (not persistent, not external)")
-        if s.users:
-            _fail(f"param {ps.name} still has {s.users} users after the pass")
+        held = holds.get(p, 0)
+        if s.status is not Status.NOT_AVAILABLE and not (ps.persistent or s.external or held):
+            _fail(f"param {ps.name} is {s.status.name} after the pass (not persistent, not external, "
+                  "not held)")
+        if s.users != held:
+            _fail(f"param {ps.name} still has {s.users} users after the pass ({held} holds)")
     for m, ms in enumerate(st.modules):
         if ms.pre_backward or ms.grads_remaining:
             _fail(f"module {spec.modules[m].name} has pre_backward={ms.pre_backward}, "

@@ -83,14 +83,19 @@ def finish_backward(st: ParamState, *, config: Config) -> tuple[ParamState, Effe
 
 def end_of_step(st: ParamState, *, config: Config) -> tuple[ParamState, Effects]:
     """After the optimizer step: free every full param (they are stale), then gather the
-    persistent ones that were live again, in one gather. DeepSpeed: _pre_step / _post_step."""
+    persistent ones that were live again, and the ones an open gathered_parameters holds
+    (their holds stay counted), in one gather. DeepSpeed: _pre_step / _post_step."""
     tx = Txn(st)
     drain(tx)
     live = sorted({p for p in iter_cons(tx.gathered) if tx.slots[p][STATUS] == AVAILABLE})
     tx.gathered = None
     free(tx, tuple(live))
-    again = tuple(p for p in live if st.spec.params[p].persistent)
+    held = set(st.held)
+    again = tuple(p for p in live if st.spec.params[p].persistent or p in held)
     if again:
         gather(tx, again, prefetch=False, forward=True, fetched_for=(-1,) * len(again))
         wait(tx, tx.inflight[-1].handle)
+    for p in held:  # free() dropped every user; a hold is one
+        s = tx.slots[p]
+        tx.put(p, (s[STATUS], s[HANDLE], st.held.count(p), s[FETCHED_FOR], s[EXTERNAL]))
     return tx.commit()

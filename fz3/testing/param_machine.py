@@ -1,0 +1,237 @@
+"""The parameter lifecycle as a Hypothesis state machine: the real core against a naive model.
+
+    initialize   draw a Case: a model, a config, a usual program and its conditional variants
+    one_pass     reset_step, a forward (nested calls), then a backward that is complete, partial
+                 (some calls' outputs get no grad), absent (eval under no_grad) or abandoned
+                 (forward with grad, no backward), then finish_backward when there was one; or
+                 a forward that raises midway (modules left active for the next reset_step)
+    step         end_of_step after a finished backward (gradient accumulation: sometimes not)
+    gathered_parameters   enter or leave one around any of the above (nested at most twice)
+
+After every event: check_state; the naive model (naive_params.py) executed the effects without
+refusing one and agrees with the core field by field (statuses, handles, in-flight order, live
+numel, users, counters, externals, trace); I1 after a prefetch and the live bound at all
+times; every active module finds its whole unit AVAILABLE; the transition left the state it was
+given unchanged and, replayed from that (now older) version, gives the same result (purity,
+over pvec.py's rerooting); and a twin core, built from its own spec and fed the same events,
+emitted the same effects (I6). After finish_backward: I2 (check_quiescent, and for a complete
+backward the counters were 0 before it) and nothing gathered in the pass leaked. I5: each
+`compute` finds its whole unit AVAILABLE, whatever the trace mode (recorded in `computed`).
+
+Reuse:  from fz3.testing.param_machine import ParamLifecycleMachine
+        TestParams = ParamLifecycleMachine.TestCase
+"""
+from __future__ import annotations
+
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from fz3.core import backward as _backward
+from fz3.core import fetch as _fetch
+from fz3.core import hold as _hold
+from fz3.core import invariants as _inv
+from fz3.core import release as _release
+from fz3.core import step as _step
+from fz3.core.config import Config
+from fz3.core.state import ParamState, initial_state
+from fz3.core.trace import iter_cons
+from fz3.testing.models import Case, Call, backward_events, cases, count_calls, forward_events
+from fz3.testing.naive_params import NaiveParams
+
+BACKWARDS = ("complete", "complete", "complete", "partial", "none", "abandon", "raise")
+
+
+def apply_event(st: ParamState, ev: tuple, config: Config) -> tuple[ParamState, tuple]:
+    """Run one shell event through the core. Looks functions up on their modules at call time,
+    so a test may monkeypatch them (property_tests/test_param_teeth.py does)."""
+    kind = ev[0]
+    if kind == "fetch":
+        return _fetch.fetch(st, ev[1], forward=True, config=config,
+                            grad_inputs=ev[2] if len(ev) > 2 else 0)
+    if kind == "release":
+        return _release.release(st, ev[1], config=config, grad_outputs=len(ev) > 2 and ev[2])
+    if kind == "outputs":
+        return _backward.outputs_wrapped(st, ev[1]), ()
+    if kind == "inputs":
+        return _backward.inputs_wrapped(st, ev[1], ev[2]), ()
+    if kind == "external":
+        return _backward.register_external(st, ev[1], ev[2], config=config)
+    if kind == "pre_backward":
+        return _backward.pre_backward(st, ev[1], config=config)
+    if kind == "post_backward":
+        return _backward.post_backward(st, ev[1], config=config)
+    if kind == "reset":
+        return _step.reset_step(st, config=config)
+    if kind == "finish":
+        return _step.finish_backward(st, config=config)
+    if kind == "end_of_step":
+        return _step.end_of_step(st, config=config)
+    if kind == "hold":
+        return _hold.hold(st, ev[1], config=config)
+    if kind == "unhold":
+        return _hold.unhold(st, ev[1], config=config, stale=ev[2])
+    if kind == "compute":
+        return st, ()
+    raise ValueError(f"unknown event {ev!r}")
+
+
+def snapshot(st: ParamState) -> tuple:
+    """Everything a state says, as plain values (its vectors read out)."""
+    return (list(st.params), list(st.modules), st.live_numel, st.peak_live_numel, st.inflight,
+            st.next_handle, list(iter_cons(st.gathered)), st.trace, st.held)
+
+
+def pass_events(program: Call, backward: str, detail: object = None, *,
+                merged: bool = False) -> list[tuple]:
+    """The events of one pass: reset_step, the forward, then by `backward`:
+        complete  every call's backward, finish_backward
+        partial   the backward of the calls in `detail` (pre-order indices), finish_backward
+        none      nothing (the forward ran under no_grad: eval)
+        abandon   nothing (the forward ran with grad; no backward followed)
+        raise     the forward stops after `detail` events (an exception), modules left active
+    `merged`: grad wrapping folded into fetch / release, as fz3's shell reports it."""
+    forward = forward_events(program, grad=backward != "none", merged=merged)
+    if backward == "raise":
+        return [("reset",)] + forward[:detail]
+    events = [("reset",)] + forward
+    if backward == "complete":
+        events += backward_events(program) + [("finish",)]
+    elif backward == "partial":
+        events += backward_events(program, detail or frozenset()) + [("finish",)]
+    return events
+
+
+class ParamLifecycleMachine(RuleBasedStateMachine):
+    """Drives fz3.core's parameter transitions through passes; see the module docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.case: Case | None = None
+        self.finished = False  # the last pass ran finish_backward: an optimizer step may follow
+
+    @initialize(case=cases())
+    def setup(self, case: Case) -> None:
+        note(f"case: {case}")
+        self.start(case)
+
+    def start(self, case: Case) -> None:
+        self.case, self.config = case, case.config
+        self.state = initial_state(case.model.spec(case.config))
+        self.twin = initial_state(case.model.spec(Config(**vars(case.config))))  # another rank
+        self.model = NaiveParams(self.state.spec, case.config)
+        self.passes, self.last = 0, None
+        self.holding: list[tuple[int, ...]] = []  # open gathered_parameters contexts, nested
+
+    def event(self, ev: tuple, log: list[str]) -> tuple:
+        """One event on the core, the naive model and the twin, then every per-event check:
+        the naive model first (the oracle), then the core's own check_*, then purity and I6."""
+        before = self.state
+        seen = snapshot(before)
+        self.state, effects = apply_event(before, ev, self.config)
+        log.append(f"  {ev} -> {list(effects)}")
+        self.model.on_event(ev, effects)
+        self.model.agree(self.state)
+        _inv.check_state(self.state)
+        if ev[0] in ("fetch", "compute"):
+            _inv.check_fetched(self.state, ev[1])
+        if ev[0] in ("fetch", "pre_backward"):
+            _inv.check_live_budget(self.state, effects, config=self.config)
+        assert snapshot(before) == seen, f"{ev} changed the state it was given"  # purity
+        again, again_effects = apply_event(before, ev, self.config)  # an old version replays
+        assert again_effects == effects and snapshot(again) == snapshot(self.state), (
+            f"{ev} replayed from the old state differently")
+        self.twin, twin_effects = apply_event(self.twin, ev, self.config)
+        assert twin_effects == effects, f"I6: twin emitted {twin_effects}, core {effects}"
+        return effects
+
+    @rule(again=st.integers(0, 3), which=st.sampled_from([0, 0, 1, 2]),
+          backward=st.sampled_from(BACKWARDS), merged=st.booleans(), times=st.integers(1, 3),
+          data=st.data())
+    def one_pass(self, again: int, which: int, backward: str, merged: bool, times: int,
+                 data: st.DataObject) -> None:
+        """`times` identical passes; `again` > 0 repeats the previous pass exactly (repeats are
+        what lets the trace complete). `merged`: the grad wrapping is reported through
+        fetch / release, as fz3's shell does."""
+        if again and self.last is not None:
+            which, backward, detail, merged = self.last
+        else:
+            which %= len(self.case.programs)
+            detail = None
+            if backward == "partial":
+                calls = count_calls(self.case.programs[which])
+                detail = data.draw(st.frozensets(st.integers(0, calls - 1)), label="reached")
+            elif backward == "raise":
+                n = len(forward_events(self.case.programs[which], merged=merged))
+                detail = data.draw(st.integers(1, n - 1), label="raised after")
+        log: list[str] = []
+        try:
+            for _ in range(times):
+                self.run_pass(which, backward, detail, log, merged=merged)
+        finally:
+            note("\n".join(log))
+
+    @precondition(lambda self: self.finished)
+    @rule()
+    def optimizer_step(self) -> None:
+        log = ["optimizer step"]
+        try:
+            self.event(("end_of_step",), log)
+            _inv.check_quiescent(self.state)
+        finally:
+            note("\n".join(log))
+        self.finished = False
+
+    @rule(data=st.data())
+    def gathered_parameters(self, data: st.DataObject) -> None:
+        """Enter (nested at most twice) or leave a `with fz3.gathered_parameters(...)`; passes
+        and optimizer steps may run while one is open. Leaving with stale: values were edited."""
+        if self.holding and (len(self.holding) == 2 or data.draw(st.booleans(), label="leave")):
+            ev: tuple = ("unhold", self.holding.pop(), data.draw(st.booleans(), label="stale"))
+        else:
+            n = len(self.state.spec.params)
+            ev = ("hold", tuple(sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1,
+                                                         max_size=3), label="hold"))))
+            self.holding.append(ev[1])
+        log: list[str] = []
+        try:
+            self.event(ev, log)
+        finally:
+            note("\n".join(log))
+
+    def run_pass(self, which: int, backward: str, detail: object = None,
+                 log: list[str] | None = None, *, merged: bool = False) -> list[tuple[tuple, tuple]]:
+        """One pass of program `which` (see pass_events); -> [(event, effects)]. Checks I2."""
+        log = [] if log is None else log
+        self.last = which, backward, detail, merged
+        events = pass_events(self.case.programs[which], backward, detail, merged=merged)
+        log.append(f"pass {self.passes}: program {which}, {backward} backward ({detail}), "
+                   f"{'merged' if merged else 'split'} wrapping, trace {self.state.trace.mode.name}")
+        self.passes += 1
+        out = []
+        for ev in events:
+            if ev[0] == "finish" and backward == "complete":
+                for m, ms in enumerate(self.state.modules):  # I2: complete backward, all 0 before
+                    assert (ms.pre_backward, ms.grads_remaining) == (0, 0), (
+                        f"I2: m{m} has counters {ms.pre_backward}/{ms.grads_remaining} "
+                        "after a complete backward")
+            out.append((ev, self.event(ev, log)))
+        if events[-1][0] == "finish":
+            _inv.check_quiescent(self.state)  # I2
+        self.finished = events[-1][0] == "finish"
+        return out
+
+
+def run_passes(case: Case, schedule: list[tuple[int, str]], *,
+               merged: bool = False) -> tuple[ParamLifecycleMachine, list]:
+    """Drive a machine outside Hypothesis, every check on: (program index, backward kind) per
+    pass, or (_, "step") for an optimizer step. -> (machine, [[(event, effects)] per entry])."""
+    machine = ParamLifecycleMachine()
+    machine.start(case)
+    out = []
+    for which, kind in schedule:
+        if kind == "step":
+            out.append([(("end_of_step",), machine.event(("end_of_step",), []))])
+        else:
+            out.append(machine.run_pass(which, kind, merged=merged))
+    return machine, out

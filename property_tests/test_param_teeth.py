@@ -1,0 +1,139 @@
+"""Teeth: the parameter machine must catch deliberately broken cores.
+
+Each test monkeypatches one function of fz3.core at its use site (the core's modules import
+names directly: `fetch_into` finds `prefetch` in fz3.core.fetch's globals) and asserts that the
+machine fails, deterministically (derandomized, no database, generate phase only; each is
+caught within the first ~12 examples of the 100 allowed), and that the check meant for the bug
+is the one that fires. A machine that passes a broken core proves nothing; these keep it
+honest. The patches touch the core's internals (Txn, row columns), so a refactor of the core
+may need them rewritten: keep each one a few lines.
+
+    CI=1 pytest property_tests/test_param_teeth.py
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+import fz3.core.backward as backward
+import fz3.core.fetch as fetch
+import fz3.core.release as release
+import fz3.core.step as step
+from fz3.core.state import ACTIVE, AVAILABLE, EXTERNAL, INFLIGHT, STATUS, USERS, unit_params
+from fz3.testing.models import HUGE
+from fz3.testing.param_machine import ParamLifecycleMachine
+
+HUNT = settings(max_examples=100, stateful_step_count=12, derandomize=True, database=None,
+                deadline=None, phases=(Phase.generate,), report_multiple_bugs=False,
+                suppress_health_check=list(HealthCheck))
+
+
+def assert_caught(pattern: str, errors: tuple = (AssertionError,)) -> None:
+    """The machine fails with one of `errors` whose message matches `pattern`."""
+    with pytest.raises(errors) as info:
+        run_state_machine_as_test(ParamLifecycleMachine, settings=HUNT)
+    assert re.search(pattern, str(info.value)), f"caught by another check: {info.value}"
+
+
+def test_prefetch_ignoring_live_budget_is_caught(monkeypatch):
+    """(a) prefetch takes params past max_live_parameters: I1."""
+    real = fetch.prefetch
+
+    def greedy(tx, step_, *, forward, config):
+        real(tx, step_, forward=forward, config=config.replace(max_live_parameters=HUGE))
+
+    monkeypatch.setattr(fetch, "prefetch", greedy)
+    assert_caught("max_live_parameters")
+
+
+def test_release_ignoring_other_users_is_caught(monkeypatch):
+    """(b) release frees its module's params even when another active module (e.g. a parent
+    sharing a tied weight with the child it calls) or a gathered_parameters still uses them."""
+    real = release.release_into
+
+    def selfish(tx, module, *, config):
+        was_active, pids = tx.mods[module][ACTIVE], unit_params(tx, module)
+        real(tx, module, config=config)
+        spec = tx.st.spec.params
+        still_used = tuple(p for p in pids if tx.slots[p][STATUS] == AVAILABLE and tx.slots[p][USERS]
+                           and not spec[p].persistent and not tx.slots[p][EXTERNAL])
+        if was_active and still_used:
+            release.free(tx, still_used)
+
+    monkeypatch.setattr(release, "release_into", selfish)
+    monkeypatch.setattr(backward, "release_into", selfish)
+    assert_caught("used by an active module|held by gathered_parameters")
+
+
+def test_pre_backward_not_decrementing_is_caught(monkeypatch):
+    """(c) the pre-backward ref count never goes down: the counters disagree with the model."""
+
+    def sticky(st, module, *, config):
+        if st.modules[module].pre_backward == 0:
+            return st, ()
+        return fetch.fetch(st, module, forward=False, config=config)
+
+    monkeypatch.setattr(backward, "pre_backward", sticky)
+    assert_caught("counters")
+
+
+def test_gather_of_inflight_param_is_caught(monkeypatch):
+    """(d) a fetch gathers its params that a prefetch already has in flight, instead of
+    waiting for them."""
+    real = fetch.fetch_into
+
+    def impatient(tx, module, *, forward, config, grad_inputs=0):
+        pending = tuple(p for p in unit_params(tx, module) if tx.slots[p][STATUS] == INFLIGHT)
+        if pending:
+            fetch.gather(tx, pending, prefetch=False, forward=forward, fetched_for=(-1,) * len(pending))
+        real(tx, module, forward=forward, config=config, grad_inputs=grad_inputs)
+
+    monkeypatch.setattr(fetch, "fetch_into", impatient)
+    monkeypatch.setattr(backward, "fetch_into", impatient)
+    assert_caught("already INFLIGHT")
+
+
+def test_trace_not_invalidated_on_departure_is_caught(monkeypatch):
+    """(e) a pass leaves its plan and the COMPLETE trace keeps steering prefetch and release:
+    the model's trace disagrees, or the stale plan runs off its end inside the core."""
+    real = fetch.on_fetch
+
+    def blind(tr, module):
+        return real(tr, module)[0], False
+
+    monkeypatch.setattr(fetch, "on_fetch", blind)
+    assert_caught("trace|index out of range", (AssertionError, IndexError))
+
+
+def test_reuse_keep_ignoring_live_budget_is_caught(monkeypatch):
+    """(f) release keeps tied params for reuse whatever max_live_parameters says."""
+    real = release._keep_for_reuse
+
+    def hoard(tx, module, candidates, config):
+        return real(tx, module, candidates, config.replace(max_live_parameters=HUGE))
+
+    monkeypatch.setattr(release, "_keep_for_reuse", hoard)
+    assert_caught("beyond active/persistent/external")
+
+
+def test_counters_not_zeroed_at_pass_end_is_caught(monkeypatch):
+    """(g) finish_backward / reset_step leave the counters of an incomplete backward."""
+    monkeypatch.setattr(step, "_idle_modules", lambda tx: None)
+    assert_caught("counters|core active")
+
+
+def test_transition_editing_its_input_is_caught(monkeypatch):
+    """(h) a free that forgets to record the old rows: the state passed in changes under the
+    caller (the persistent-array bookkeeping of pvec.py / Txn)."""
+    real = release.free
+
+    def leaky(tx, pids):
+        real(tx, pids)
+        for p in pids:
+            tx.olds.pop(p, None)
+
+    monkeypatch.setattr(release, "free", leaky)
+    assert_caught("changed the state it was given")

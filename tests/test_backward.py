@@ -1,0 +1,126 @@
+"""Backward bookkeeping and external params (fz3/core/backward.py).
+
+pre_backward fetches once per forward call whose outputs were wrapped; post_backward releases
+at the last grad-requiring input; a module without one waits for finish_backward. External
+params are gathered at registration, fetched with their module, freed only by end_of_step.
+"""
+from __future__ import annotations
+
+import pytest
+
+from fz3.core.backward import (inputs_wrapped, outputs_wrapped, post_backward, pre_backward,
+                               register_external)
+from fz3.core.config import Config
+from fz3.core.effects import AllGather, Free, Wait
+from fz3.core.fetch import fetch
+from fz3.core.invariants import check_fetched, check_quiescent
+from fz3.core.release import release
+from fz3.core.step import end_of_step, finish_backward, reset_step
+from fz3.testing.driver import Driver
+
+CFG = Config(prefetch_bucket_size=0, param_persistence_threshold=0, max_reuse_distance=0)
+BLOCK = ([("blk.w", 4)], [("", [], False), ("blk", [0], False)])
+
+
+def G(h, ps, forward=True):
+    return AllGather(h, tuple(ps), False, forward)
+
+
+def test_wrapping_counts():
+    d = Driver(*BLOCK, config=CFG)
+    d.wrap(1, inputs=2)
+    d.wrap(1, inputs=0)
+    assert (d.st.modules[1].pre_backward, d.st.modules[1].grads_remaining) == (2, 2)
+    with pytest.raises(ValueError):
+        inputs_wrapped(d.st, 1, -1)
+
+
+def test_module_called_twice_is_fetched_twice_in_backward():
+    """ALBERT-style reuse: two forward calls, two backward fetches, one release at the end."""
+    d = Driver(*BLOCK, config=CFG)
+    d(reset_step)
+    d(fetch, 0, forward=True)
+    d.wrap(0)
+    for h in (0, 1):
+        assert d(fetch, 1, forward=True) == [G(h, [0]), Wait(h)]
+        d.wrap(1, inputs=1)
+        assert d(release, 1) == [Free((0,))]
+    d(release, 0)
+    assert (d.st.modules[1].pre_backward, d.st.modules[1].grads_remaining) == (2, 2)
+    assert d(pre_backward, 0) == []
+    assert d(pre_backward, 1) == [G(2, [0], forward=False), Wait(2)]  # call 2
+    assert d(post_backward, 1) == []  # one input left
+    assert d(pre_backward, 1) == []  # call 1: still gathered
+    check_fetched(d.st, 1)
+    assert d.st.params[0].users == 1  # the module counts once
+    assert d(post_backward, 1) == [Free((0,))]
+    assert (d.st.modules[1].pre_backward, d.st.modules[1].grads_remaining) == (0, 0)
+    assert d(finish_backward) == []
+    check_quiescent(d.st)
+
+
+def test_extra_hooks_are_no_ops():
+    d = Driver(*BLOCK, config=CFG)
+    st = d.st
+    assert pre_backward(st, 1, config=CFG) == (st, ())
+    assert post_backward(st, 1, config=CFG) == (st, ())
+
+
+def test_module_without_grad_inputs_waits_for_finish_backward():
+    d = Driver(*BLOCK, config=CFG)
+    d(reset_step)
+    d.forward([[0, [1]]], inputs=0)
+    assert d(pre_backward, 0) == []
+    assert d(pre_backward, 1) == [G(1, [0], forward=False), Wait(1)]
+    assert d(post_backward, 1) == []  # no input was wrapped: nothing to count down
+    assert d.statuses() == "A"
+    assert d(finish_backward) == [Free((0,))]
+    check_quiescent(d.st)
+    assert not d.st.modules[1].active
+
+
+def test_external_param_lifecycle():
+    """child returns its param to the root: registered on the root, gathered at once, kept
+    through release, finish_backward and reset_step, freed by end_of_step."""
+    d = Driver([("child.w", 4), ("other.w", 4)],
+               [("", [], False), ("child", [0], False), ("other", [1], False)], config=CFG)
+    d(reset_step)
+    d(fetch, 0, forward=True)
+    d(fetch, 1, forward=True)
+    assert d(release, 1) == [Free((0,))]
+    assert d(register_external, 0, (0,)) == [G(1, [0]), Wait(1)]
+    assert d.st.params[0].external and d.st.modules[0].externals == (0,)
+    assert d.st.params[0].users == 1  # the root is active and uses it now
+    assert d(register_external, 0, (0,)) == []  # known
+    assert d(release, 0) == []
+    assert d(finish_backward) == [] and d.statuses() == "AN"
+    check_quiescent(d.st)
+    assert d(reset_step) == [] and d.statuses() == "AN"
+    assert d(fetch, 0, forward=True) == []  # part of the root's unit, still gathered
+    d(release, 0)
+    d(finish_backward)
+    assert d(end_of_step) == [Free((0,))]
+    d(reset_step)
+    assert d(fetch, 0, forward=True) == [G(2, [0]), Wait(2)]  # fetched with its module
+
+
+def test_registering_an_own_param_is_a_no_op():
+    d = Driver(*BLOCK, config=CFG)
+    d(reset_step)
+    d(fetch, 1, forward=True)
+    assert d(register_external, 1, (0,)) == []
+    assert not d.st.params[0].external
+
+
+def test_merged_wrapping_equals_separate_calls():
+    """fetch(grad_inputs=k) and release(grad_outputs=True) count as inputs_wrapped and
+    outputs_wrapped do."""
+    a, b = Driver(*BLOCK, config=CFG), Driver(*BLOCK, config=CFG)
+    for d in (a, b):
+        d(reset_step)
+    a(fetch, 1, forward=True, grad_inputs=2)
+    a(release, 1, grad_outputs=True)
+    b(fetch, 1, forward=True)
+    b.st = outputs_wrapped(inputs_wrapped(b.st, 1, 2), 1)
+    b(release, 1)
+    assert list(a.st.modules) == list(b.st.modules) and list(a.st.params) == list(b.st.params)

@@ -1,0 +1,153 @@
+"""fetch: gather on demand, wait, prefetch from a COMPLETE trace (fz3/core/fetch.py).
+
+Exact effect sequences for small hand-written models. Handles count up from 0 over the run; a
+"pass" here is reset_step plus a forward of root[children] (no backward, so the trace records
+the forward order only).
+"""
+from __future__ import annotations
+
+import pytest
+
+from fz3.core.config import Config
+from fz3.core.effects import AllGather, Free, Wait
+from fz3.core.fetch import fetch
+from fz3.core.ids import TraceMode
+from fz3.core.invariants import check_fetched, check_live_budget
+from fz3.core.release import release
+from fz3.core.step import reset_step
+from fz3.testing.driver import Driver
+
+HUGE = 10**9
+THREE = ([("a.w", 4), ("b.w", 4), ("c.w", 4)],
+         [("", [], False), ("a", [0], False), ("b", [1], False), ("c", [2], False)])
+
+
+def G(h, ps, prefetch=False, forward=True):
+    return AllGather(h, tuple(ps), prefetch, forward)
+
+
+def cfg(bucket=HUGE, live=HUGE, reuse=0, threshold=0):
+    return Config(prefetch_bucket_size=bucket, max_live_parameters=live, max_reuse_distance=reuse,
+                  param_persistence_threshold=threshold)
+
+
+def one_pass(d: Driver, children) -> list[list]:
+    """reset_step + forward of root[children]; -> effects per fetch/release, root's included."""
+    d(reset_step)
+    return d.forward([[0, list(children)]], inputs=0)
+
+
+def test_first_fetch_gathers_and_waits():
+    d = Driver(*THREE, config=cfg())
+    d(reset_step)
+    assert d(fetch, 0, forward=True) == []  # the root owns nothing
+    assert d(fetch, 1, forward=True) == [G(0, [0]), Wait(0)]
+    assert d.statuses() == "ANN" and d.live == 4
+    check_fetched(d.st, 1)
+    assert d.st.params[0].users == 1 and d.st.modules[1].active
+    assert d(fetch, 2, forward=False) == [G(1, [1], forward=False), Wait(1)]
+
+
+def test_fetch_of_available_params_is_silent():
+    """A param already gathered (tied, or held by an active parent) is not gathered again."""
+    d = Driver([("w", 4)], [("", [0], False), ("child", [0], False)], config=cfg())
+    d(reset_step)
+    assert d(fetch, 0, forward=True) == [G(0, [0]), Wait(0)]
+    assert d(fetch, 1, forward=True) == []
+    assert d.st.params[0].users == 2
+    assert d(release, 1) == []  # the parent still uses it
+    assert d(release, 0) == [Free((0,))]
+
+
+# (prefetch_bucket_size, max_live_parameters) -> effects of the COMPLETE pass, event by event:
+# fetch root, fetch a, release a, fetch b, release b, fetch c, release c, release root.
+# The RECORD pass before it used handles 0..2.
+PREFETCH = [
+    ("bucket 0: prefetch off", 0, HUGE,
+     [[], [G(3, [0]), Wait(3)], [Free((0,))], [G(4, [1]), Wait(4)], [Free((1,))],
+      [G(5, [2]), Wait(5)], [Free((2,))], []]),
+    ("bucket 1: one param per batch", 1, HUGE,
+     [[G(3, [0], True)], [Wait(3), G(4, [1], True)], [Free((0,))], [Wait(4), G(5, [2], True)],
+      [Free((1,))], [Wait(5)], [Free((2,))], []]),
+    ("bucket 4 = one param: the batch stops once it reaches the size", 4, HUGE,
+     [[G(3, [0], True)], [Wait(3), G(4, [1], True)], [Free((0,))], [Wait(4), G(5, [2], True)],
+      [Free((1,))], [Wait(5)], [Free((2,))], []]),
+    ("bucket 8: two params, then the rest", 8, HUGE,
+     [[G(3, [0, 1], True)], [Wait(3), G(4, [2], True)], [Free((0,))], [], [Free((1,))],
+      [Wait(4)], [Free((2,))], []]),
+    ("bucket huge: the whole plan at the first fetch", HUGE, HUGE,
+     [[G(3, [0, 1, 2], True)], [Wait(3)], [Free((0,))], [], [Free((1,))], [], [Free((2,))], []]),
+    ("live budget 4: one param ahead, none while a's is live", HUGE, 4,
+     [[G(3, [0], True)], [Wait(3)], [Free((0,))], [G(4, [1]), Wait(4)], [Free((1,))],
+      [G(5, [2]), Wait(5)], [Free((2,))], []]),
+    ("live budget 0: nothing ahead", HUGE, 0,
+     [[], [G(3, [0]), Wait(3)], [Free((0,))], [G(4, [1]), Wait(4)], [Free((1,))],
+      [G(5, [2]), Wait(5)], [Free((2,))], []]),
+]
+
+
+@pytest.mark.parametrize("why,bucket,live,expected", PREFETCH, ids=[p[0] for p in PREFETCH])
+def test_prefetch_table(why, bucket, live, expected):
+    d = Driver(*THREE, config=cfg(bucket=bucket, live=live))
+    first = one_pass(d, [1, 2, 3])
+    assert d.st.trace.mode is TraceMode.RECORD and not any(
+        isinstance(e, AllGather) and e.prefetch for es in first for e in es)
+    got = one_pass(d, [1, 2, 3])
+    assert d.st.trace.mode is TraceMode.COMPLETE
+    assert got == expected
+    assert d.st.peak_live_numel <= max(live, 4)
+
+
+def test_at_most_two_gathers_in_flight():
+    """Modules without params prefetch on; the third gather waits the oldest first."""
+    d = Driver([("a.w", 4), ("b.w", 4), ("c.w", 4)],
+               [("", [], False), ("x", [], False), ("y", [], False), ("a", [0], False),
+                ("b", [1], False), ("c", [2], False)], config=cfg(bucket=4))
+    one_pass(d, [1, 2, 3, 4, 5])  # handles 0..2
+    got = one_pass(d, [1, 2, 3, 4, 5])
+    fetches = [got[i] for i in (0, 1, 3, 5, 7, 9)]  # root, x, y, a, b, c
+    assert fetches == [[G(3, [0], True)], [G(4, [1], True)], [Wait(3), G(5, [2], True)],
+                       [], [Wait(4)], [Wait(5)]]
+    assert len(d.st.inflight) == 0
+
+
+def test_departure_invalidates_and_drops_prefetched_params():
+    d = Driver(*THREE, config=cfg())
+    one_pass(d, [1, 2, 3])
+    one_pass(d, [1, 2, 3])  # COMPLETE; handle 3 prefetched everything
+    d(reset_step)
+    assert d(fetch, 0, forward=True) == [G(4, [0, 1, 2], True)]
+    assert d.statuses() == "III"
+    # the plan expects a; b departs: drain, free the prefetched params, then fetch b on demand
+    # (b's own p1 is freed and gathered again: the sweep runs before b's params count as used)
+    assert d(fetch, 2, forward=True) == [Wait(4), Free((0, 1, 2)), G(5, [1]), Wait(5)]
+    assert d.st.trace.mode is TraceMode.INVALID and d.st.trace.invalidations == 1
+    assert d(fetch, 1, forward=True) == [G(6, [0]), Wait(6)]  # no prefetch while INVALID
+
+
+def test_prefetch_respects_live_budget_exactly():
+    """I1: a param that would lift live numel past the budget is not prefetched."""
+    d = Driver([("a.w", 3), ("b.w", 3), ("c.w", 3)], THREE[1], config=cfg(live=7))
+    one_pass(d, [1, 2, 3])
+    d(reset_step)
+    effects = d(fetch, 0, forward=True)
+    assert effects == [G(3, [0, 1], True)] and d.live == 6
+    check_live_budget(d.st, effects, config=d.config)
+
+
+def test_zero_numel_and_empty_modules():
+    d = Driver([("empty", 0), ("w", 2)], [("", [], False), ("m", [0, 1], False)],
+               config=cfg(threshold=0))
+    d(reset_step)
+    assert d(fetch, 1, forward=True) == [G(0, [0, 1]), Wait(0)]
+    assert d(release, 1) == [Free((1,))]  # numel 0 <= threshold 0: persistent
+    assert d.statuses() == "AN"
+
+
+def test_grad_inputs_counts_like_inputs_wrapped():
+    d = Driver(*THREE, config=cfg())
+    d(reset_step)
+    d(fetch, 1, forward=True, grad_inputs=2)
+    assert d.st.modules[1].grads_remaining == 2
+    with pytest.raises(ValueError):
+        d(fetch, 2, forward=True, grad_inputs=-1)

@@ -1,0 +1,117 @@
+"""release: free what nobody needs, keep what is reused soon (fz3/core/release.py).
+
+The tied embedding / lm_head case: `emb` and `head` share emb.w; between them `l1` holds 55
+elements. On a COMPLETE trace, release(emb) keeps emb.w iff 55 < max_reuse_distance and the
+keep leaves live numel within max_live_parameters.
+"""
+from __future__ import annotations
+
+import pytest
+
+from fz3.core.config import Config
+from fz3.core.effects import AllGather, Free, Wait
+from fz3.core.fetch import fetch
+from fz3.core.ids import TraceMode
+from fz3.core.release import release
+from fz3.core.step import reset_step
+from fz3.testing.driver import Driver
+
+HUGE = 10**9
+TIED = ([("emb.w", 100), ("l1.w", 50), ("l1.b", 5)],
+        [("", [], False), ("emb", [0], False), ("l1", [1, 2], False), ("head", [0], False)])
+
+
+def cfg(reuse=HUGE, live=HUGE, bucket=0, threshold=0):
+    return Config(prefetch_bucket_size=bucket, max_live_parameters=live, max_reuse_distance=reuse,
+                  param_persistence_threshold=threshold)
+
+
+def tied_pass(d: Driver) -> list[list]:
+    """reset + root[emb, l1, head]: effects of fetch/release per call (root's first and last)."""
+    d(reset_step)
+    return d.forward([[0, [1, 2, 3]]], inputs=0)
+
+
+# (max_reuse_distance, max_live_parameters) -> (release emb, fetch head, release head) in the
+# COMPLETE pass; the RECORD pass used handles 0..2, emb gathers with 3 and l1 with 4.
+TIED_CASES = [
+    ("distance 0: free, gather again", 0, HUGE,
+     [[Free((0,))], [AllGather(5, (0,), False, True), Wait(5)], [Free((0,))]]),
+    ("distance 55 = the gap: not strictly within", 55, HUGE,
+     [[Free((0,))], [AllGather(5, (0,), False, True), Wait(5)], [Free((0,))]]),
+    ("distance 56: kept for head", 56, HUGE, [[], [], [Free((0,))]]),
+    ("distance huge: kept", HUGE, HUGE, [[], [], [Free((0,))]]),
+    ("kept within budget 155", HUGE, 155, [[], [], [Free((0,))]]),
+    ("budget 99 < 100 live: the keep is dropped", HUGE, 99,
+     [[Free((0,))], [AllGather(5, (0,), False, True), Wait(5)], [Free((0,))]]),
+]
+
+
+@pytest.mark.parametrize("why,reuse,live,expected", TIED_CASES, ids=[c[0] for c in TIED_CASES])
+def test_tied_embedding_reuse(why, reuse, live, expected):
+    d = Driver(*TIED, config=cfg(reuse=reuse, live=live))
+    first = tied_pass(d)
+    assert first[2] == [Free((0,))]  # RECORD pass: no plan, no keeping
+    got = tied_pass(d)
+    assert d.st.trace.mode is TraceMode.COMPLETE
+    assert [got[2], got[5], got[6]] == expected
+    assert got[4] == [Free((1, 2))]  # l1's params are used once
+
+
+def test_release_keeps_params_of_other_active_modules():
+    """A parent and its child share `shared`: the child's release frees only its own."""
+    d = Driver([("shared", 4), ("own", 4)], [("", [0], False), ("child", [0, 1], False)],
+               config=cfg())
+    d(reset_step)
+    d(fetch, 0, forward=True)
+    d(fetch, 1, forward=True)
+    assert d.st.params[0].users == 2
+    assert d(release, 1) == [Free((1,))]
+    assert d.statuses() == "AN" and d.st.params[0].users == 1
+    assert d(release, 0) == [Free((0,))]
+
+
+def test_persistent_params_are_not_released():
+    d = Driver([("bias", 3), ("w", 4)], [("", [], False), ("m", [0, 1], False)],
+               config=cfg(threshold=3))
+    d(reset_step)
+    d(fetch, 1, forward=True)
+    assert d(release, 1) == [Free((1,))]
+    assert d.statuses() == "AN" and d.live == 3
+
+
+def test_release_of_inactive_module_is_a_no_op():
+    d = Driver(*TIED, config=cfg())
+    d(reset_step)
+    before = list(d.st.params)
+    assert d(release, 1) == []
+    assert list(d.st.params) == before
+    d(fetch, 1, forward=True)
+    assert d(release, 1) == [Free((0,))]
+    assert d(release, 1) == []  # a second release finds the module inactive
+
+
+def test_grad_outputs_counts_like_outputs_wrapped():
+    d = Driver(*TIED, config=cfg())
+    d(reset_step)
+    d(fetch, 1, forward=True)
+    d(release, 1, grad_outputs=True)
+    assert d.st.modules[1].pre_backward == 1
+
+
+def test_param_prefetched_for_a_later_step_is_kept():
+    """Y's param was prefetched for W (a later step) while X held it: Y's release keeps it for W
+    even with reuse distance 0. Steps: root, X(p0), V(p1), Y(p0), U(p2), W(p0)."""
+    d = Driver([("p0", 4), ("p1", 4), ("p2", 8)],
+               [("", [], False), ("X", [0], False), ("V", [1], False), ("Y", [0], False),
+                ("U", [2], False), ("W", [0], False)], config=cfg(reuse=0, bucket=5))
+    d(reset_step)
+    d.forward([[0, [1, 2, 3, 4, 5]]], inputs=0)  # RECORD: handles 0..4
+    d(reset_step)
+    got = d.forward([[0, [1, 2, 3, 4, 5]]], inputs=0)
+    root, x, x_rel, v, v_rel, y, y_rel, u, u_rel, w, w_rel, root_rel = got
+    assert root == [AllGather(5, (0, 1), True, True)]
+    assert x == [Wait(5), AllGather(6, (2,), True, True)] and x_rel == [Free((0,))]
+    assert v == [AllGather(7, (0,), True, True)]  # p0 again, for W at step 5
+    assert y == [Wait(7)] and y_rel == []  # kept: it was prefetched for step 5
+    assert w == [] and w_rel == [Free((0,))]

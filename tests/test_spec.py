@@ -1,0 +1,41 @@
+"""Static tables (fz3/core/spec.py): shard layout numbers and build_spec validation."""
+from __future__ import annotations
+
+import pytest
+
+from fz3.core.spec import build_spec, padding, shard_numel
+
+# (numel, world size) -> (shard numel, padding)
+LAYOUT = [(0, 1, 0, 0), (0, 4, 0, 0), (1, 4, 1, 3), (3, 4, 1, 1), (4, 4, 1, 0), (5, 4, 2, 3),
+          (10, 3, 4, 2), (7, 1, 7, 0)]
+
+
+@pytest.mark.parametrize("numel,world,shard,pad", LAYOUT)
+def test_layout(numel, world, shard, pad):
+    assert (shard_numel(numel, world), padding(numel, world)) == (shard, pad)
+    assert shard * world == numel + pad
+
+
+def test_build_spec_tables():
+    spec = build_spec([("emb.w", 10), ("b", 2), ("empty", 0)],
+                      [("", [2], False), ("emb", [0], False), ("head", [0, 0, 1], False),
+                       ("moe", [1, 0], True)], world_size=4, persistence_threshold=2)
+    assert [p.shard_numel for p in spec.params] == [3, 1, 0]
+    assert [p.persistent for p in spec.params] == [False, True, True]
+    head = spec.module_named("head")
+    assert head.params == (0, 1) and head.numel == 12  # tied ids appear once, sorted
+    assert spec.modules[3].is_leaf and spec.modules[3].params == (0, 1)
+    with pytest.raises(KeyError):
+        spec.module_named("nope")
+
+
+@pytest.mark.parametrize("params,modules,world", [
+    ([("w", 1)], [("m", [0], False)], 0),
+    ([("w", 1)], [("m", [0], False)], True),
+    ([("w", -1)], [("m", [0], False)], 1),
+    ([("w", 1.0)], [("m", [0], False)], 1),
+    ([("w", 1)], [("m", [1], False)], 1),
+])
+def test_build_spec_rejects(params, modules, world):
+    with pytest.raises(ValueError):
+        build_spec(params, modules, world_size=world, persistence_threshold=0)

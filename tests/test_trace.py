@@ -1,0 +1,133 @@
+"""The trace machine and its plan (fz3/core/trace.py), alone and through fetch.
+
+    INVALID --reset--> RECORD --reset--> COMPLETE --(pass matched)--> COMPLETE
+       ^-------------- departure / pass ended early ---------------------+
+"""
+from __future__ import annotations
+
+import pytest
+
+from fz3.core.backward import register_external
+from fz3.core.config import Config
+from fz3.core.fetch import fetch
+from fz3.core.ids import TraceMode
+from fz3.core.step import reset_step
+from fz3.core.trace import build_plan, initial_trace, invalidated, iter_cons, on_fetch, reset
+from fz3.testing.driver import Driver
+
+UNITS = {0: (), 1: (0,), 2: (1, 2), 3: (0,)}  # root, emb, l1, head (tied emb.w)
+NUMEL = {0: 100, 1: 50, 2: 5}
+
+
+def run(tr, modules):
+    """Fetch `modules` in order; -> (trace, departures)."""
+    departed = []
+    for m in modules:
+        tr, d = on_fetch(tr, m)
+        departed.append(d)
+    return tr, departed
+
+
+def new_pass(tr, reuse=10**9):
+    return reset(tr, UNITS.__getitem__, NUMEL.__getitem__, reuse)
+
+
+def test_initial_record_complete():
+    tr = initial_trace()
+    assert tr.mode is TraceMode.INVALID and tr.plan is None
+    tr = new_pass(tr)
+    assert tr.mode is TraceMode.RECORD
+    tr, departed = run(tr, [0, 1, 2, 3])
+    assert departed == [False] * 4 and list(iter_cons(tr.recording)) == [3, 2, 1, 0]
+    tr = new_pass(tr)
+    assert tr.mode is TraceMode.COMPLETE and tr.plan.order == (0, 1, 2, 3)
+    assert (tr.step_id, tr.recording, tr.cursor, tr.invalidations) == (0, None, 0, 0)
+
+
+def complete():
+    tr, _ = run(new_pass(initial_trace()), [0, 1, 2, 3])
+    return new_pass(tr)
+
+
+# (this pass's fetches, departure flags, mode after the pass, after its reset, invalidations)
+PASSES = [
+    ("the same order", [0, 1, 2, 3], [False] * 4, TraceMode.COMPLETE, TraceMode.COMPLETE, 0),
+    ("another module", [0, 2], [False, True], TraceMode.COMPLETE, TraceMode.RECORD, 1),
+    ("one fetch too many", [0, 1, 2, 3, 3], [False] * 4 + [True], TraceMode.COMPLETE,
+     TraceMode.RECORD, 1),
+    ("ended early", [0, 1], [False, False], TraceMode.COMPLETE, TraceMode.RECORD, 1),
+    ("no fetch at all", [], [], TraceMode.COMPLETE, TraceMode.COMPLETE, 0),
+]
+
+
+@pytest.mark.parametrize("why,order,flags,during,after,invalidations", PASSES,
+                         ids=[p[0] for p in PASSES])
+def test_pass_against_plan(why, order, flags, during, after, invalidations):
+    tr, departed = run(complete(), order)
+    assert departed == flags
+    assert tr.mode is during  # on_fetch only reports; fetch invalidates
+    if any(departed):
+        tr = invalidated(tr)
+        assert tr.mode is TraceMode.INVALID and tr.plan is None
+    tr = new_pass(tr)
+    assert (tr.mode, tr.invalidations) == (after, invalidations)
+
+
+def test_record_pass_without_fetches_keeps_recording():
+    tr = new_pass(new_pass(initial_trace()))
+    assert tr.mode is TraceMode.RECORD and tr.plan is None
+
+
+def test_build_plan_queue_and_steps():
+    plan = build_plan((0, 1, 2, 3), UNITS.__getitem__, NUMEL.__getitem__, 10**9)
+    assert plan.queue == ((1, 0), (2, 1), (2, 2), (3, 0))
+    assert plan.step_start == (0, 0, 1, 3, 4)
+    assert plan.reused == (frozenset(), frozenset({0}), frozenset(), frozenset())
+
+
+# max_reuse_distance -> is emb.w (step 1) reused at head (step 3)? l1's 55 elements lie between
+@pytest.mark.parametrize("distance,reused", [(0, False), (55, False), (56, True), (10**9, True)])
+def test_reuse_distance_is_strict(distance, reused):
+    plan = build_plan((0, 1, 2, 3), UNITS.__getitem__, NUMEL.__getitem__, distance)
+    assert (0 in plan.reused[1]) is reused
+
+
+def test_adjacent_reuse_needs_a_positive_distance():
+    """Nothing between two uses: the gap is 0, reused iff 0 < distance."""
+    units = {0: (0,), 1: (0,)}
+    assert build_plan((0, 1), units.__getitem__, NUMEL.__getitem__, 0).reused[0] == frozenset()
+    assert build_plan((0, 1), units.__getitem__, NUMEL.__getitem__, 1).reused[0] == {0}
+
+
+def test_reuse_looks_at_the_next_use_only():
+    """emb.w used at steps 0, 2, 3: step 0 looks at step 2, step 2 at step 3."""
+    units = {0: (0,), 1: (1,), 2: (0,)}
+    plan = build_plan((0, 1, 2, 2), units.__getitem__, NUMEL.__getitem__, 51)
+    assert plan.reused == (frozenset({0}), frozenset(), frozenset({0}), frozenset())
+
+
+CFG = Config(prefetch_bucket_size=0, param_persistence_threshold=0)
+MODEL = ([("a", 4), ("b", 4)], [("", [], False), ("a", [0], False), ("b", [1], False)])
+
+
+def test_fetch_departure_invalidates_through_the_core():
+    d = Driver(*MODEL, config=CFG)
+    for order in ([1, 2], [1, 2], [2, 1], [2, 1], [2, 1]):
+        d(reset_step)
+        for m in [0] + order:
+            d(fetch, m, forward=True)
+    # RECORD [1,2]; COMPLETE [1,2]; [2,1] departs; RECORD [2,1]; COMPLETE [2,1]
+    assert d.st.trace.mode is TraceMode.COMPLETE and d.st.trace.invalidations == 1
+    assert d.st.trace.plan.order == (0, 2, 1)
+
+
+def test_new_external_param_invalidates_a_complete_trace():
+    d = Driver(*MODEL, config=CFG)
+    for _ in range(2):
+        d(reset_step)
+        d(fetch, 0, forward=True)
+    assert d.st.trace.mode is TraceMode.COMPLETE
+    d(register_external, 0, (1,))
+    assert d.st.trace.mode is TraceMode.INVALID and d.st.trace.invalidations == 1
+    d(register_external, 0, (1,))  # known already: nothing changes
+    assert d.st.trace.invalidations == 1
