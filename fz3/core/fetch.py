@@ -42,8 +42,6 @@ def fetch(st: ParamState, module: ModuleId, *, forward: bool, config: Config,
 
 def fetch_into(tx: Txn, module: ModuleId, *, forward: bool, config: Config, grad_inputs: int = 0) -> None:
     tx.trace, departed = on_fetch(tx.trace, module)
-    if departed:
-        invalidate(tx)
     step = tx.trace.step_id - 1
     pids = unit_params(tx, module)
     ms = tx.mods[module]
@@ -59,6 +57,8 @@ def fetch_into(tx: Txn, module: ModuleId, *, forward: bool, config: Config, grad
         slots[p] = (s[STATUS], s[HANDLE], s[USERS] + users, step if step > ff else ff, s[EXTERNAL])
         if s[STATUS] == NOT_AVAILABLE:
             missing.append(p)
+    if departed:  # after counting this module in: its own prefetched params stay
+        invalidate(tx)
     if missing:
         gather(tx, tuple(missing), prefetch=False, forward=forward, fetched_for=(step,) * len(missing))
     wait_for(tx, pids)
