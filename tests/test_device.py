@@ -6,8 +6,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from fz3.shell.device import (AcceleratorDevice, CpuDevice, Device, NullEvent, NullStream,
-                              TorchProbe, pick_device)
+from fz3.shell.device import AcceleratorDevice, CpuDevice, Device, NullEvent, NullStream
+from fz3.shell.pick import TorchProbe, pick_device
 
 
 class FakeProbe:

@@ -7,7 +7,7 @@ from torch import nn
 
 from fz3.core.config import Config
 from fz3.shell import consolidate
-from fz3.shell.device import pick_device
+from fz3.shell.pick import pick_device
 from fz3.shell.engine import Engine
 
 

@@ -1,6 +1,6 @@
 """The shell's device: streams, events, synchronize, memory stats and the process-group backend.
 
-Two implementations of one small interface, chosen by `pick_device`:
+Two implementations of one small interface, chosen by `pick_device` (fz3/shell/pick.py):
 
     FZ3_DEVICE=cpu  ------------------------------------------------> CpuDevice               gloo
     FZ3_DEVICE=npu  -- torch_npu imports, accelerator is npu ------> AcceleratorDevice('npu')  hccl
@@ -14,20 +14,17 @@ CPU/gloo `torch.accelerator` streams and events raise, and the only concurrency 
 collective's async `Work`, so its streams and events are inert `NullStream` / `NullEvent`.
 
 [Note: torch_npu is imported lazily] `import torch_npu` registers the 'npu' device with torch
-(and fails without Huawei's CANN toolkit), so it happens only inside `TorchProbe.has_module`,
-when `pick_device` asks for it, never when this module is imported. torch may also autoload an
-installed torch_npu during `import torch`; fz3 does not set TORCH_DEVICE_BACKEND_AUTOLOAD=0,
-but a user whose stray torch_npu install breaks `import torch` can (DESIGN §5).
+(and fails without Huawei's CANN toolkit), so it happens only inside `TorchProbe.has_module`
+(pick.py), when `pick_device` asks for it, never when this module is imported. torch may
+also autoload an installed torch_npu during `import torch`; fz3 does not set
+TORCH_DEVICE_BACKEND_AUTOLOAD=0, but a user whose stray torch_npu install breaks `import torch`
+can (DESIGN §5).
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
-import os
 import resource
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Protocol, Union, runtime_checkable
 
@@ -276,88 +273,3 @@ class AcceleratorDevice:
     def reset_peak_memory_stats(self) -> None:
         """Start a new peak window on this device."""
         self._mem.reset_peak_memory_stats(self.local_rank)
-
-
-class Probe(Protocol):
-    """What `pick_device` asks about the machine; tests pass a fake to simulate CUDA or NPU."""
-
-    def has_module(self, name: str) -> bool:
-        """Whether module `name` imports (importing it may register a device type)."""
-    def accelerator_type(self) -> str | None:
-        """torch.accelerator's device type ('cuda', 'npu', ...), None when there is none."""
-    def device_count(self) -> int:
-        """How many devices of that type this process sees."""
-
-
-class TorchProbe:
-    """The real `Probe`, on `torch.accelerator` and importlib."""
-
-    def __init__(self, torch_module: ModuleType = torch) -> None:
-        self._acc = torch_module.accelerator
-
-    def has_module(self, name: str) -> bool:
-        """Import `name` if it is installed; warn (not raise) when it is installed but broken."""
-        if importlib.util.find_spec(name) is None:
-            return False
-        try:
-            importlib.import_module(name)
-        except Exception as e:  # torch_npu without CANN fails with assorted errors
-            warnings.warn(f"fz3: {name} is installed but failed to import: {e!r}", stacklevel=2)
-            return False
-        return True
-
-    def accelerator_type(self) -> str | None:
-        """`torch.accelerator.current_accelerator().type`, or None without an available one."""
-        if not self._acc.is_available():
-            return None
-        current = self._acc.current_accelerator()
-        return None if current is None else current.type
-
-    def device_count(self) -> int:
-        """`torch.accelerator.device_count()`."""
-        return int(self._acc.device_count())
-
-
-def pick_device(local_rank: int | None = None, *, env: Mapping[str, str] = os.environ,
-                torch_module: ModuleType = torch, probe: Probe | None = None) -> Device:
-    """Choose this rank's device: FZ3_DEVICE if set, else NPU, then CUDA, then CPU.
-
-    `local_rank` defaults to env LOCAL_RANK (set by torchrun), else 0. A forced device that is
-    not there is an error, not a silent fallback, so a run never lands on the wrong hardware;
-    so is a local rank past the device count, even in auto mode, since ranks that fell back to
-    gloo could never join the others' nccl/hccl collectives.
-    Mirrors DeepSpeed's `get_accelerator()` (DS_ACCELERATOR, then probing); unlike it, there is
-    one generic accelerator class rather than one per vendor.
-    """
-    rank = int(env.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
-    wanted = env.get("FZ3_DEVICE", "").strip()
-    if wanted.lower() not in ("", *KINDS):
-        raise ValueError(f"FZ3_DEVICE={wanted!r} is not one of {', '.join(KINDS)} (or unset: auto)")
-    wanted = wanted.lower()
-    if wanted == "cpu":
-        return CpuDevice()
-    probe = TorchProbe(torch_module) if probe is None else probe
-    for kind in ("npu", "cuda"):
-        if wanted not in ("", kind):
-            continue
-        reason = _absent(kind, probe)
-        if reason is None:
-            count = probe.device_count()
-            if rank < count:
-                return AcceleratorDevice(kind, rank, torch_module=torch_module)
-            reason = f"local rank {rank} needs {kind}:{rank} but {count} {kind} device(s) are visible"
-            if count > 0:
-                raise RuntimeError(reason)
-        if wanted:
-            raise RuntimeError(f"FZ3_DEVICE={wanted!r} but {reason}")
-    return CpuDevice()
-
-
-def _absent(kind: str, probe: Probe) -> str | None:
-    """Why device type `kind` is not on this machine, or None when it is."""
-    if kind == "npu" and not probe.has_module("torch_npu"):
-        return "torch_npu is not importable (it needs Huawei's CANN toolkit)"
-    found = probe.accelerator_type()
-    if found != kind:
-        return f"torch.accelerator reports {found or 'no accelerator'}, not {kind}"
-    return None
