@@ -18,6 +18,7 @@ import pickle
 import queue
 import socket
 import sys
+import time
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -61,6 +62,16 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[A
     os._exit(code)
 
 
+_POLL_S = 1.0  # how often run() looks for ranks that died without reporting
+
+
+def _died_silently(procs: list, out: dict) -> list[str]:
+    """'rank r (exit code c)' for each rank that exited with no result and a nonzero code.
+    A rank that put a result may still die at shutdown (DESIGN.md §5): that is not a failure."""
+    return [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(procs)
+            if r not in out and p.exitcode not in (None, 0)]
+
+
 def run(fn: Callable, *, world_size: int = 2, args: Sequence[Any] = (), timeout: float = 300,
         threads: int = 1) -> list[Any]:
     """fn(rank, world_size, *args) on `world_size` spawned ranks; -> per-rank results."""
@@ -75,13 +86,22 @@ def run(fn: Callable, *, world_size: int = 2, args: Sequence[Any] = (), timeout:
         p.start()
     out: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
         while len(out) + len(errors) < world_size:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=_POLL_S)
             except queue.Empty:
-                raise TimeoutError(f"fz3.launch.run: no result within {timeout}s; ranks alive: "
-                                   f"{[r for r, p in enumerate(procs) if p.is_alive()]}") from None
+                dead = _died_silently(procs, out)
+                if dead:  # e.g. a crash while starting (no traceback reaches the queue); what a
+                    time.sleep(_POLL_S)  # rank put just before exiting is read first
+                    if not results.empty():
+                        continue
+                    raise RuntimeError(f"fz3.launch.run: rank(s) exited without a result: {dead}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"fz3.launch.run: no result within {timeout}s; ranks alive: "
+                                       f"{[r for r, p in enumerate(procs) if p.is_alive()]}") from None
+                continue
             if ok:
                 out[rank] = pickle.loads(value)
             else:

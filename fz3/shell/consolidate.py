@@ -18,14 +18,28 @@ import torch.distributed as dist
 from torch import nn
 
 from fz3.core.hold import hold, unhold
-from fz3.data import layout
 
-_ENGINES: "weakref.WeakKeyDictionary[nn.Parameter, object]" = weakref.WeakKeyDictionary()
+# [Note: no WeakKeyDictionary of tensors] A WeakKeyDictionary compares its keys with ==, and a
+# Tensor's == is elementwise: looking up a Parameter raised "Boolean value of Tensor with no
+# values is ambiguous" (a sharded param's .data is empty). So: keyed by id(param), each entry
+# holding a weak reference to the param (checked with `is`, and whose callback drops the entry
+# when the param dies, before its id can be reused) and one to the engine.
+_ENGINES: dict[int, tuple["weakref.ref[nn.Parameter]", "weakref.ref[object]"]] = {}
 
 
 def register(engine) -> None:
+    eng = weakref.ref(engine)
     for p in engine.tables.params:
-        _ENGINES[p] = engine
+        key = id(p)
+        _ENGINES[key] = (weakref.ref(p, lambda _, key=key: _ENGINES.pop(key, None)), eng)
+
+
+def engine_of(param: nn.Parameter):
+    """The live engine that manages `param`, or None."""
+    entry = _ENGINES.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
 
 
 def _gather_master(engine, p: int) -> torch.Tensor:
@@ -63,7 +77,7 @@ def gathered_parameters(params: Union[nn.Module, nn.Parameter, Iterable[nn.Param
     params = list(params)
     by_engine: dict[int, tuple[object, list[int]]] = {}
     for param in params:
-        engine = _ENGINES.get(param)
+        engine = engine_of(param)
         if engine is None:
             raise ValueError(f"gathered_parameters: a parameter of shape {tuple(param.shape)} is not "
                              "managed by an fz3 engine (call fz3.initialize first)")

@@ -36,6 +36,11 @@ from fz3.shell.store import DTYPES, TensorStore
 from fz3.shell.tables import read_tables
 
 
+COUNTERS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "gathered_bytes",
+            "reduce", "reduced_bytes")
+"""The interpreter's counters stats() reports; every key is present, 0 until it first counts."""
+
+
 class Engine:
     """What `fz3.initialize` returns. Call it like the model."""
 
@@ -210,7 +215,7 @@ class Engine:
 
     def stats(self) -> dict[str, object]:
         st = self.params_state
-        out: dict[str, object] = dict(self.interp.counts)
+        out: dict[str, object] = {k: self.interp.counts[k] for k in COUNTERS}  # 0 if none yet
         out.update(live_numel=st.live_numel, peak_live_numel=st.peak_live_numel,
                    trace=TraceMode(st.trace.mode).name, trace_invalidations=st.trace.invalidations,
                    micro_step=self.grads_state.micro_step, optimizer_steps=self.optimizer_steps,

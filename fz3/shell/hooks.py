@@ -53,9 +53,16 @@ def wrap_tensors(tree: Any, fn: type[torch.autograd.Function], on_backward: Call
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not idx or not torch.is_grad_enabled():
         return tree, False
-    out = fn.apply(on_backward, *(leaves[i] for i in idx))
-    for i, t in zip(idx, out):
-        leaves[i] = t
+    # [Note: identity] A tensor passed twice (mha(h, h, h)) goes through the node once and
+    # comes back as one tensor, so `query is key` still holds inside the module
+    # (nn.MultiheadAttention then takes its packed self-attention path, as it would unwrapped).
+    slot: dict[int, int] = {}
+    for i in idx:
+        slot.setdefault(id(leaves[i]), len(slot))
+    distinct = list({id(leaves[i]): leaves[i] for i in idx}.values())
+    out = fn.apply(on_backward, *distinct)
+    for i in idx:
+        leaves[i] = out[slot[id(leaves[i])]]
     return optree.tree_unflatten(treedef, leaves), True
 
 

@@ -1,0 +1,311 @@
+"""Parity of fz3 on N gloo ranks with single-process training (issue #4, invariant I7).
+
+    results = run_world(world_size, models)          one fz3.launch.run: every (model, config)
+                                                      pair in `models` x CONFIGS, one after the
+                                                      other, inside the same N ranks
+    ref = reference(model, world_size, optimizer)    plain torch, in the calling process
+
+One launch per world size keeps the cost to one process start per rank (~10 s on a slow CPU);
+each combination builds a fresh model, optimizer and engine on the process group already there.
+A combination that raises is reported as its traceback (the ranks stay in step: fz3's core is
+deterministic, so a failure in it fails on every rank at the same event).
+
+What a rank returns per combination (`Result`): its loss at every micro-step, the consolidated
+fp32 state dict, stats(), the fetch-unit sizes, the live-numel split of `LiveWatch` (I1 checked
+after every event, not only after a prefetch), every NOT_AVAILABLE violation seen after a
+step() call, and the experts each MoE pass used. A failure that is not the same on every rank
+(a gloo size mismatch, a rank-local exception) ends the whole launch instead.
+
+[Note: the reference] Each rank's loss is the mean over its own micro-batch; fz3 sums grads over
+ranks and micro-steps and divides once by W * gas. The reference does the same arithmetic in one
+process: per micro-step, the loss of each rank's slice, backward of loss / (W * gas), one
+optimizer step per window. Before each window every trainable param gets a zero grad, not None:
+fz3 (like DeepSpeed) gives a param that no rank used a zero grad partition, so the optimizer steps
+it (moment decay, weight decay); torch skips a param whose grad is None.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fz3.core.config import Config
+from fz3.core.state import ACTIVE, EXTERNAL, NOT_AVAILABLE, STATUS, unit_of
+from fz3.testing.parity_models import MODELS, rank_slice
+
+STEPS = 5  # optimizer steps per combination
+GAS = 2  # gradient accumulation steps
+
+DS_CONFIG = {  # a real DeepSpeed dict: stage 3, DeepSpeed defaults, clipping on
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": GAS,
+    "gradient_clipping": 0.5,
+    "steps_per_print": 10,
+    "zero_optimization": {"stage": 3},
+}
+
+# Named configs; every model runs each of CONFIGS, "gpt" also "ds_defaults". Together they cover,
+# for every model: prefetch on (base, tiny, bf16) and off (sync_allreduce), tiny prefetch (tiny),
+# overlap on / off, both reduce paths, contiguous_gradients off (tiny), a reduce bucket smaller
+# than most single grads (sync_allreduce, tiny), a tiny live budget (tiny), reuse distance 0
+# (sync_allreduce), persistence off (threshold 0) and bf16 compute. The optimizer is AdamW, but
+# SGD with momentum where OPTIMIZERS says (see optimizer_for).
+_C = dict(gradient_accumulation_steps=GAS, debug_checks=True)
+CONFIGS: dict[str, Config] = {
+    "base": Config(param_persistence_threshold=0, **_C),
+    "sync_allreduce": Config(param_persistence_threshold=0, prefetch_bucket_size=0,
+                             overlap_comm=False, reduce_scatter=False, reduce_bucket_size=7,
+                             max_reuse_distance=0, **_C),
+    "tiny": Config(param_persistence_threshold=2, prefetch_bucket_size=16, max_live_parameters=24,
+                   reduce_bucket_size=7, contiguous_gradients=False, **_C),
+    "bf16": Config(param_persistence_threshold=0, compute_dtype="bf16", prefetch_bucket_size=40,
+                   reduce_bucket_size=64, **_C),
+}
+EXTRA = {"gpt": ("ds_defaults",)}  # DeepSpeed defaults (everything persistent), from_deepspeed
+
+
+def config_named(name: str) -> Config:
+    if name == "ds_defaults":
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "accepts but does not use: steps_per_print, ..."
+            return Config.from_deepspeed(DS_CONFIG)
+    return CONFIGS[name]
+
+
+def configs_for(model: str) -> tuple[str, ...]:
+    return tuple(CONFIGS) + EXTRA.get(model, ())
+
+
+OPTIMIZERS = {"sync_allreduce": "sgd", "bf16": "sgd"}  # the others: "adamw"
+
+
+def optimizer_for(config_name: str) -> str:
+    """AdamW, or SGD with momentum where Adam would hide or amplify an error: Adam is invariant
+    to the scale of the grads (a wrong divisor barely shows), and its first steps (lr * sign(g))
+    turn bf16 rounding of near-zero grads into whole lr-sized differences."""
+    return OPTIMIZERS.get(config_name, "adamw")
+
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=5e-3, eps=1e-6, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+@dataclass
+class Result:
+    losses: list[float] = field(default_factory=list)  # this rank's loss per micro-step
+    state: dict = field(default_factory=dict)  # full_state_dict() after the last step
+    stats: dict = field(default_factory=dict)
+    units: list[int] = field(default_factory=list)  # numel of each module's fetch unit (+externals)
+    chains: list[int] = field(default_factory=list)  # per module: unit numels summed root..module
+    persistent_numel: int = 0
+    not_available: list[str] = field(default_factory=list)  # violations after step()
+    budget_max: int = 0  # most live numel no active module, hold, persistence or external pinned
+    pinned_max: int = 0  # most live numel that was pinned so
+    observed_peak: int = 0  # most live numel seen after any parameter event
+    peak_detail: str = ""  # what was live at the observed peak
+    experts: list[tuple] = field(default_factory=list)  # moe: experts used per micro-step
+    error: Optional[str] = None
+
+
+# ---- the rank side -------------------------------------------------------------------------------
+
+def worker(rank: int, world_size: int, models: tuple[str, ...], probes: bool) -> dict:
+    """Every (model, config) of `models` in this process group, then the API probes."""
+    torch.manual_seed(0)
+    out: dict = {}
+    for model in models:
+        for cname in configs_for(model):
+            try:
+                out[(model, cname)] = train(model, cname, rank, world_size)
+            except Exception:  # noqa: BLE001 - reported per combination, see the module doc
+                out[(model, cname)] = Result(error=traceback.format_exc())
+    if probes:
+        try:
+            out["probes"] = api_probes(rank, world_size)
+        except Exception:  # noqa: BLE001
+            out["probes"] = {"error": traceback.format_exc()}
+    return out
+
+
+def _engine(model: str, config: Config, optimizer: str):
+    import fz3
+    spec = MODELS[model]
+    net = spec.build()
+    if spec.leaf_classes:
+        fz3.set_leaf_modules(net, spec.leaf_classes)
+    opt = make_optimizer(optimizer, net.parameters())
+    return net, fz3.initialize(net, opt, config)
+
+
+def train(model: str, config_name: str, rank: int, world_size: int) -> Result:
+    spec = MODELS[model]
+    net, engine = _engine(model, config_named(config_name), optimizer_for(config_name))
+    res = Result()
+    watch = LiveWatch(engine)
+    for i in range(STEPS * GAS):
+        b = rank_slice(spec.batch(i), rank, world_size)
+        loss = spec.loss(engine, b, i)
+        engine.backward(loss)
+        engine.step()
+        res.losses.append(loss.item())
+        res.not_available += _check_released(engine, i)
+        if model == "moe":
+            res.experts.append(net.moe.last_used)
+    res.state = {k: v.float() for k, v in engine.full_state_dict().items()}
+    res.stats = engine.stats()
+    res.units, res.chains = _unit_bounds(engine)
+    res.persistent_numel = sum(p.numel for p in engine.spec.params if p.persistent)
+    res.budget_max, res.pinned_max, res.peak_detail = watch.budget_max, watch.pinned_max, watch.detail
+    res.observed_peak = watch.peak
+    return res
+
+
+class LiveWatch:
+    """After every parameter event of `engine`, split the live full-param numel into what is
+    pinned (params of active modules, held, persistent or external: fetched on demand, never
+    refused) and the rest (prefetched, or kept for reuse), which I1 bounds by
+    max_live_parameters at every event, not only right after a prefetch."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.run = engine, engine._params
+        self.numel = [p.numel for p in engine.spec.params]
+        self.persistent = [p.persistent for p in engine.spec.params]
+        self.budget_max = self.pinned_max = self.peak = 0
+        self.detail = ""
+        engine._params = self  # the hooks call self._params(result): the instance's comes first
+
+    def __call__(self, result) -> None:
+        self.run(result)
+        st, numel = self.engine.params_state, self.numel
+        live = [p for p, row in enumerate(st.param_rows) if row[STATUS] != NOT_AVAILABLE]
+        active = [m for m, row in enumerate(st.module_rows) if row[ACTIVE]]
+        pinned = set(st.held)
+        for m in active:
+            pinned.update(unit_of(st, m))
+        pinned.update(p for p in live if self.persistent[p] or st.param_rows[p][EXTERNAL])
+        total = sum(numel[p] for p in live)
+        pinned_n = sum(numel[p] for p in live if p in pinned)
+        self.budget_max = max(self.budget_max, total - pinned_n)
+        self.pinned_max = max(self.pinned_max, pinned_n)
+        if total > self.peak:
+            self.peak = total
+            names, units = self.engine.tables.module_names, self.engine.units
+            mods = ", ".join(f"{names[m] or '<root>'}:{sum(numel[p] for p in units[m])}" for m in active)
+            self.detail = (f"live {total} at {sys._getframe(1).f_code.co_name}: active [{mods}], "
+                           f"pinned {pinned_n}, budgeted {total - pinned_n}")
+
+
+def _check_released(engine, i: int) -> list[str]:
+    """After step(): every non-persistent param NOT_AVAILABLE (at a boundary, externals too)."""
+    boundary = engine.optimizer_steps * GAS == i + 1
+    bad = []
+    for p, (ps, slot) in enumerate(zip(engine.spec.params, engine.params_state.params)):
+        if ps.persistent or (slot.external and not boundary):
+            continue
+        status = engine.param_status(engine.tables.params[p])
+        if status != "NOT_AVAILABLE":
+            bad.append(f"micro-step {i}: {ps.name} is {status}")
+    return bad
+
+
+def _unit_bounds(engine) -> tuple[list[int], list[int]]:
+    """Per registered module: its fetch unit's numel (own params + externals registered on it),
+    and the sum of the units on its chain of registered ancestors (itself included)."""
+    numel = [p.numel for p in engine.spec.params]
+    units = [sum(numel[p] for p in unit) for unit in engine.units]
+    names = engine.tables.module_names
+    index = {n: m for m, n in enumerate(names)}
+    chains = []
+    for m, name in enumerate(names):
+        total, parts = units[m], name.split(".") if name else []
+        for k in range(len(parts)):
+            parent = ".".join(parts[:k])
+            if parent in index:
+                total += units[index[parent]]
+        chains.append(total)
+    return units, chains
+
+
+def api_probes(rank: int, world_size: int) -> dict:
+    """gathered_parameters (modifier_rank 0 and None), full_state_dict keys, stats keys."""
+    import fz3
+    net, engine = _engine("gpt", CONFIGS["base"], "adamw")
+    out = {"state_dict_keys": list(net.state_dict().keys()),
+           "full_keys": list(engine.full_state_dict().keys()),
+           "stats": engine.stats()}
+    qkv = net.blocks[0].qkv.weight
+    with fz3.gathered_parameters(net.blocks[0], modifier_rank=0):
+        out["inside_shape"] = tuple(qkv.shape)
+        out["inside_status"] = engine.param_status(qkv)
+        if rank == 0:
+            qkv.data.fill_(0.25)
+            net.blocks[0].proj.bias.data.add_(1.0)
+    out["after_modify"] = engine.full_state_dict()
+    out["status_after"] = engine.param_status(qkv)
+    with fz3.gathered_parameters([net.wte.weight, net.ln_f.bias], modifier_rank=None):
+        net.wte.weight.data.mul_(rank + 2.0)
+        net.ln_f.bias.data.fill_(float(rank))
+    out["after_discard"] = engine.full_state_dict()
+    spec = MODELS["gpt"]
+    losses = []
+    for i in range(GAS):  # the edited weights are the ones the next forward uses
+        loss = spec.loss(engine, rank_slice(spec.batch(i), rank, world_size), i)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    out["losses_after_edit"] = losses
+    out["state_after_edit_step"] = engine.full_state_dict()
+    return out
+
+
+def run_world(world_size: int, models: tuple[str, ...], *, probes: bool = True,
+              timeout: float = 600) -> dict:
+    """One launch: -> rank 0's results; every rank's losses under key (model, config, 'losses')."""
+    from fz3 import launch
+    per_rank = launch.run(worker, world_size=world_size, args=(tuple(models), probes), timeout=timeout)
+    out = per_rank[0]
+    out["rank_losses"] = {k: [r[k].losses for r in per_rank] for k in out if isinstance(k, tuple)}
+    out["rank_not_available"] = {k: sum((r[k].not_available for r in per_rank), [])
+                                 for k in out if isinstance(k, tuple)}
+    out["rank_experts"] = {k: [r[k].experts for r in per_rank] for k in out if isinstance(k, tuple)}
+    out["rank_errors"] = {k: [r[k].error for r in per_rank if r[k].error] for k in out if isinstance(k, tuple)}
+    if probes:
+        out["rank_probes"] = [r["probes"] for r in per_rank]
+    return out
+
+
+# ---- the reference -------------------------------------------------------------------------------
+
+def reference(model: str, world_size: int, optimizer: str, *, clip: float = 0.0,
+              edit=None, steps: int = STEPS) -> tuple[list[list[float]], dict]:
+    """Single-process training with the same arithmetic; -> (per micro-step, each rank's loss),
+    final state_dict. See [Note: the reference]. `edit(net)` changes weights before training."""
+    spec = MODELS[model]
+    net = spec.build()
+    if edit is not None:
+        edit(net)
+    opt = make_optimizer(optimizer, net.parameters())
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    losses = []
+    for step in range(steps):
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        for i in range(step * GAS, (step + 1) * GAS):
+            batch = spec.batch(i)
+            per_rank = []
+            for r in range(world_size):
+                loss = spec.loss(net, rank_slice(batch, r, world_size), i)
+                (loss / (world_size * GAS)).backward()
+                per_rank.append(loss.item())
+            losses.append(per_rank)
+        if clip > 0:
+            nn.utils.clip_grad_norm_(trainable, clip)
+        opt.step()
+    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}

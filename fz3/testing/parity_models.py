@@ -1,0 +1,394 @@
+"""The models of the multi-process parity tests (issue #4), each with its data and its loss.
+
+    MODELS[name] -> ParityModel(build, batch, loss, leaf_classes)
+        build()          a fresh model, weights from a fixed seed (same on every rank)
+        batch(i)         the GLOBAL micro-batch of micro-step i: a tuple of tensors, each with a
+                         leading dim GLOBAL_BATCH (6: split evenly over W in {1, 2, 3})
+        loss(m, b, i)    the scalar loss of model (or engine) `m` on the micro-batch `b` at
+                         micro-step i: the mean over the samples of `b`
+        leaf_classes     classes to pass to fz3.set_leaf_modules before fz3.initialize
+
+Small on purpose (a few dozen to ~2,600 params) and with odd sizes, so shards are padded and
+some params are smaller than the world size. What each model is there to exercise:
+
+    gpt        tied token embedding / lm_head (one param, two modules), attention, a bool buffer
+    albert     one block applied K times in a forward (pre-backward ref counts, k fetches in
+               backward), a float buffer (cast to bf16 in bf16 mode)
+    external   a child whose forward returns its own param, used by the parent; a parent that
+               reads a child's params without calling it; nn.MultiheadAttention (reads
+               out_proj.weight directly, returns (out, None))
+    branch     a step-dependent flag (same on every rank) picks one of two submodules and skips
+               a third on some steps: trace invalidation, params with no grad in a window
+    frozen     requires_grad=False params mixed with trainable ones, whole frozen modules, a
+               trainable module whose input needs no grad (no post-backward)
+    structured child outputs as dict / tuple / namedtuple with None and non-tensor members,
+               consumed by the parent; the root returns a dict too
+    odd        numels not divisible by 2 or 3, numel 1 and 2 (< world size 3), a 0-dim param
+    moe        mixture of experts picked per sample by argmax of a router on the data, declared a
+               leaf module: ranks run different experts, the leaf reduces them all
+
+[Note: no k-bias] Attention here has no q/k/v bias: the grad of the key bias is zero in exact
+arithmetic (softmax is shift invariant) but ~1e-9 noise in floating point, and Adam turns noise
+into a full lr-sized step whose sign depends on summation order. That is a property of Adam,
+not of sharding, so it is left out of a 1e-5 parity test.
+"""
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GLOBAL_BATCH = 6  # per micro-step, over all ranks: divisible by 1, 2 and 3
+
+
+@dataclass(frozen=True)
+class ParityModel:
+    name: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[int], tuple]
+    loss: Callable[[Callable, tuple, int], torch.Tensor]
+    leaf_classes: tuple = field(default=())
+
+
+def _gen(i: int, salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(1000 * salt + i)
+
+
+def rank_slice(batch: tuple, rank: int, world_size: int) -> tuple:
+    """Rank r's micro-batch: rows [r*b, (r+1)*b) of every tensor, b = GLOBAL_BATCH / W."""
+    if GLOBAL_BATCH % world_size:
+        raise ValueError(f"world size {world_size} does not divide the global batch {GLOBAL_BATCH}")
+    b = GLOBAL_BATCH // world_size
+    return tuple(t[rank * b:(rank + 1) * b] for t in batch)
+
+
+# ---- gpt: tied embeddings ---------------------------------------------------------------------
+
+V, T, D, H = 29, 7, 10, 2  # vocab, context, width, heads (head dim 5)
+
+
+class GPTBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv = nn.Linear(D, 3 * D, bias=False)  # [Note: no k-bias]
+        self.proj = nn.Linear(D, D)
+        self.fc, self.out = nn.Linear(D, 3 * D), nn.Linear(3 * D, D)
+        self.register_buffer("mask", torch.tril(torch.ones(T, T, dtype=torch.bool)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)  # (B, L, C) each
+        q, k, v = (t.view(B, L, H, C // H).transpose(1, 2) for t in (q, k, v))  # (B, H, L, hd)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // H)  # (B, H, L, L)
+        att = att.masked_fill(~self.mask[:L, :L], float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B, L, C)  # (B, L, C)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
+        self.blocks = nn.ModuleList(GPTBlock() for _ in range(2))
+        self.ln_f = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one Parameter, two modules
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1])
+        x = self.wte(idx) + self.wpe(pos)  # (B, L, D)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, L, V)
+
+
+def _gpt_batch(i: int) -> tuple:
+    tokens = torch.randint(0, V, (GLOBAL_BATCH, T + 1), generator=_gen(i, 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _gpt_loss(m, b: tuple, i: int) -> torch.Tensor:
+    idx, tgt = b
+    logits = m(idx)
+    return F.cross_entropy(logits.reshape(-1, V).float(), tgt.reshape(-1))
+
+
+# ---- albert: one block applied K times --------------------------------------------------------
+
+K = 3
+
+
+class SharedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(9, 13), nn.Linear(13, 9)
+        self.norm = nn.LayerNorm(9)
+        self.alpha = nn.Parameter(torch.full((9,), 0.5))  # the block's own param: its own unit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.alpha * self.lin2(torch.tanh(self.lin1(x))))
+
+
+class Albert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.block, self.head = nn.Linear(5, 9), SharedBlock(), nn.Linear(9, 3)
+        self.register_buffer("gain", torch.tensor([1.5, 0.5, 1.0]))  # float: cast in bf16 mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for _ in range(K):
+            h = self.block(h)
+        return self.head(h) * self.gain
+
+
+def _regression_batch(salt: int, n_in: int, n_out: int):
+    def batch(i: int) -> tuple:
+        g = _gen(i, salt)
+        return torch.randn(GLOBAL_BATCH, n_in, generator=g), torch.randn(GLOBAL_BATCH, n_out, generator=g)
+    return batch
+
+
+def _mse(m, b: tuple, i: int) -> torch.Tensor:
+    x, y = b
+    return ((m(x).float() - y) ** 2).mean()
+
+
+# ---- external: returned params, params read without a call, nn.MultiheadAttention --------------
+
+class ScaleVec(nn.Module):
+    """Its forward returns its own parameter; the caller uses it (an external param)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self) -> nn.Parameter:
+        return self.weight
+
+
+class ExternalNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.scale = ScaleVec(6)
+        self.side = nn.Linear(6, 6)  # never called: the parent reads its params
+        self.mha = nn.MultiheadAttention(6, 2, bias=False, batch_first=True)  # [Note: no k-bias]
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, L, 4)
+        h = self.inp(x) * self.scale()  # (B, L, 6)
+        h = torch.tanh(F.linear(h, self.side.weight, self.side.bias))
+        a, none = self.mha(h, h, h, need_weights=False)  # (B, L, 6), None
+        assert none is None
+        return self.head((h + a).mean(1))  # (B, 2)
+
+
+def _external_batch(i: int) -> tuple:
+    g = _gen(i, 3)
+    return torch.randn(GLOBAL_BATCH, 3, 4, generator=g), torch.randn(GLOBAL_BATCH, 2, generator=g)
+
+
+# ---- branch: the forward changes between steps -------------------------------------------------
+
+MODES = (0, 0, 0, 1, 1, 1, 2, 0, 0, 1, 2, 2)  # by micro-step; 0: a + c, 1: b + c, 2: a, c skipped
+
+
+class BranchNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.a = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, mode: int) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = self.b(h) if mode == 1 else self.a(h)
+        if mode != 2:
+            h = h + self.c(h)
+        return self.head(h)
+
+
+def _branch_loss(m, b: tuple, i: int) -> torch.Tensor:
+    x, y = b
+    return ((m(x, MODES[i % len(MODES)]).float() - y) ** 2).mean()
+
+
+# ---- frozen: requires_grad=False mixed with trainable ------------------------------------------
+
+class FrozenNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(6, 10)  # wholly frozen: its output needs no grad
+        self.mid = nn.Linear(10, 10)  # trainable weight, frozen bias; input needs no grad
+        self.norm = nn.LayerNorm(10)  # frozen weight, trainable bias
+        self.head = nn.Linear(10, 3)
+        for p in (self.emb.weight, self.emb.bias, self.mid.bias, self.norm.weight):
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.relu(self.mid(torch.tanh(self.emb(x))))))
+
+
+# ---- structured: dict / tuple / namedtuple outputs -----------------------------------------------
+
+Out = namedtuple("Out", "y aux count")
+
+
+class DictChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.lin2 = nn.Linear(5, 7), nn.Linear(5, 7)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"h": self.lin(x), "gate": None, "k": 3, "pair": (torch.sigmoid(self.lin2(x)), None)}
+
+
+class TupleChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(7, 7)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return torch.tanh(self.lin(x)), None, "tag"
+
+
+class NTChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(7, 4)
+
+    def forward(self, x: torch.Tensor) -> Out:
+        return Out(y=self.lin(x), aux=None, count=2)
+
+
+class StructNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.d, self.t, self.n = DictChild(), TupleChild(), NTChild()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        d = self.d(x)
+        assert d["gate"] is None and d["pair"][1] is None
+        h = d["h"] * d["pair"][0] / d["k"]
+        y, none, tag = self.t(h)
+        assert none is None and tag == "tag"
+        o = self.n(y)
+        assert o.aux is None
+        return {"out": self.head(o.y) * o.count, "extra": None, "meta": "s"}
+
+
+def _struct_loss(m, b: tuple, i: int) -> torch.Tensor:
+    x, y = b
+    out = m(x)
+    assert out["extra"] is None and out["meta"] == "s"
+    return ((out["out"].float() - y) ** 2).mean()
+
+
+# ---- odd: numels not divisible by the world size, and smaller than it ---------------------------
+
+class OddNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 5)  # 35 + 5
+        self.b = nn.Linear(5, 1)  # 5 + 1: bias numel 1
+        self.scalar = nn.Parameter(torch.tensor(0.7))  # 0-dim, numel 1
+        self.pair = nn.Parameter(torch.tensor([0.3, -0.2]))  # numel 2 < 3
+        self.c = nn.Linear(1, 3)  # 3 + 3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.b(torch.tanh(self.a(x))) * self.scalar  # (B, 1)
+        return self.c(s) + self.pair[0] - self.pair[1] * s
+
+
+# ---- moe: experts picked by the data, one leaf module ---------------------------------------------
+
+E = 3
+
+
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 7), nn.Linear(7, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class MoEBlock(nn.Module):
+    """Top-1 routing: sample n goes to expert argmax(router(r_n)), scaled by its gate prob.
+    The router reads a routing feature of the data with a wide margin (weights 4 * I), so the
+    choice is the same in fp32 and bf16 and does not flip while training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(E, E, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(4 * torch.eye(E) + 0.1 * torch.randn(E, E))
+        self.experts = nn.ModuleList(Expert() for _ in range(E))
+        self.last_used: tuple[int, ...] = ()
+
+    def forward(self, h: torch.Tensor, r: torch.Tensor) -> torch.Tensor:  # h (N, 6), r (N, E)
+        probs = self.router(r).softmax(-1)  # (N, E)
+        choice = probs.argmax(-1)  # (N,) chosen by the data
+        self.last_used = tuple(sorted(set(choice.tolist())))
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            sel = (choice == e).nonzero().squeeze(1)
+            if sel.numel():
+                out = out.index_add(0, sel, expert(h[sel]) * probs[sel, e:e + 1])
+        return h + out
+
+
+class MoENet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.moe, self.head = nn.Linear(4, 6), MoEBlock(), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return self.head(self.moe(torch.tanh(self.inp(x)), r))
+
+
+def _moe_batch(i: int) -> tuple:
+    g = _gen(i, 8)
+    x, y = torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 2, generator=g)
+    pick = torch.randint(0, E, (GLOBAL_BATCH,), generator=g)
+    r = F.one_hot(pick, E).float() * 2 + 0.1 * torch.randn(GLOBAL_BATCH, E, generator=g)
+    return x, r, y
+
+
+def _moe_loss(m, b: tuple, i: int) -> torch.Tensor:
+    x, r, y = b
+    return ((m(x, r).float() - y) ** 2).mean()
+
+
+# ---- registry ------------------------------------------------------------------------------------
+
+def _seeded(cls: type, seed: int) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        torch.manual_seed(seed)
+        return cls()
+    build.__name__ = f"build_{cls.__name__}"
+    return build
+
+
+MODELS: dict[str, ParityModel] = {m.name: m for m in (
+    ParityModel("gpt", _seeded(TinyGPT, 1), _gpt_batch, _gpt_loss),
+    ParityModel("albert", _seeded(Albert, 2), _regression_batch(2, 5, 3), _mse),
+    ParityModel("external", _seeded(ExternalNet, 3), _external_batch, _mse),
+    ParityModel("branch", _seeded(BranchNet, 4), _regression_batch(4, 5, 2), _branch_loss),
+    ParityModel("frozen", _seeded(FrozenNet, 5), _regression_batch(5, 6, 3), _mse),
+    ParityModel("structured", _seeded(StructNet, 6), _regression_batch(6, 5, 2), _struct_loss),
+    ParityModel("odd", _seeded(OddNet, 7), _regression_batch(7, 7, 3), _mse),
+    ParityModel("moe", _seeded(MoENet, 8), _moe_batch, _moe_loss, (MoEBlock,)),
+)}

@@ -1,0 +1,38 @@
+"""The shell's autograd hooks (fz3/shell/hooks.py), without processes: pytrees in, pytrees out."""
+from collections import namedtuple
+
+import torch
+
+from fz3.shell.hooks import PostBackward, PreBackward, wrap_tensors
+
+Pair = namedtuple("Pair", "a b")
+
+
+def test_wrap_keeps_structure_none_and_non_tensors():
+    x = torch.ones(3, requires_grad=True)
+    tree = {"h": x * 2, "gate": None, "k": 3, "pair": Pair(x + 1, None), "t": (torch.zeros(2), "s")}
+    calls = []
+    out, wrapped = wrap_tensors(tree, PreBackward, lambda: calls.append(1))
+    assert wrapped and out["gate"] is None and out["k"] == 3 and out["t"][1] == "s"
+    assert isinstance(out["pair"], Pair) and out["pair"].b is None
+    assert out["t"][0] is tree["t"][0]  # no grad: passed through untouched
+    (out["h"].sum() + out["pair"].a.sum()).backward()
+    assert calls == [1]  # one node per call, run once
+    assert torch.equal(x.grad, torch.full((3,), 3.0))
+
+
+def test_wrap_keeps_identity_of_a_tensor_passed_twice():
+    """mha(h, h, h): inside, `query is key` must still hold (packed self-attention path)."""
+    h = torch.randn(2, 3, requires_grad=True)
+    (q, k, v), wrapped = wrap_tensors((h, h, h), PostBackward, lambda: None)
+    assert wrapped and q is k is v and q is not h
+    (q * k).sum().backward()
+    torch.testing.assert_close(h.grad, 2 * h.detach())
+
+
+def test_wrap_nothing_to_wrap():
+    tree = (torch.ones(2), None, "x")
+    assert wrap_tensors(tree, PreBackward, lambda: None) == (tree, False)
+    with torch.no_grad():
+        x = torch.ones(2, requires_grad=True)
+        assert wrap_tensors((x,), PreBackward, lambda: None)[1] is False

@@ -1,0 +1,229 @@
+"""fz3 on 1, 2 and 3 gloo ranks against single-process training (issue #4, invariant I7).
+
+Run: python -m pytest tests/test_parity.py -rA     (-rA shows each model's deviation summary)
+
+One launch per world size runs every model under every named config (fz3/testing/parity.py);
+the first test that needs a world size pays for its launch, the rest read the cached results.
+Per (model, config), 5 optimizer steps with gradient accumulation 2 (10 micro-steps), each checks:
+
+    every rank's loss at every micro-step       == reference (same rank slice, same weights)
+    every param (and buffer) after the last step == reference (full_state_dict on rank 0)
+    I1 at every event: live numel that no active module, hold, persistence or external
+       registration pins <= max_live_parameters;  stats()["peak_live_numel"] <= that + pinned
+    after every step(): every non-persistent param NOT_AVAILABLE (externals too at a boundary)
+    debug_checks=True (all configs but ds_defaults): the core's invariants after every event
+
+Tolerances.
+  fp32: rtol 1e-5 (the issue's bound) and atol 1e-6. Why an atol: fz3 sums grads over ranks in
+    another order than one process does, so a grad differs by a few fp32 ulps of its largest
+    term; a param that ends near zero (a bias that started at 0) carries that absolute error,
+    ~1e-7, which no relative bound on a tiny value can absorb. Seen over W = 1, 2, 3: losses
+    <= 4e-7 rel; params <= 1e-6 abs (<= 1.2e-7 but for moe at W=3), the 1.2e-7 being 2.3e-5 of
+    a 5e-3 param. At W=1 most fp32 runs are bit-exact (all <= 3e-8).
+  bf16 (compute in bf16, fp32 master shards, SGD momentum 0.9, lr 0.05): losses rtol 2e-2,
+    atol 2e-3; params rtol 2e-2, atol 6e-3. bf16 keeps 8 significant bits: each rounding is up to
+    2^-9 ~ 2e-3 relative and a forward of ~20 rounded ops plus bf16 grads reduced in bf16 land
+    at ~1e-2 relative on a loss; a squared-error loss near 0 keeps the absolute error of its
+    residuals, hence the atol. The momentum-SGD step sums lr * grad over 5 steps (an effective
+    lr of ~0.65 per unit grad), so ~1 % grad error moves a param by ~1e-3. Seen: losses <= 1.5e-2
+    abs (a loss of 3.4) and 1.5e-3 abs on a loss of 0.05; params <= 2.7e-3 abs. Grads scaled by
+    W instead of W * gas moved params by 0.4 and losses by 0.4 to 1.8 (checked by mutation).
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from fz3.testing import parity
+from fz3.testing.parity_models import MODELS
+
+pytestmark = pytest.mark.timeout(600)  # the first test per world size launches its ranks
+
+FP32 = dict(rtol=1e-5, atol=1e-6)
+BF16_LOSS = dict(rtol=2e-2, atol=2e-3)
+BF16_PARAM = dict(rtol=2e-2, atol=6e-3)
+STATS_KEYS = {"all_gather", "all_gather_on_demand", "all_gather_prefetch", "gathered_bytes",
+              "reduce", "reduced_bytes", "live_numel", "peak_live_numel", "trace",
+              "trace_invalidations", "micro_step", "optimizer_steps", "param_shards",
+              "grad_partitions"}
+
+
+@functools.lru_cache(maxsize=None)
+def _launch(world_size: int):
+    try:
+        return parity.run_world(world_size, tuple(MODELS), timeout=300), None
+    except Exception as e:  # noqa: BLE001 - one failed launch fails its tests, once
+        return None, e
+
+
+def world(world_size: int) -> dict:
+    res, err = _launch(world_size)
+    if err is not None:
+        raise AssertionError(f"the {world_size}-rank launch failed") from err
+    return res
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model: str, world_size: int, optimizer: str, clip: float):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return parity.reference(model, world_size, optimizer, clip=clip)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _max_dev(got: torch.Tensor, exp: torch.Tensor) -> tuple[float, float]:
+    """(max abs deviation, max relative deviation where |exp| > 1e-3)."""
+    d = (got - exp).abs()
+    big = exp.abs() > 1e-3
+    rel = (d[big] / exp.abs()[big]).max().item() if big.any() else 0.0
+    return (d.max().item() if d.numel() else 0.0), rel
+
+
+def check_model(model: str, world_size: int) -> None:
+    res = world(world_size)
+    summary = []
+    for cname in parity.configs_for(model):
+        key = (model, cname)
+        where = f"{model} / {cname} / W={world_size}"
+        errors = res["rank_errors"][key]
+        assert not errors, f"{where}: a rank raised\n" + errors[0]
+        cfg = parity.config_named(cname)
+        r = res[key]
+        ref_losses, ref_state = reference(model, world_size, parity.optimizer_for(cname),
+                                          cfg.gradient_clipping)
+        loss_tol, param_tol = (FP32, FP32) if cfg.compute_dtype == "fp32" else (BF16_LOSS, BF16_PARAM)
+
+        got = torch.tensor(res["rank_losses"][key], dtype=torch.float64).T  # (micro-step, rank)
+        exp = torch.tensor(ref_losses, dtype=torch.float64)
+        torch.testing.assert_close(got, exp, **loss_tol, msg=lambda m: f"{where}: losses\n{m}")
+        loss_dev = _max_dev(got, exp)
+
+        assert list(r.state) == list(ref_state), f"{where}: state_dict keys differ"
+        param_abs, param_rel = 0.0, 0.0
+        for name, want in ref_state.items():
+            torch.testing.assert_close(r.state[name], want.float(), **param_tol,
+                                       msg=lambda m: f"{where}: {name} after {parity.STEPS} steps\n{m}")
+            a, rel = _max_dev(r.state[name], want.float())
+            param_abs, param_rel = max(param_abs, a), max(param_rel, rel)
+
+        assert r.budget_max <= cfg.max_live_parameters, (
+            f"{where}: {r.budget_max} live elements were neither pinned nor within "
+            f"max_live_parameters={cfg.max_live_parameters} (I1)")
+        peak = r.stats["peak_live_numel"]
+        assert peak == r.observed_peak, f"{where}: a peak inside one transition went unseen"
+        assert peak <= cfg.max_live_parameters + r.pinned_max, (where, peak, r.peak_detail)
+        assert not res["rank_not_available"][key], (where, res["rank_not_available"][key][:5])
+        assert r.stats["optimizer_steps"] == parity.STEPS and r.stats["micro_step"] == 0, where
+        if cfg.prefetch_bucket_size == 0:
+            assert r.stats["all_gather_prefetch"] == 0, where
+        if cname == "base":
+            assert r.stats["all_gather_prefetch"] > 0, f"{where}: prefetch never ran"
+        summary.append(f"  {cname:15s} loss abs {loss_dev[0]:.1e} rel {loss_dev[1]:.1e} | params abs "
+                       f"{param_abs:.1e} rel {param_rel:.1e} | peak {peak}, unpinned max "
+                       f"{r.budget_max}" + _bounds(cfg, r, peak))
+    print(f"\n{model} W={world_size}\n" + "\n".join(summary))
+
+
+def _bounds(cfg, r, peak: int) -> str:
+    """With a small live budget: the peak against max_live + the largest unit and against
+    max_live + the deepest chain of units (the issue's bounds; information, not asserted:
+    modules active side by side in backward exceed both, see fz3/testing/parity.py LiveWatch)."""
+    if cfg.max_live_parameters >= 10**6:
+        return ""
+    unit, chain = cfg.max_live_parameters + max(r.units), cfg.max_live_parameters + max(r.chains)
+    verdict = lambda b: "ok" if peak <= b else "EXCEEDED"  # noqa: E731
+    return (f" | max_live+largest unit {unit} {verdict(unit)}, +deepest chain {chain} "
+            f"{verdict(chain)}" + (f" | {r.peak_detail}" if peak > unit else ""))
+
+
+WORLDS = pytest.mark.parametrize("world_size", [1, 2, 3])
+
+
+@WORLDS
+def test_gpt_tied_embeddings(world_size):
+    check_model("gpt", world_size)
+
+
+@WORLDS
+def test_albert_block_applied_k_times(world_size):
+    check_model("albert", world_size)
+
+
+@WORLDS
+def test_external_params(world_size):
+    check_model("external", world_size)
+
+
+@WORLDS
+def test_branch_changes_between_steps(world_size):
+    check_model("branch", world_size)
+    for cname in parity.configs_for("branch"):
+        stats = world(world_size)[("branch", cname)].stats
+        assert stats["trace_invalidations"] >= 2, (cname, stats)  # the trace left its plan
+
+
+@WORLDS
+def test_frozen_params(world_size):
+    check_model("frozen", world_size)
+
+
+@WORLDS
+def test_structured_outputs(world_size):
+    check_model("structured", world_size)
+
+
+@WORLDS
+def test_odd_numels(world_size):
+    check_model("odd", world_size)
+
+
+@WORLDS
+def test_moe_leaf_module(world_size):
+    check_model("moe", world_size)
+    if world_size > 1:  # the data made the ranks run different experts
+        used = world(world_size)["rank_experts"][("moe", "base")]
+        assert any(len({ranks[i] for ranks in used}) > 1 for i in range(len(used[0]))), used
+        assert any(len(step) < 3 for ranks in used for step in ranks), used
+
+
+# ---- the public API, checked in the same launches ---------------------------------------------
+
+def _edit(net):
+    with torch.no_grad():
+        net.blocks[0].qkv.weight.fill_(0.25)
+        net.blocks[0].proj.bias.add_(1.0)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_api(world_size):
+    """Config.from_deepspeed accepted by initialize; full_state_dict keys; stats keys;
+    gathered_parameters with modifier_rank=0 (rank 0's edit reaches every rank and the next
+    step trains from it) and with None (every rank's edits discarded)."""
+    res = world(world_size)
+    assert not res["rank_errors"][("gpt", "ds_defaults")]
+    net = MODELS["gpt"].build()
+    _edit(net)
+    edited = net.state_dict()
+    assert not torch.equal(edited["blocks.0.qkv.weight"], MODELS["gpt"].build().blocks[0].qkv.weight)
+    ref_losses, ref_state = parity.reference("gpt", world_size, "adamw", edit=_edit, steps=1)
+    for rank, probe in enumerate(res["rank_probes"]):
+        assert "error" not in probe, probe.get("error")
+        assert probe["full_keys"] == probe["state_dict_keys"]  # order too; tied: both names
+        assert {"wte.weight", "lm_head.weight"} <= set(probe["full_keys"])
+        assert STATS_KEYS <= set(probe["stats"]), STATS_KEYS - set(probe["stats"])
+        assert probe["inside_shape"] == (30, 10) and probe["inside_status"] == "AVAILABLE"
+        assert probe["status_after"] == "NOT_AVAILABLE"
+        for name, value in edited.items():
+            torch.testing.assert_close(probe["after_modify"][name], value, rtol=0, atol=0,
+                                       msg=f"rank {rank}: {name} after modifier_rank=0")
+        for name in ("wte.weight", "lm_head.weight", "ln_f.bias"):
+            torch.testing.assert_close(probe["after_discard"][name], edited[name], rtol=0, atol=0,
+                                       msg=f"rank {rank}: {name} after modifier_rank=None")
+        torch.testing.assert_close(torch.tensor(probe["losses_after_edit"]),
+                                   torch.tensor([losses[rank] for losses in ref_losses]), **FP32)
+        for name, value in ref_state.items():
+            torch.testing.assert_close(probe["state_after_edit_step"][name], value, **FP32)
