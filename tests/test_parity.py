@@ -122,16 +122,26 @@ def check_model(model: str, world_size: int) -> None:
             assert r.stats["all_gather_prefetch"] == 0, where
         if cname == "base":
             assert r.stats["all_gather_prefetch"] > 0, f"{where}: prefetch never ran"
+        if cfg.max_live_parameters < 10**6 and model not in PEAK_EXCEPTIONS:
+            bound = cfg.max_live_parameters + max(r.units)
+            assert peak <= bound, f"{where}: peak {peak} > max_live + largest unit {bound}: {r.peak_detail}"
         summary.append(f"  {cname:15s} loss abs {loss_dev[0]:.1e} rel {loss_dev[1]:.1e} | params abs "
                        f"{param_abs:.1e} rel {param_rel:.1e} | peak {peak}, unpinned max "
                        f"{r.budget_max}" + _bounds(cfg, r, peak))
     print(f"\n{model} W={world_size}\n" + "\n".join(summary))
 
 
+# The issue's peak bound (max_live + the largest unit) holds for every model but two, whose
+# excess is measured and printed: `albert` (a block called K times stays gathered through all
+# K backward calls: its post-backward fires after the last, as in DeepSpeed) and `external`
+# (a parent holding its own and external params while a child runs: a chain of two units,
+# within max_live + the deepest chain).
+PEAK_EXCEPTIONS = ("albert", "external")
+
+
 def _bounds(cfg, r, peak: int) -> str:
     """With a small live budget: the peak against max_live + the largest unit and against
-    max_live + the deepest chain of units (the issue's bounds; information, not asserted:
-    modules active side by side in backward exceed both, see fz3/testing/parity.py LiveWatch)."""
+    max_live + the deepest chain of units (asserted above except for PEAK_EXCEPTIONS)."""
     if cfg.max_live_parameters >= 10**6:
         return ""
     unit, chain = cfg.max_live_parameters + max(r.units), cfg.max_live_parameters + max(r.chains)

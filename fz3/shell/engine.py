@@ -63,9 +63,16 @@ class Engine:
         self.leaf_params = {p for m in self.spec.modules if m.is_leaf for p in m.params}
         self.stack: list[int] = []
         self.leaves_pending: set[int] = set()  # leaf modules run in forward, not yet reduced
+        self.grad_params = [tuple(p for p in m.params if self.tables.params[p].requires_grad)
+                            if not m.is_leaf else () for m in self.spec.modules]
+        self.grad_waiters: dict[int, list[int]] = {}  # param -> modules released by its grad
+        for m, ps in enumerate(self.grad_params):
+            for p in ps:
+                self.grad_waiters.setdefault(p, []).append(m)
+        self.calls_awaiting_grads: dict[int, int] = {}  # module -> calls with no grad inputs
+        self.grads_awaited: dict[int, set[int]] = {}  # module -> its params' grads still due
         self.callback_queued = False
         self.optimizer_steps = 0
-        self.peak_live_numel = 0
         if config.compute_dtype != "fp32":
             _cast_buffers(model, DTYPES[config.compute_dtype])
         bind_optimizer(optimizer, self.tables.params, self.store.masters)
@@ -105,8 +112,10 @@ class Engine:
             if self.store.dtype != torch.float32:
                 args, kwargs = _cast_floating((args, kwargs), self.store.dtype)
         (args, kwargs), wrapped = wrap_tensors((args, kwargs), PostBackward, lambda: self._post_backward(m))
+        if not wrapped and torch.is_grad_enabled() and self.grad_params[m]:
+            wrapped = True  # released once its own grads are in: see _grads_in
+            self.calls_awaiting_grads[m] = self.calls_awaiting_grads.get(m, 0) + 1
         self._params(fetch(self.params_state, m, forward=True, config=self.config, grad_inputs=int(wrapped)))
-        self.peak_live_numel = max(self.peak_live_numel, self.params_state.live_numel)
         if self.config.debug_checks:
             checks.fetched(self.params_state, m)
         if self.spec.modules[m].is_leaf and torch.is_grad_enabled():
@@ -137,7 +146,6 @@ class Engine:
     def _pre_backward(self, m: int) -> None:
         self._queue_end_of_backward()
         self._params(core_bwd.pre_backward(self.params_state, m, config=self.config))
-        self.peak_live_numel = max(self.peak_live_numel, self.params_state.live_numel)
 
     def _post_backward(self, m: int) -> None:
         self._queue_end_of_backward()
@@ -161,7 +169,22 @@ class Engine:
         def hook(param: nn.Parameter) -> None:
             self._queue_end_of_backward()
             self._grad_ready(p)
+            self._grads_in(p)
         return hook
+
+    def _grads_in(self, p: int) -> None:
+        """[Note: modules without grad inputs] A call whose inputs need no grad (an embedding
+        on token ids) never gets a post-backward, so DeepSpeed keeps its params gathered to the
+        end of backward: for the token embedding, the largest unit, through the whole backward.
+        Its backward is over once its own params' grads are accumulated, so release it then."""
+        for m in self.grad_waiters.get(p, ()):
+            if m in self.calls_awaiting_grads:
+                waiting = self.grads_awaited.setdefault(m, set(self.grad_params[m]))
+                waiting.discard(p)
+                if not waiting:
+                    del self.grads_awaited[m]
+                    for _ in range(self.calls_awaiting_grads.pop(m)):
+                        self._params(core_bwd.post_backward(self.params_state, m, config=self.config))
 
     def _grad_ready(self, p: int) -> None:
         grad = self.tables.params[p].grad
@@ -175,6 +198,8 @@ class Engine:
 
     def _end_of_backward(self) -> None:
         self.callback_queued = False
+        self.calls_awaiting_grads.clear()
+        self.grads_awaited.clear()
         for m in sorted(self.leaves_pending):  # no grad-requiring input: post-backward never ran
             self._reduce_leaf(m)
         self._grads(epilogue(self.grads_state, config=self.config))
