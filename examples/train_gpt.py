@@ -99,6 +99,8 @@ def main() -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         rank, world = fz3.launch.init_from_env()
         losses = train(rank, world, args)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()  # before exit: see DESIGN.md §5 (gloo, 2.13)
         if rank != 0:
             return 0
     else:
