@@ -82,7 +82,7 @@ def test_build_plan_queue_and_steps():
     plan = build_plan((0, 1, 2, 3), UNITS.__getitem__, NUMEL.__getitem__, 10**9)
     assert plan.queue == ((1, 0), (2, 1), (2, 2), (3, 0))
     assert plan.step_start == (0, 0, 1, 3, 4)
-    assert plan.reused == (frozenset(), frozenset({0}), frozenset(), frozenset())
+    assert plan.reused == ((), (0,), (), ())
 
 
 # max_reuse_distance -> is emb.w (step 1) reused at head (step 3)? l1's 55 elements lie between
@@ -95,15 +95,15 @@ def test_reuse_distance_is_strict(distance, reused):
 def test_adjacent_reuse_needs_a_positive_distance():
     """Nothing between two uses: the gap is 0, reused iff 0 < distance."""
     units = {0: (0,), 1: (0,)}
-    assert build_plan((0, 1), units.__getitem__, NUMEL.__getitem__, 0).reused[0] == frozenset()
-    assert build_plan((0, 1), units.__getitem__, NUMEL.__getitem__, 1).reused[0] == {0}
+    assert build_plan((0, 1), units.__getitem__, NUMEL.__getitem__, 0).reused[0] == ()
+    assert build_plan((0, 1), units.__getitem__, NUMEL.__getitem__, 1).reused[0] == (0,)
 
 
 def test_reuse_looks_at_the_next_use_only():
     """emb.w used at steps 0, 2, 3: step 0 looks at step 2, step 2 at step 3."""
     units = {0: (0,), 1: (1,), 2: (0,)}
     plan = build_plan((0, 1, 2, 2), units.__getitem__, NUMEL.__getitem__, 51)
-    assert plan.reused == (frozenset({0}), frozenset(), frozenset({0}), frozenset())
+    assert plan.reused == ((0,), (), (0,), ())
 
 
 CFG = Config(prefetch_bucket_size=0, param_persistence_threshold=0)

@@ -26,7 +26,9 @@ class TracePlan(NamedTuple):
     order: tuple[ModuleId, ...]  # module fetched at each step
     queue: tuple[tuple[int, ParamId], ...]  # (step, param) in fetch order; one step's params sorted
     step_start: tuple[int, ...]  # queue index where step s starts; len(order) + 1 entries
-    reused: tuple[frozenset[ParamId], ...]  # per step: its params used again within the distance
+    reused: tuple[tuple[ParamId, ...], ...]  # per step: its params used again within the distance
+    # (sorted tuples, not frozensets: tuples of ints leave CPython's GC, so a plan of a 10 000-
+    # module model adds nothing for full collections to walk)
 
 
 class TraceState(NamedTuple):
@@ -91,7 +93,7 @@ def build_plan(order: tuple[ModuleId, ...], unit: Callable[[ModuleId], tuple[Par
     before = [0]  # before[s]: numel of steps 0..s-1
     for pids in units:
         before.append(before[-1] + sum(numel(p) for p in pids))
-    reused: list[frozenset[ParamId]] = [frozenset()] * len(units)
+    reused: list[tuple[ParamId, ...]] = [()] * len(units)
     next_use: dict[ParamId, int] = {}
     for s in range(len(units) - 1, -1, -1):
         keep = set()
@@ -100,7 +102,7 @@ def build_plan(order: tuple[ModuleId, ...], unit: Callable[[ModuleId], tuple[Par
             if t is not None and before[t] - before[s + 1] < max_reuse_distance:
                 keep.add(p)
             next_use[p] = s
-        reused[s] = frozenset(keep)
+        reused[s] = tuple(sorted(keep))
     return TracePlan(order, tuple(queue), tuple(step_start), tuple(reused))
 
 
