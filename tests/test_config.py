@@ -54,9 +54,12 @@ def test_frozen():
 
 
 def test_minimal_deepspeed_config_gives_defaults():
+    """Stage-3 knobs take DeepSpeed's defaults, and so does clipping: DeepSpeed 0.19 clips at
+    1.0 when the JSON has no gradient_clipping (Config() itself leaves clipping off)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to report
-        assert Config.from_deepspeed(ds()) == Config()
+        assert Config.from_deepspeed(ds()) == Config(gradient_clipping=1.0)
+    assert Config.from_deepspeed(ds(gradient_clipping=0.0)).gradient_clipping == 0.0
 
 
 def test_full_translation():
@@ -101,7 +104,7 @@ def test_known_unused_keys_warn_once_naming_them():
                 train_micro_batch_size_per_gpu=4, steps_per_print=10, fp16={"enabled": False})
     with pytest.warns(UserWarning) as record:
         got = Config.from_deepspeed(config)
-    assert got == Config() and len(record) == 1
+    assert got == Config(gradient_clipping=1.0) and len(record) == 1
     message = str(record[0].message)
     for key in ("train_micro_batch_size_per_gpu", "steps_per_print", "fp16",
                 "zero_optimization.sub_group_size", "zero_optimization.offload_param"):

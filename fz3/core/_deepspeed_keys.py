@@ -26,6 +26,7 @@ ZERO_ALIASES = {
     "max_reuse_distance": "stage3_max_reuse_distance",
     "param_persistence_threshold": "stage3_param_persistence_threshold",
 }
+DEEPSPEED_GRADIENT_CLIPPING = 1.0  # DeepSpeed 0.19's default when the key is absent
 INT_FIELDS = {"prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
               "param_persistence_threshold", "reduce_bucket_size", "gradient_accumulation_steps"}
 
@@ -76,7 +77,9 @@ def translate(ds: Mapping[str, object]) -> tuple[dict[str, object], list[str]]:
     """-> (Config keyword arguments, DeepSpeed keys accepted but unused)."""
     if not isinstance(ds, Mapping):
         raise TypeError(f"from_deepspeed expects a dict (DeepSpeed JSON config), got {type(ds).__name__}")
-    fields: dict[str, object] = {}
+    # DeepSpeed 0.19 clips at 1.0 when the JSON says nothing (runtime/constants.py,
+    # GRADIENT_CLIPPING_DEFAULT); a drop-in must train the same, so absent means 1.0 here.
+    fields: dict[str, object] = {"gradient_clipping": DEEPSPEED_GRADIENT_CLIPPING}
     ignored: list[str] = []
     for key, value in ds.items():
         _no_auto(key, value)
