@@ -1,0 +1,174 @@
+"""Where an fz3 step's time goes, per rank: instrumenting timers around the shell, the core, the
+interpreter and the collectives' waits, plus a cProfile pass for the hottest Python frames.
+
+    worker(rank, world, model, config, warmup, steps) -> dict   # run by fz3.launch.run
+
+Categories (exclusive time: a nested timed call is charged to its own category, not its caller):
+    compute          the rest of the step: forward/backward ops, autograd engine, loss, .item()
+    gather_wait      Work.wait() of all-gathers            gather_issue  pack + issue all-gathers
+    gather_unpack    _wait after the wait: split, set .data
+    reduce_wait      Work.wait() of reduce-scatters / all-reduces
+    reduce_issue     pack (rank-interleave) + issue        reduce_finish unpack + partition writes
+    bucket_copy      param.grad -> IPG bucket
+    optimizer        optimizer.step() on the fp32 shards   step_other    bind_grads, refresh shards
+    core             fz3.core transitions (fetch, release, pre/post_backward, bucket_add, ...)
+    shell            Engine hooks, wrap_tensors (autograd Function apply), effect dispatch
+Before fz3, the same ranks time the plain model (local batch, AdamW, no communication): the
+compute floor that DDP adds one all-reduce to.
+
+Monkeypatches only this process's classes and torch.distributed functions; fz3's source is untouched.
+"""
+from __future__ import annotations
+
+import cProfile
+import functools
+import io
+import pstats
+import time
+from collections import defaultdict
+
+import torch.distributed as dist
+
+CATEGORIES = ("compute", "gather_wait", "gather_issue", "gather_unpack", "reduce_wait", "reduce_issue",
+              "reduce_finish", "bucket_copy", "optimizer", "step_other", "core", "shell")
+
+
+class Timers:
+    """Exclusive wall time per category; a stack charges nested time to the innermost entry."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.stack: list[list] = []
+        self.enabled = False
+
+    def wrap(self, cat: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            frame = [time.perf_counter(), 0.0]
+            self.stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.stack.pop()
+                dur = time.perf_counter() - frame[0]
+                self.total[cat] += dur - frame[1]
+                self.calls[cat] += 1
+                if self.stack:
+                    self.stack[-1][1] += dur
+        return timed
+
+    def reset(self) -> None:
+        self.total.clear()
+        self.calls.clear()
+
+
+class _TimedWork:
+    def __init__(self, work, wait) -> None:
+        self._work, self.wait = work, wait
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def instrument(timers: Timers) -> None:
+    """Patch fz3's shell / interpreter classes and the collectives it calls (before initialize:
+    the hooks bind the Engine's methods when they are installed)."""
+    import fz3.core.backward as core_bwd
+    import fz3.shell.engine as eng
+    import fz3.shell.hooks as hooks
+    from fz3.interpreters.dist import DistInterpreter
+
+    for name in ("fetch", "release", "reset_step", "finish_backward", "end_of_step", "bucket_add",
+                 "epilogue", "optimizer_step", "at_boundary"):
+        setattr(eng, name, timers.wrap("core", getattr(eng, name)))
+    for name in ("pre_backward", "post_backward", "register_external"):
+        setattr(core_bwd, name, timers.wrap("core", getattr(core_bwd, name)))
+    for name in ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_grad_ready",
+                 "_end_of_backward", "_on_param_read", "_queue_end_of_backward"):
+        setattr(eng.Engine, name, timers.wrap("shell", getattr(eng.Engine, name)))
+    eng.wrap_tensors = timers.wrap("shell", hooks.wrap_tensors)
+    eng.Engine.step = timers.wrap("step_other", eng.Engine.step)
+    for name, cat in (("run", "shell"), ("_all_gather", "gather_issue"), ("_wait", "gather_unpack"),
+                      ("_copy_to_bucket", "bucket_copy"), ("_reduce", "reduce_issue"),
+                      ("_complete_oldest", "reduce_finish"), ("_write", "reduce_finish")):
+        setattr(DistInterpreter, name, timers.wrap(cat, getattr(DistInterpreter, name)))
+    for name, cat in (("all_gather_into_tensor", "gather_wait"), ("reduce_scatter_tensor", "reduce_wait"),
+                      ("all_reduce", "reduce_wait")):
+        setattr(dist, name, _timed_work(getattr(dist, name), timers.wrap(cat, lambda w: w.wait())))
+
+
+def _timed_work(collective, timed_wait):
+    @functools.wraps(collective)
+    def issue(*args, **kwargs):
+        work = collective(*args, **kwargs)
+        return work if work is None else _TimedWork(work, lambda: timed_wait(work))
+    return issue
+
+
+def _plain_floor(model_name: str, data, warmup: int) -> list[float]:
+    from systems.common import loss_fn, make_model, make_optimizer
+    model = make_model(model_name)
+    opt = make_optimizer(model.parameters())
+    times = []
+    for x, y in data:
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    return times[warmup:]
+
+
+def worker(rank: int, world: int, model_name: str, config: dict, warmup: int, steps: int,
+           profile_steps: int = 3) -> dict:
+    import fz3
+    from systems.common import batches, loss_fn, make_model, make_optimizer
+
+    data = batches(model_name, rank, world, warmup + steps + profile_steps)
+    floor = _plain_floor(model_name, data[:warmup + steps], warmup)
+    dist.barrier()
+    timers = Timers()
+    instrument(timers)
+    model = make_model(model_name)
+    engine = fz3.initialize(model, make_optimizer(model.parameters()), fz3.Config(**config))
+    engine.optimizer.step = timers.wrap("optimizer", engine.optimizer.step)
+    step_times = []
+    for i, (x, y) in enumerate(data[:warmup + steps]):
+        if i == warmup:
+            timers.reset()
+            timers.enabled = True
+        t0 = time.perf_counter()
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        loss.item()
+        step_times.append(time.perf_counter() - t0)
+    timers.enabled = False
+    measured = step_times[warmup:]
+    per_step = {k: v / steps for k, v in timers.total.items()}
+    per_step["compute"] = sum(measured) / steps - sum(per_step.values())
+    calls = {k: v / steps for k, v in timers.calls.items()}
+    # cProfile pass (timers off): the hottest Python frames
+    prof = cProfile.Profile()
+    prof.enable()
+    for x, y in data[warmup + steps:]:
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        loss.item()
+    prof.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(25)
+    top = []
+    for (fname, line, func), (cc, nc, tt, ct, _) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:25]:
+        top.append({"func": f"{fname.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({func})",
+                    "calls_per_step": nc / max(profile_steps, 1), "tottime_ms_per_step": 1e3 * tt / max(profile_steps, 1),
+                    "cumtime_ms_per_step": 1e3 * ct / max(profile_steps, 1)})
+    return {"rank": rank, "step_times": measured, "floor_times": floor, "per_step": per_step,
+            "calls_per_step": calls, "cprofile_top": top, "stats": dict(engine.stats())}

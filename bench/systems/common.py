@@ -1,0 +1,141 @@
+"""What every compared system shares: the models, the data, the optimizer, the timed loop, and
+how memory is counted. A system module only says how to wrap the model (see __init__.py).
+
+    worker(rank, world, system, spec) -> dict      # run by fz3.launch.run in each rank
+    spec = {"model": "small"|"wide", "warmup": 3, "steps": 8, "mode": "time"|"stats",
+            "options": {...system specific...}}
+
+mode "time": the timed loop only (nothing wrapped). mode "stats": collectives counted over the
+measured steps, per-rank bytes of params / grads / optimizer state after the last step, peak
+RSS (run it with MALLOC_MMAP_THRESHOLD_ set, in its own launch: it slows steps).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import resource
+import time
+
+import torch
+
+from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
+
+MODELS = {  # issue #5: same model, data, optimizer and global batch for every system
+    "small": (GPTConfig(vocab=4096, d_model=256, n_head=4, n_layer=4, seq=128), 8),
+    "wide": (GPTConfig(vocab=32768, d_model=512, n_head=8, n_layer=4, seq=64), 4),
+}
+SEED = 0
+LR, WEIGHT_DECAY = 1e-3, 0.01
+
+
+def make_model(name: str) -> GPT:
+    torch.manual_seed(SEED)
+    return GPT(MODELS[name][0])
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    """torch AdamW with its defaults on CPU (single-tensor loop) for every system."""
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def batches(name: str, rank: int, world: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's slice of the global batch of each step (the whole batch when world == 1)."""
+    cfg, global_batch = MODELS[name]
+    per = global_batch // world
+    out = []
+    for step in range(n):
+        x, y = markov_batch(step, batch=global_batch, seq=cfg.seq, vocab=cfg.vocab)
+        out.append((x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]))
+    return out
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # DTensor -> its shard
+
+
+def storage_bytes(groups: dict[str, list]) -> dict[str, int]:
+    """Bytes of distinct storages per category, each storage counted once, in the first
+    category (in dict order) that reaches it; views of one flat buffer count the buffer once."""
+    seen: set[int] = set()
+    out = {}
+    for cat, tensors in groups.items():
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = _local(t).untyped_storage()
+            if st.nbytes() == 0 or st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+        out[cat] = total
+    return out
+
+
+def optimizer_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+def worker(rank: int, world: int, system: str, spec: dict) -> dict:
+    """One rank: build the system, run warm-up + measured steps, report."""
+    counter = None
+    if spec["mode"] == "stats":
+        from systems import comm_count
+        counter = comm_count.install()
+    mod = importlib.import_module(f"systems.{system}")
+    t_build = time.perf_counter()
+    sysobj = mod.build(rank, world, spec)
+    build_s = time.perf_counter() - t_build
+    warmup, steps = spec["warmup"], spec["steps"]
+    data = batches(spec["model"], rank, world, warmup + steps)
+    times, cpu, losses = [], [], []
+    for i, (x, y) in enumerate(data):
+        if i == warmup:
+            if counter is not None:
+                counter.reset()
+            if hasattr(sysobj, "mark"):
+                sysobj.mark()
+        c0, t0 = time.process_time(), time.perf_counter()
+        loss = sysobj.step(x, y)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        losses.append(loss)
+    out = {"rank": rank, "times": times[warmup:], "warmup_times": times[:warmup], "cpu": cpu[warmup:],
+           "losses": losses, "build_s": build_s}
+    if counter is not None:
+        out["comm"] = {k: {"calls": v["calls"] / steps, "bytes": v["bytes"] / steps}
+                       for k, v in counter.snapshot().items()}
+        out["mem"] = storage_bytes(sysobj.memory())
+        out["peak_rss"] = peak_rss_bytes()
+        out["rss"] = rss_bytes()
+    if hasattr(sysobj, "extra"):
+        out["extra"] = sysobj.extra(steps)
+    return out
+
+
+class Plain:
+    """A model + optimizer stepped without sharding (single process, DDP): the loop body."""
+
+    def __init__(self, model: torch.nn.Module, wrapped: torch.nn.Module) -> None:
+        self.model, self.wrapped = model, wrapped
+        self.opt = make_optimizer(model.parameters())
+
+    def step(self, x, y) -> float:
+        self.opt.zero_grad()  # first, so the last step's grads are still there to be counted
+        loss = loss_fn(self.wrapped(x), y)
+        loss.backward()
+        self.opt.step()
+        return loss.item()
+
+    def memory(self) -> dict[str, list]:
+        ps = list(self.model.parameters())
+        return {"params": ps, "grads": [p.grad for p in ps], "optimizer": optimizer_state_tensors(self.opt)}

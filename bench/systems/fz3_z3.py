@@ -1,0 +1,40 @@
+"""fz3: fz3.initialize(model, AdamW, Config(**options["config"])); defaults when empty."""
+from __future__ import annotations
+
+import fz3
+from systems.common import loss_fn, make_model, make_optimizer, optimizer_state_tensors
+
+
+class Fz3:
+    def __init__(self, spec: dict) -> None:
+        self.model = make_model(spec["model"])
+        self.cfg = fz3.Config(**spec.get("options", {}).get("config", {}))
+        self.engine = fz3.initialize(self.model, make_optimizer(self.model.parameters()), self.cfg)
+        self.before: dict = {}
+
+    def step(self, x, y) -> float:
+        loss = loss_fn(self.engine(x), y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.item()
+
+    def mark(self) -> None:
+        self.before = dict(self.engine.stats())
+
+    def memory(self) -> dict[str, list]:
+        e = self.engine
+        s = e.store
+        return {"params": list(s.masters) + list(s.shards) + [p.data for p in s.params],
+                "grads": [s.grad_flat], "optimizer": optimizer_state_tensors(e.optimizer),
+                "comm_buffers": [b for bufs in e.interp.pool.values() for b in bufs]}
+
+    def extra(self, steps: int) -> dict:
+        now = self.engine.stats()
+        per_step = {k: (now[k] - self.before.get(k, 0)) / steps for k in
+                    ("all_gather", "all_gather_prefetch", "all_gather_on_demand", "gathered_bytes",
+                     "reduce", "reduced_bytes") if k in now}
+        return {"stats": dict(now), "per_step": per_step}
+
+
+def build(rank: int, world: int, spec: dict) -> Fz3:
+    return Fz3(spec)
