@@ -33,6 +33,11 @@ from fz3.data import collectives
 from fz3.shell.store import TensorStore
 
 
+# torch 2.13 names the flat 1-D collectives *_single and warns on every call of the old names
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 class _Reduce:
     """One reduce in flight: its work, what to do when it completes, and what waited for it."""
 
@@ -98,7 +103,7 @@ class DistInterpreter:
         inp = shards[0] if len(shards) == 1 else collectives.pack_gather(shards)
         out = torch.empty(inp.numel() * self.world_size, dtype=inp.dtype, device=inp.device)
         with self._on(self.gather_stream):
-            work = dist.all_gather_into_tensor(out, inp, group=self.group, async_op=self.async_op)
+            work = ALL_GATHER(out, inp, group=self.group, async_op=self.async_op)
         self.gathers[h] = (work, out, ps, inp)  # inp stays alive until the gather is done
         self.counts["all_gather"] += 1
         self.counts["all_gather_prefetch" if prefetch else "all_gather_on_demand"] += 1
@@ -155,8 +160,8 @@ class DistInterpreter:
             inp = collectives.pack_reduce_scatter([grads[i] for i in order], W)
             out = torch.empty(inp.numel() // W, dtype=inp.dtype, device=inp.device)
             with self._on(self.reduce_stream):
-                work = dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.group,
-                                                  async_op=self.async_op)
+                work = REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group,
+                                      async_op=self.async_op)
             params = [e.slots[i].param for i in order]
             finish = lambda: dict(zip(params, collectives.unpack_reduce_scatter(
                 out, [self.spec.params[p].numel for p in params], W)))

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fz3.core.hold import hold, unhold
+from fz3.interpreters.dist import ALL_GATHER
 
 # [Note: no WeakKeyDictionary of tensors] A WeakKeyDictionary compares its keys with ==, and a
 # Tensor's == is elementwise: looking up a Parameter raised "Boolean value of Tensor with no
@@ -46,7 +47,7 @@ def _gather_master(engine, p: int) -> torch.Tensor:
     """(numel,) fp32 full value of param p from every rank's master shard."""
     shard = engine.store.masters[p].detach()
     out = torch.empty(shard.numel() * engine.world_size, dtype=shard.dtype, device=shard.device)
-    dist.all_gather_into_tensor(out, shard.contiguous(), group=engine.group)
+    ALL_GATHER(out, shard.contiguous(), group=engine.group)
     return out[:engine.spec.params[p].numel]
 
 
