@@ -78,3 +78,14 @@ def test_torch_func_through_reduce_and_gather():
     assert g.tolist() == [[1, 1, 2, 1, 2]] * 2  # elements owned by rank 1 weigh 2
     packed = vmap(lambda a, b: c.pack_reduce_scatter([a, b], w))(grads[:, :3], grads[:, 3:])
     assert packed.shape == (w, 6)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_pack_reduce_scatter_into_matches_pack(world_size):
+    """The in-place packing the interpreter uses equals the pure one, padding zeroed even when
+    the buffer held garbage (numels 0, 1, < W, multiples of W, ragged)."""
+    g = torch.Generator().manual_seed(world_size)
+    grads = [torch.randint(-9, 9, (n,), generator=g).float() for n in (5, 0, 1, 8, 3, 12, 2)]
+    want = c.pack_reduce_scatter(grads, world_size)
+    buf = torch.full_like(want, float("nan"))
+    assert torch.equal(c.pack_reduce_scatter_into(grads, world_size, buf), want)

@@ -67,6 +67,25 @@ def pack_reduce_scatter(grads: Tensors, world_size: int) -> torch.Tensor:
     return per_rank.reshape(-1)
 
 
+def pack_reduce_scatter_into(grads: Tensors, world_size: int, out: torch.Tensor) -> torch.Tensor:
+    """`pack_reduce_scatter` written into a given (W*S,) buffer: one strided copy per grad, the
+    padding zeroed, no temporaries. For the interpreter, which reuses `out` across steps (a fresh
+    buffer page-faults on every step: bench/RESULTS.md, "fz3 data-plane copies")."""
+    rows = out.view(world_size, -1)  # (W, S)
+    col = 0
+    for g in grads:
+        flat, n = g.reshape(-1), g.numel()
+        s = shard_numel(n, world_size)
+        full, rest = divmod(n, s) if s else (0, 0)
+        rows[:full, col:col + s].copy_(flat[:full * s].view(full, s))
+        if full < world_size and s:
+            rows[full, col:col + rest].copy_(flat[full * s:])
+            rows[full, col + rest:col + s].zero_()
+            rows[full + 1:, col:col + s].zero_()
+        col += s
+    return out
+
+
 def unpack_reduce_scatter(chunk: torch.Tensor, numels: Sequence[int], world_size: int
                           ) -> list[torch.Tensor]:
     """This rank's reduce-scatter output (S,) -> its partition (s_i,) of each grad."""

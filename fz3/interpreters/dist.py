@@ -63,6 +63,8 @@ class DistInterpreter:
         trainable = sum(s.numel for s, t in zip(self.spec.params, store.trainable) if t)
         self.bucket_capacity = max(1, min(config.reduce_bucket_size, trainable))
         self.counts: Counter[str] = Counter()
+        self.scratch: dict[tuple, list[torch.Tensor]] = {}  # reusable reduce-scatter inputs
+        self.scratch_ptrs: set[int] = set()
 
     def run(self, effects: Iterable[object]) -> None:
         for e in effects:
@@ -157,8 +159,10 @@ class DistInterpreter:
             nbytes, keep = flat.numel() * flat.element_size(), flat
         else:
             order = sorted(range(len(e.slots)), key=lambda i: e.slots[i].param)
-            inp = collectives.pack_reduce_scatter([grads[i] for i in order], W)
-            out = torch.empty(inp.numel() // W, dtype=inp.dtype, device=inp.device)
+            S = sum(self.spec.params[e.slots[i].param].shard_numel for i in order)
+            inp = collectives.pack_reduce_scatter_into([grads[i] for i in order], W,
+                                                       self._scratch(W * S, grads[0].dtype))
+            out = torch.empty(S, dtype=inp.dtype, device=inp.device)
             with self._on(self.reduce_stream):
                 work = REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group,
                                       async_op=self.async_op)
@@ -171,6 +175,7 @@ class DistInterpreter:
         pending = _Reduce(work, finish, keep)
         if work is None:
             self.reduced[e.bucket] = finish()
+            self._unscratch(keep)
         else:
             self.reduces.append((e.bucket, pending))
 
@@ -186,7 +191,22 @@ class DistInterpreter:
         if self.reduce_stream is not None:
             self.device.wait_stream(self.device.current_stream(), self.reduce_stream)
         self.reduced[bucket] = pending.finish()
+        self._unscratch(pending.keep)
         self.run(pending.deferred)
+
+    def _scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reusable (numel,) buffer: reduce-scatter inputs are packed into the same memory every
+        step instead of freshly allocated (and page-faulted) memory."""
+        free = self.scratch.get((numel, dtype))
+        if free:
+            return free.pop()
+        t = torch.empty(numel, dtype=dtype, device=self.store.device)
+        self.scratch_ptrs.add(t.data_ptr())
+        return t
+
+    def _unscratch(self, t: torch.Tensor) -> None:
+        if t.data_ptr() in self.scratch_ptrs:
+            self.scratch.setdefault((t.numel(), t.dtype), []).append(t)
 
     def _write(self, bucket: BucketId, p: int, mode: str) -> None:
         part = self.store.partitions[p]
