@@ -15,6 +15,7 @@ handles (in the interpreter) and the forward stack.
 """
 from __future__ import annotations
 
+import optree
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,13 +25,13 @@ from fz3.core.config import Config
 from fz3.core.epilogue import at_boundary, epilogue, optimizer_step
 from fz3.core.fetch import fetch
 from fz3.core.grads import bucket_add, init_grad_state
-from fz3.core.ids import TraceMode
+from fz3.core.ids import Status, TraceMode
 from fz3.core.release import release
 from fz3.core.state import STATUS, initial_state
 from fz3.core.step import end_of_step, finish_backward, reset_step
 from fz3.interpreters.dist import DistInterpreter
 from fz3.shell import checks
-from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, tensors_in, wrap_tensors
+from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, wrap_leaves, wrap_tensors
 from fz3.shell.optim import bind_optimizer, clip_grad_norm
 from fz3.shell.store import DTYPES, TensorStore
 from fz3.shell.tables import read_tables
@@ -125,10 +126,11 @@ class Engine:
 
     def _post_forward(self, module, args, kwargs, output):
         m = self.stack.pop()
-        found = [self.param_ids[id(t)] for t in tensors_in(output) if id(t) in self.param_ids]
+        leaves, treedef = flatten(output)  # once: for returned params and for wrapping
+        found = [self.param_ids[id(t)] for t in leaves if id(t) in self.param_ids]
         if found and self.stack:  # a param returned to the caller: external on the caller
             self._register_external(self.stack[-1], found)
-        output, wrapped = wrap_tensors(output, PreBackward, lambda: self._pre_backward(m))
+        output, wrapped = wrap_leaves(output, leaves, treedef, PreBackward, lambda: self._pre_backward(m))
         self._params(release(self.params_state, m, config=self.config, grad_outputs=wrapped))
         return output
 
@@ -248,7 +250,6 @@ class Engine:
         return out
 
     def param_status(self, param: nn.Parameter) -> str:
-        from fz3.core.ids import Status
         return Status(self.params_state.param_rows[self.param_ids[id(param)]][STATUS]).name
 
 
@@ -266,6 +267,5 @@ def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _cast_floating(tree, dtype: torch.dtype):
-    import optree
     return optree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                            else x, tree, none_is_leaf=True)

@@ -45,11 +45,21 @@ class PostBackward(PreBackward):
     every op of the call: the module's params may be released then."""
 
 
+def flatten(tree: Any) -> tuple[list, Any]:
+    """A pytree's leaves (tuple, list, dict, namedtuple; None kept as a leaf) and its structure."""
+    return optree.tree_flatten(tree, none_is_leaf=True)
+
+
 def wrap_tensors(tree: Any, fn: type[torch.autograd.Function], on_backward: Callable[[], None]
                  ) -> tuple[Any, bool]:
-    """Pass the grad-requiring tensors of a pytree (tuple, list, dict, namedtuple, None and
-    non-tensor leaves kept) through one `fn` node. -> (new tree, whether any was wrapped)."""
-    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+    """Pass the grad-requiring tensors of a pytree (non-tensor leaves kept) through one `fn`
+    node. -> (new tree, whether any was wrapped)."""
+    return wrap_leaves(tree, *flatten(tree), fn, on_backward)
+
+
+def wrap_leaves(tree: Any, leaves: list, treedef: Any, fn: type[torch.autograd.Function],
+                on_backward: Callable[[], None]) -> tuple[Any, bool]:
+    """`wrap_tensors` on a tree already flattened (`leaves` is consumed)."""
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not idx or not torch.is_grad_enabled():
         return tree, False
@@ -64,11 +74,6 @@ def wrap_tensors(tree: Any, fn: type[torch.autograd.Function], on_backward: Call
     for i in idx:
         leaves[i] = out[slot[id(leaves[i])]]
     return optree.tree_unflatten(treedef, leaves), True
-
-
-def tensors_in(tree: Any) -> list[torch.Tensor]:
-    leaves = optree.tree_leaves(tree, none_is_leaf=True)
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
 class ParamDict(dict):

@@ -16,7 +16,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
-import torch
 from torch import nn
 
 from fz3.core.config import Config
@@ -85,7 +84,3 @@ def read_tables(model: nn.Module, *, world_size: int, config: Config) -> Tables:
     spec = build_spec([(n, p.numel()) for n, p in zip(names, params)], units,
                       world_size=world_size, persistence_threshold=config.param_persistence_threshold)
     return Tables(spec, params, names, modules, module_names)
-
-
-def floating(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
