@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from fz3.core.pvec import PVec
+from fz3.core.pvec import Log, PVec
 
 
 def test_basics():
@@ -76,3 +76,29 @@ def test_random_versions_against_lists(seed):
             assert v[i] == model[i]
     for v, model in versions:
         assert list(v) == model and v.current() == model
+
+
+def test_log_versions_keep_their_items():
+    """Extending the newest version appends in place; extending an older one branches off a
+    copy, and neither disturbs what any other version reads."""
+    a = Log()
+    b = a.extend([1, 2])
+    c = b.extend([3])
+    assert b._items is c._items  # the newest version grew in place
+    d = b.extend([9])  # b is no longer the newest: branch
+    assert d._items is not c._items
+    e = a.extend([7])
+    assert [list(v) for v in (a, b, c, d, e)] == [[], [1, 2], [1, 2, 3], [1, 2, 9], [7]]
+    assert len(c) == 3 and c == Log([1, 2, 3]) and c != d and repr(d) == "Log([1, 2, 9])"
+    with pytest.raises(TypeError):
+        hash(c)
+
+
+def test_log_random_histories():
+    rng = random.Random(0)
+    versions = [(Log(), [])]
+    for _ in range(300):
+        log, want = rng.choice(versions)
+        xs = [rng.randrange(100) for _ in range(rng.randrange(3))]
+        versions.append((log.extend(xs), want + xs))
+    assert all(list(log) == want and len(log) == len(want) for log, want in versions)

@@ -12,7 +12,7 @@ from fz3.core.config import Config
 from fz3.core.fetch import fetch
 from fz3.core.ids import TraceMode
 from fz3.core.step import reset_step
-from fz3.core.trace import build_plan, initial_trace, invalidated, iter_cons, on_fetch, reset
+from fz3.core.trace import build_plan, initial_trace, invalidated, on_fetch, reset
 from fz3.testing.driver import Driver
 
 UNITS = {0: (), 1: (0,), 2: (1, 2), 3: (0,)}  # root, emb, l1, head (tied emb.w)
@@ -38,10 +38,10 @@ def test_initial_record_complete():
     tr = new_pass(tr)
     assert tr.mode is TraceMode.RECORD
     tr, departed = run(tr, [0, 1, 2, 3])
-    assert departed == [False] * 4 and list(iter_cons(tr.recording)) == [3, 2, 1, 0]
+    assert departed == [False] * 4 and list(tr.recording) == [0, 1, 2, 3]
     tr = new_pass(tr)
     assert tr.mode is TraceMode.COMPLETE and tr.plan.order == (0, 1, 2, 3)
-    assert (tr.step_id, tr.recording, tr.cursor, tr.invalidations) == (0, None, 0, 0)
+    assert (tr.step_id, list(tr.recording), tr.cursor, tr.invalidations) == (0, [], 0, 0)
 
 
 def complete():

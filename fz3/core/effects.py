@@ -1,21 +1,31 @@
 """Effects: small frozen records describing data-plane work. The core returns them; interpreters
 (the real torch.distributed one, the recorder, the simulated world) carry them out.
 
-Pure data: printable, comparable, hashable. Every rank computes the same effects in the same
+Pure data: printable, comparable, hashable. Each is a NamedTuple (built by one tuple
+construction: a frozen dataclass costs twice as much, and the core makes several per module
+visit) made type-aware by `@record`: effects of different types never compare equal. Every rank computes the same effects in the same
 order (I6), so the collectives they describe line up across ranks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, NamedTuple, Union
 
 from fz3.core.ids import BucketId, Handle, ParamId
 
+
+def record(cls):
+    """Make a NamedTuple class compare and hash by type as well as by value."""
+    cls.__eq__ = lambda a, b: type(a) is type(b) and tuple.__eq__(a, b)
+    cls.__ne__ = lambda a, b: not a == b
+    cls.__hash__ = lambda a: hash((type(a).__name__, tuple.__hash__(a)))
+    return cls
+
+
 # ---- parameter lifecycle -------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class AllGather:
+@record
+class AllGather(NamedTuple):
     """Start one flat all-gather of these params' shards (sorted by id) as in-flight `handle`.
 
     Afterwards the params are INFLIGHT: nobody may read them before `Wait(handle)`.
@@ -28,8 +38,8 @@ class AllGather:
     forward: bool  # forward or backward phase (counter labels only)
 
 
-@dataclass(frozen=True, slots=True)
-class Wait:
+@record
+class Wait(NamedTuple):
     """Block until the gather `handle` is done; its params become AVAILABLE.
 
     On a device: the compute stream waits on the gather stream (no host sync).
@@ -38,8 +48,8 @@ class Wait:
     handle: Handle
 
 
-@dataclass(frozen=True, slots=True)
-class Free:
+@record
+class Free(NamedTuple):
     """Drop these params' full values; only the shards stay. DeepSpeed: `partition()`."""
 
     params: tuple[ParamId, ...]
@@ -65,8 +75,8 @@ class Slot(NamedTuple):
     numel: int
 
 
-@dataclass(frozen=True, slots=True)
-class CopyToBucket:
+@record
+class CopyToBucket(NamedTuple):
     """Copy `param`'s full grad into the flat IPG bucket of `dtype` at [offset, offset + numel).
 
     Only with contiguous_gradients; the bucket holds the grad until `DropGrads(bucket)`, and
@@ -83,8 +93,8 @@ class CopyToBucket:
     numel: int
 
 
-@dataclass(frozen=True, slots=True)
-class ReduceBucket:
+@record
+class ReduceBucket(NamedTuple):
     """SUM-reduce the bucket's grads across ranks on `path`; each rank keeps its partitions.
 
     allreduce: all-reduce the flat bucket, then each slot's [r*s, (r+1)*s) clipped to numel and
@@ -103,8 +113,8 @@ class ReduceBucket:
     contiguous: bool
 
 
-@dataclass(frozen=True, slots=True)
-class WritePartition:
+@record
+class WritePartition(NamedTuple):
     """Write this rank's reduced slice of `param` (from `bucket`) into its grad partition.
 
     copy on the first write in the accumulation window, add on later ones.
@@ -116,8 +126,8 @@ class WritePartition:
     mode: WriteMode
 
 
-@dataclass(frozen=True, slots=True)
-class DropGrads:
+@record
+class DropGrads(NamedTuple):
     """The bucket's full grads are consumed: its buffer is free again.
 
     `contiguous`: the grads lived in the flat bucket (param.grad was released at the copy);
@@ -129,23 +139,23 @@ class DropGrads:
     contiguous: bool
 
 
-@dataclass(frozen=True, slots=True)
-class WaitReduce:
+@record
+class WaitReduce(NamedTuple):
     """The compute stream waits for the reduce stream: every reduce and write so far is done.
 
     DeepSpeed: the reduce-stream synchronize in `independent_gradient_partition_epilogue`.
     """
 
 
-@dataclass(frozen=True, slots=True)
-class ZeroPartitions:
+@record
+class ZeroPartitions(NamedTuple):
     """Fill these params' grad partitions with zeros: they got no grad in this window."""
 
     params: tuple[ParamId, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class AverageGrads:
+@record
+class AverageGrads(NamedTuple):
     """Divide every grad partition by `divisor` (= world size x gradient_accumulation_steps).
 
     Partitions then hold the mean gradient; the optimizer reads them in place (views, no copy).

@@ -114,3 +114,47 @@ class PVec(Generic[T]):
 
     def __repr__(self) -> str:
         return f"PVec({list(self)!r})"
+
+
+class Log(Generic[T]):
+    """Persistent append-only sequence: `extend` returns a new version, leaving this one.
+
+    Versions share one list and each knows its length. Extending the newest version appends in
+    place, O(items added); extending an older one (its list has grown past it) copies its
+    prefix first. Why not a cons list: a cons cell is a tuple pointing at a tuple, which
+    CPython's GC never untracks, so a pass over a 10 000-module model left ~20 000 tracked
+    cells for every collection to walk; a Log of ints is one tracked list. Like PVec, one
+    lineage is for one thread; make a fresh `Log()` for each empty start (never share one).
+    """
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: Iterable[T] = ()) -> None:
+        self._items: list = list(items)
+        self._n = len(self._items)
+
+    def extend(self, xs: Iterable[T]) -> "Log[T]":
+        items = self._items
+        if len(items) != self._n:
+            items = items[:self._n]
+        items.extend(xs)
+        new = Log.__new__(Log)
+        new._items, new._n = items, len(items)
+        return new
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[T]:
+        """Oldest first."""
+        items, n = self._items, self._n
+        return iter(items if len(items) == n else items[:n])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Log) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Log({list(self)!r})"
+

@@ -6,7 +6,7 @@
 effect; they never decide *what* to move. The decisions live in fetch.py, release.py, trace.py and backward.py.
 
 State is immutable. Per-param and per-module entries sit in persistent vectors (pvec.py), so a
-move costs O(params moved). Params gathered since the last sweep are kept in a cons list
+move costs O(params moved). Params gathered since the last sweep are kept in a persistent log
 (`gathered`), so a sweep at the end of a pass visits what was gathered, not the whole model.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.ids import Handle, ModuleId, ParamId, Status
-from fz3.core.pvec import PVec
+from fz3.core.pvec import Log, PVec
 from fz3.core.spec import ModelSpec
 from fz3.core.trace import TraceState, initial_trace
 
@@ -63,9 +63,6 @@ class Inflight(NamedTuple):
     params: tuple[ParamId, ...]
 
 
-Cons = Optional[tuple]  # (head, tail) linked list; None is empty
-
-
 class _Records:
     """Read-only sequence view turning rows into records (for checks, tests and display)."""
 
@@ -96,7 +93,7 @@ class ParamState(NamedTuple):
     peak_live_numel: int
     inflight: tuple[Inflight, ...]  # oldest first
     next_handle: int
-    gathered: Cons  # params gathered since the last sweep (may repeat, may be stale)
+    gathered: Log[ParamId]  # params gathered since the last sweep (may repeat, may be stale)
     trace: TraceState
     held: tuple[ParamId, ...] = ()  # held whole by gathered_parameters (sorted, may repeat)
 
@@ -114,7 +111,7 @@ class ParamState(NamedTuple):
 def initial_state(spec: ModelSpec) -> ParamState:
     """Every param NOT_AVAILABLE, no trace yet."""
     return ParamState(spec, PVec([NA_ROW] * len(spec.params)), PVec([IDLE_ROW] * len(spec.modules)),
-                      0, 0, (), 0, None, initial_trace())
+                      0, 0, (), 0, Log(), initial_trace())
 
 
 class Txn:
@@ -163,19 +160,18 @@ def gather(tx: Txn, pids: tuple[ParamId, ...], *, prefetch: bool, forward: bool,
     if len(tx.inflight) >= MAX_INFLIGHT:
         wait(tx, tx.inflight[0].handle)
     h = tx.next_handle
-    spec, slots, olds, numel, gathered = tx.st.spec.params, tx.slots, tx.olds, 0, tx.gathered
+    spec, slots, olds, numel = tx.st.spec.params, tx.slots, tx.olds, 0
     for p, step in zip(pids, fetched_for):
         s = slots[p]
         if p not in olds:
             olds[p] = s
         slots[p] = (INFLIGHT, h, s[USERS], step, s[EXTERNAL])
         numel += spec[p].numel
-        gathered = (p, gathered)
     tx.live += numel
     if tx.live > tx.peak:
         tx.peak = tx.live
     tx.inflight.append(Inflight(h, pids))
-    tx.next_handle, tx.gathered = h + 1, gathered
+    tx.next_handle, tx.gathered = h + 1, tx.gathered.extend(pids)
     tx.effects.append(AllGather(h, pids, prefetch, forward))
 
 

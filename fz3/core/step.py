@@ -17,7 +17,8 @@ from fz3.core.config import Config
 from fz3.core.ids import ParamId
 from fz3.core.state import (AVAILABLE, EXTERNAL, EXTERNALS, FETCHED_FOR, HANDLE, IDLE_ROW, STATUS,
                             USERS, Effects, ParamState, Txn, drain, free, gather, unit_params, wait)
-from fz3.core.trace import invalidated, iter_cons, reset
+from fz3.core.pvec import Log
+from fz3.core.trace import invalidated, reset
 
 
 def sweep(tx: Txn, *, force: bool) -> None:
@@ -27,8 +28,8 @@ def sweep(tx: Txn, *, force: bool) -> None:
     drain(tx)
     spec, held = tx.st.spec.params, tx.st.held
     seen: set[ParamId] = set()
-    to_free, survivors = [], None
-    for p in iter_cons(tx.gathered):
+    to_free, survivors = [], []
+    for p in tx.gathered:
         if p in seen:
             continue
         seen.add(p)
@@ -37,12 +38,12 @@ def sweep(tx: Txn, *, force: bool) -> None:
             continue
         holds = held.count(p) if held else 0
         if spec[p].persistent or s[EXTERNAL] or holds or (s[USERS] and not force):
-            survivors = (p, survivors)
+            survivors.append(p)
             if force and s[USERS] != holds:
                 tx.put(p, (s[STATUS], s[HANDLE], holds, s[FETCHED_FOR], s[EXTERNAL]))
         else:
             to_free.append(p)
-    tx.gathered = survivors
+    tx.gathered = Log(survivors)
     free(tx, tuple(sorted(to_free)))
 
 
@@ -55,7 +56,7 @@ def invalidate(tx: Txn) -> None:
 
 def _idle_modules(tx: Txn) -> None:
     """Zero the backward counters of the modules fetched in this pass; none is active now."""
-    for m in set(iter_cons(tx.trace.recording)):
+    for m in set(tx.trace.recording):
         ms = tx.mods[m]
         if ms[:EXTERNALS] != IDLE_ROW[:EXTERNALS]:
             tx.put_module(m, IDLE_ROW[:EXTERNALS] + (ms[EXTERNALS],))
@@ -87,8 +88,8 @@ def end_of_step(st: ParamState, *, config: Config) -> tuple[ParamState, Effects]
     (their holds stay counted), in one gather. DeepSpeed: _pre_step / _post_step."""
     tx = Txn(st)
     drain(tx)
-    live = sorted({p for p in iter_cons(tx.gathered) if tx.slots[p][STATUS] == AVAILABLE})
-    tx.gathered = None
+    live = sorted({p for p in tx.gathered if tx.slots[p][STATUS] == AVAILABLE})
+    tx.gathered = Log()
     free(tx, tuple(live))
     held = set(st.held)
     again = tuple(p for p in live if st.spec.params[p].persistent or p in held)

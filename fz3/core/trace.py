@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional
 
 from fz3.core.ids import ModuleId, ParamId, TraceMode
+from fz3.core.pvec import Log
 
 
 class TracePlan(NamedTuple):
@@ -34,14 +35,14 @@ class TracePlan(NamedTuple):
 class TraceState(NamedTuple):
     mode: TraceMode
     step_id: int  # fetches so far in this pass
-    recording: Optional[tuple]  # this pass's fetches, newest first, as a cons list
+    recording: Log[ModuleId]  # this pass's fetches, in order
     plan: Optional[TracePlan]  # set while COMPLETE
     cursor: int  # next queue index prefetch looks at
     invalidations: int  # how many times a pass departed from its plan
 
 
 def initial_trace() -> TraceState:
-    return TraceState(TraceMode.INVALID, 0, None, None, 0, 0)
+    return TraceState(TraceMode.INVALID, 0, Log(), None, 0, 0)
 
 
 def on_fetch(tr: TraceState, module: ModuleId) -> tuple[TraceState, bool]:
@@ -49,7 +50,7 @@ def on_fetch(tr: TraceState, module: ModuleId) -> tuple[TraceState, bool]:
     expected another module here (or none). DeepSpeed: trace_prologue + record_module."""
     departed = tr.mode is TraceMode.COMPLETE and (
         tr.step_id >= len(tr.plan.order) or tr.plan.order[tr.step_id] != module)
-    return TraceState(tr.mode, tr.step_id + 1, (module, tr.recording), tr.plan, tr.cursor,
+    return TraceState(tr.mode, tr.step_id + 1, tr.recording.extend((module,)), tr.plan, tr.cursor,
                       tr.invalidations), departed
 
 
@@ -70,10 +71,9 @@ def reset(tr: TraceState, unit: Callable[[ModuleId], tuple[ParamId, ...]],
         mode, plan, invalidations = TraceMode.INVALID, None, invalidations + 1  # ended early
     if mode is TraceMode.INVALID:
         mode = TraceMode.RECORD
-    elif mode is TraceMode.RECORD and tr.recording is not None:
-        order = tuple(reversed(list(iter_cons(tr.recording))))
-        mode, plan = TraceMode.COMPLETE, build_plan(order, unit, numel, max_reuse_distance)
-    return TraceState(mode, 0, None, plan, 0, invalidations)
+    elif mode is TraceMode.RECORD and len(tr.recording):
+        mode, plan = TraceMode.COMPLETE, build_plan(tuple(tr.recording), unit, numel, max_reuse_distance)
+    return TraceState(mode, 0, Log(), plan, 0, invalidations)
 
 
 def build_plan(order: tuple[ModuleId, ...], unit: Callable[[ModuleId], tuple[ParamId, ...]],
@@ -105,9 +105,3 @@ def build_plan(order: tuple[ModuleId, ...], unit: Callable[[ModuleId], tuple[Par
         reused[s] = tuple(sorted(keep))
     return TracePlan(order, tuple(queue), tuple(step_start), tuple(reused))
 
-
-def iter_cons(lst: Optional[tuple]):
-    """Walk a (head, tail) cons list from its head."""
-    while lst is not None:
-        yield lst[0]
-        lst = lst[1]

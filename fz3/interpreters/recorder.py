@@ -11,7 +11,6 @@ Used to print what the core decides (examples, debugging), to compare two ranks'
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import fields
 from typing import Iterable
 
 from fz3.core.effects import AllGather, Free, Wait
@@ -45,11 +44,10 @@ class Recorder:
     def describe(self, e: object) -> str:
         """An effect with param ids replaced by their names."""
         parts = []
-        for f in fields(e):
-            v = getattr(e, f.name)
-            if f.name == "params":
+        for name, v in zip(e._fields, e):
+            if name == "params":
                 v = "[" + ", ".join(self.spec.params[p].name for p in v) + "]"
-            elif f.name == "param":
+            elif name == "param":
                 v = self.spec.params[v].name
-            parts.append(f"{f.name}={v}")
+            parts.append(f"{name}={v}")
         return f"{type(e).__name__}(" + ", ".join(parts) + ")"

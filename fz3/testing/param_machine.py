@@ -35,7 +35,6 @@ from fz3.core import release as _release
 from fz3.core import step as _step
 from fz3.core.config import Config
 from fz3.core.state import ParamState, initial_state
-from fz3.core.trace import iter_cons
 from fz3.testing.models import Case, Call, backward_events, cases, count_calls, forward_events
 from fz3.testing.naive_params import NaiveParams
 
@@ -79,7 +78,7 @@ def apply_event(st: ParamState, ev: tuple, config: Config) -> tuple[ParamState, 
 def snapshot(st: ParamState) -> tuple:
     """Everything a state says, as plain values (its vectors read out)."""
     return (list(st.params), list(st.modules), st.live_numel, st.peak_live_numel, st.inflight,
-            st.next_handle, list(iter_cons(st.gathered)), st.trace, st.held)
+            st.next_handle, list(st.gathered), st.trace, st.held)
 
 
 def pass_events(program: Call, backward: str, detail: object = None, *,
