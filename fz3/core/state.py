@@ -114,6 +114,9 @@ def initial_state(spec: ModelSpec) -> ParamState:
                       0, 0, (), 0, Log(), initial_trace())
 
 
+_new_state = tuple.__new__  # ParamState(...) without its generated __new__'s frame (hot path)
+
+
 class Txn:
     """A transient: one transition's private, mutable working copy of a ParamState.
 
@@ -147,9 +150,9 @@ class Txn:
         self.mods[m] = row
 
     def commit(self) -> tuple[ParamState, Effects]:
-        return ParamState(self.st.spec, self.param_rows, self.module_rows, self.live, self.peak,
-                          tuple(self.inflight), self.next_handle, self.gathered,
-                          self.trace, self.st.held), tuple(self.effects)
+        return _new_state(ParamState, (self.st.spec, self.param_rows, self.module_rows, self.live,
+                                       self.peak, tuple(self.inflight), self.next_handle,
+                                       self.gathered, self.trace, self.st.held)), tuple(self.effects)
 
 
 def gather(tx: Txn, pids: tuple[ParamId, ...], *, prefetch: bool, forward: bool,
@@ -194,7 +197,11 @@ def wait_for(tx: Txn, pids: tuple[ParamId, ...]) -> None:
     if not tx.inflight:
         return
     slots = tx.slots
-    needed = {slots[p][HANDLE] for p in pids if slots[p][STATUS] == INFLIGHT}
+    needed = None
+    for p in pids:
+        s = slots[p]
+        if s[STATUS] == INFLIGHT:
+            needed = {s[HANDLE]} if needed is None else needed | {s[HANDLE]}
     if needed:
         for f in [f for f in tx.inflight if f.handle in needed]:
             wait(tx, f.handle)
@@ -210,13 +217,14 @@ def free(tx: Txn, pids: tuple[ParamId, ...]) -> None:
     """Drop the full values of `pids` (all AVAILABLE, sorted); nobody uses them any more."""
     if not pids:
         return
-    spec, slots, olds = tx.st.spec.params, tx.slots, tx.olds
+    spec, slots, olds, numel = tx.st.spec.params, tx.slots, tx.olds, 0
     for p in pids:
         s = slots[p]
         if p not in olds:
             olds[p] = s
         slots[p] = (NOT_AVAILABLE, None, 0, s[FETCHED_FOR], s[EXTERNAL])
-        tx.live -= spec[p].numel
+        numel += spec[p].numel
+    tx.live -= numel
     tx.effects.append(Free(pids))
 
 
