@@ -122,7 +122,7 @@ def test_reuse_keep_ignoring_live_budget_is_caught(monkeypatch):
 def test_counters_not_zeroed_at_pass_end_is_caught(monkeypatch):
     """(g) finish_backward / reset_step leave the counters of an incomplete backward."""
     monkeypatch.setattr(step, "_idle_modules", lambda tx: None)
-    assert_caught("counters|core active")
+    assert_caught("counters|open calls")
 
 
 def test_transition_editing_its_input_is_caught(monkeypatch):

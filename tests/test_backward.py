@@ -1,7 +1,8 @@
 """Backward bookkeeping and external params (fz3/core/backward.py).
 
-pre_backward fetches once per forward call whose outputs were wrapped; post_backward releases
-at the last grad-requiring input; a module without one waits for finish_backward. External
+pre_backward fetches once per forward call whose outputs were wrapped; post_backward ends one
+call's backward and releases what it fetched (the params go once no call of the module is open);
+a module without wrapped inputs waits for finish_backward. External
 params are gathered at registration, fetched with their module, freed only by end_of_step.
 """
 from __future__ import annotations
@@ -28,15 +29,20 @@ def G(h, ps, forward=True):
 
 def test_wrapping_counts():
     d = Driver(*BLOCK, config=CFG)
-    d.wrap(1, inputs=2)
+    d.wrap(1, inputs=1)
     d.wrap(1, inputs=0)
-    assert (d.st.modules[1].pre_backward, d.st.modules[1].grads_remaining) == (2, 2)
-    with pytest.raises(ValueError):
-        inputs_wrapped(d.st, 1, -1)
+    d.wrap(1, inputs=1)
+    assert (d.st.modules[1].pre_backward, d.st.modules[1].grads_remaining) == (3, 2)
+    for bad in (-1, 2):
+        with pytest.raises(ValueError, match=f"0 or 1.*got {bad}"):
+            inputs_wrapped(d.st, 1, bad)
+        with pytest.raises(ValueError, match=f"grad_inputs must be 0 or 1.*got {bad}"):
+            fetch(d.st, 1, forward=True, config=CFG, grad_inputs=bad)
 
 
 def test_module_called_twice_is_fetched_twice_in_backward():
-    """ALBERT-style reuse: two forward calls, two backward fetches, one release at the end."""
+    """ALBERT-style reuse: two forward calls, two backward fetches, each call's backward
+    releases what it fetched ([Note: release per call])."""
     d = Driver(*BLOCK, config=CFG)
     d(reset_step)
     d(fetch, 0, forward=True)
@@ -49,12 +55,30 @@ def test_module_called_twice_is_fetched_twice_in_backward():
     assert (d.st.modules[1].pre_backward, d.st.modules[1].grads_remaining) == (2, 2)
     assert d(pre_backward, 0) == []
     assert d(pre_backward, 1) == [G(2, [0], forward=False), Wait(2)]  # call 2
-    assert d(post_backward, 1) == []  # one input left
-    assert d(pre_backward, 1) == []  # call 1: still gathered
+    assert d(post_backward, 1) == [Free((0,))]  # call 2's backward is done
+    assert d(pre_backward, 1) == [G(3, [0], forward=False), Wait(3)]  # call 1
     check_fetched(d.st, 1)
-    assert d.st.params[0].users == 1  # the module counts once
     assert d(post_backward, 1) == [Free((0,))]
     assert (d.st.modules[1].pre_backward, d.st.modules[1].grads_remaining) == (0, 0)
+    assert d(finish_backward) == []
+    check_quiescent(d.st)
+
+
+def test_interleaved_backward_calls_free_at_the_last_close():
+    """Two calls whose backward interleaves (pre 2, pre 1, post 2, post 1): the params stay
+    while either call is open, the module counts once among their users."""
+    d = Driver(*BLOCK, config=CFG)
+    d(reset_step)
+    for _ in (0, 1):
+        d(fetch, 1, forward=True, grad_inputs=1)
+        d(release, 1, grad_outputs=True)
+    assert d(pre_backward, 1) == [G(2, [0], forward=False), Wait(2)]
+    assert d(pre_backward, 1) == []
+    assert d.st.modules[1].active == 2 and d.st.params[0].users == 1
+    assert d(post_backward, 1) == []  # call 1 is still open
+    check_fetched(d.st, 1)
+    assert d(post_backward, 1) == [Free((0,))]
+    assert d.st.modules[1].active == 0 and d.st.params[0].users == 0
     assert d(finish_backward) == []
     check_quiescent(d.st)
 
@@ -118,9 +142,9 @@ def test_merged_wrapping_equals_separate_calls():
     a, b = Driver(*BLOCK, config=CFG), Driver(*BLOCK, config=CFG)
     for d in (a, b):
         d(reset_step)
-    a(fetch, 1, forward=True, grad_inputs=2)
+    a(fetch, 1, forward=True, grad_inputs=1)
     a(release, 1, grad_outputs=True)
     b(fetch, 1, forward=True)
-    b.st = outputs_wrapped(inputs_wrapped(b.st, 1, 2), 1)
+    b.st = outputs_wrapped(inputs_wrapped(b.st, 1, 1), 1)
     b(release, 1)
     assert list(a.st.modules) == list(b.st.modules) and list(a.st.params) == list(b.st.params)

@@ -147,7 +147,7 @@ def test_zero_numel_and_empty_modules():
 def test_grad_inputs_counts_like_inputs_wrapped():
     d = Driver(*THREE, config=cfg())
     d(reset_step)
-    d(fetch, 1, forward=True, grad_inputs=2)
-    assert d.st.modules[1].grads_remaining == 2
+    d(fetch, 1, forward=True, grad_inputs=1)
+    assert d.st.modules[1].grads_remaining == 1 and d.st.modules[1].active == 1
     with pytest.raises(ValueError):
         d(fetch, 2, forward=True, grad_inputs=-1)

@@ -122,26 +122,31 @@ def check_model(model: str, world_size: int) -> None:
             assert r.stats["all_gather_prefetch"] == 0, where
         if cname == "base":
             assert r.stats["all_gather_prefetch"] > 0, f"{where}: prefetch never ran"
-        if cfg.max_live_parameters < 10**6 and model not in PEAK_EXCEPTIONS:
+        if cfg.max_live_parameters < 10**6:
+            chain = cfg.max_live_parameters + max(r.chains)
+            assert peak <= chain, f"{where}: peak {peak} > max_live + deepest chain {chain}: {r.peak_detail}"
             bound = cfg.max_live_parameters + max(r.units)
-            assert peak <= bound, f"{where}: peak {peak} > max_live + largest unit {bound}: {r.peak_detail}"
+            assert peak <= bound or model in PEAK_EXCEPTIONS, (
+                f"{where}: peak {peak} > max_live + largest unit {bound}: {r.peak_detail}")
         summary.append(f"  {cname:15s} loss abs {loss_dev[0]:.1e} rel {loss_dev[1]:.1e} | params abs "
                        f"{param_abs:.1e} rel {param_rel:.1e} | peak {peak}, unpinned max "
                        f"{r.budget_max}" + _bounds(cfg, r, peak))
     print(f"\n{model} W={world_size}\n" + "\n".join(summary))
 
 
-# The issue's peak bound (max_live + the largest unit) holds for every model but two, whose
-# excess is measured and printed: `albert` (a block called K times stays gathered through all
-# K backward calls: its post-backward fires after the last, as in DeepSpeed) and `external`
-# (a parent holding its own and external params while a child runs: a chain of two units,
-# within max_live + the deepest chain).
-PEAK_EXCEPTIONS = ("albert", "external")
+# The issue's peak bound (max_live + the largest unit) holds for every model but `external`:
+# there the root's unit (48: the external params it uses, pinned to the step's end) stays
+# gathered while nn.MultiheadAttention's (144) is fetched on demand, because the root's forward
+# is still running around the call, as any parent's is (DeepSpeed and FSDP2 alike keep a running
+# parent unsharded). Every model is held to max_live + the deepest chain of nested units, and
+# the excess is printed. (`albert`, a block applied K times, was the other exception until
+# post-backward released per call: 283 -> 139 against a bound of 154, W=2.)
+PEAK_EXCEPTIONS = ("external",)
 
 
 def _bounds(cfg, r, peak: int) -> str:
     """With a small live budget: the peak against max_live + the largest unit and against
-    max_live + the deepest chain of units (asserted above except for PEAK_EXCEPTIONS)."""
+    max_live + the deepest chain of units (both asserted above; the first not for PEAK_EXCEPTIONS)."""
     if cfg.max_live_parameters >= 10**6:
         return ""
     unit, chain = cfg.max_live_parameters + max(r.units), cfg.max_live_parameters + max(r.chains)

@@ -30,11 +30,12 @@ def fetch(st: ParamState, module: ModuleId, *, forward: bool, config: Config,
           grad_inputs: int = 0) -> tuple[ParamState, Effects]:
     """Pre-forward / pre-backward of `module`: its params are AVAILABLE when this returns.
 
-    `grad_inputs`: in forward, how many grad-requiring inputs the shell wrapped for the
-    post-backward count (see backward.py). DeepSpeed: PartitionedParameterCoordinator.
+    `grad_inputs`: in forward, 1 if the shell wrapped this call's grad-requiring inputs, so the
+    call will send one post_backward (see backward.py), else 0. DeepSpeed: PartitionedParameterCoordinator.
     fetch_sub_module, plus the input half of _post_backward_module_hook."""
-    if grad_inputs < 0:
-        raise ValueError(f"grad_inputs must be >= 0, got {grad_inputs}")
+    if grad_inputs not in (0, 1):
+        raise ValueError(f"grad_inputs must be 0 or 1 (one PostBackward node wraps all of a call's "
+                         f"grad-requiring inputs), got {grad_inputs!r}")
     tx = Txn(st)
     fetch_into(tx, module, forward=forward, config=config, grad_inputs=grad_inputs)
     return tx.commit()
@@ -46,8 +47,8 @@ def fetch_into(tx: Txn, module: ModuleId, *, forward: bool, config: Config, grad
     pids = unit_params(tx, module)
     ms = tx.mods[module]
     users = 0 if ms[ACTIVE] else 1  # a module counts once among its params' users
-    tx.put_module(module, (ms[PRE_BACKWARD], ms[GRADS_REMAINING] + grad_inputs, step, True,
-                           ms[EXTERNALS]))
+    tx.put_module(module, (ms[PRE_BACKWARD], ms[GRADS_REMAINING] + grad_inputs, step,
+                           ms[ACTIVE] + 1, ms[EXTERNALS]))
     slots, olds, missing = tx.slots, tx.olds, []
     for p in pids:
         s = slots[p]

@@ -2,7 +2,8 @@
 full params nobody needs any more.
 
     release(module)
-      - count `module` out of its params' users (DeepSpeed: ds_active_sub_modules)
+      - close one open call of `module`; at the last, count it out of its params' users
+        (DeepSpeed: ds_active_sub_modules)
       - candidates: AVAILABLE, no user left, not persistent, not external
       - COMPLETE trace only, keep a candidate if
           * a module within max_reuse_distance numel ahead in the plan uses it (tied weights), or
@@ -40,7 +41,10 @@ def release_into(tx: Txn, module: ModuleId, *, config: Config) -> None:
     ms = tx.mods[module]
     if not ms[ACTIVE]:
         return  # not fetched since its last release (e.g. after a forced sweep)
-    tx.put_module(module, (ms[PRE_BACKWARD], ms[GRADS_REMAINING], ms[FETCH_STEP], False, ms[EXTERNALS]))
+    tx.put_module(module, (ms[PRE_BACKWARD], ms[GRADS_REMAINING], ms[FETCH_STEP], ms[ACTIVE] - 1,
+                           ms[EXTERNALS]))
+    if ms[ACTIVE] > 1:
+        return  # another call of it is still open (backward of calls that interleave)
     spec, slots, olds = tx.st.spec.params, tx.slots, tx.olds
     candidates = []
     for p in unit_params(tx, module):

@@ -41,7 +41,8 @@ class ModuleSlot(NamedTuple):
     pre_backward: int  # DeepSpeed's applied_pre_backward_ref_cnt: +1 per forward call
     grads_remaining: int  # DeepSpeed's ds_grads_remaining: grad-requiring inputs not yet done
     fetch_step: int  # trace step of its latest fetch (-1: none this pass)
-    active: bool  # between fetch and release; its unit's params count it in `users`
+    active: int  # open calls: fetches not yet released (forward: the call is running; backward:
+    # between a call's pre- and post-backward). While > 0 its unit's params count it once in `users`
     externals: tuple[ParamId, ...]  # external params registered on it, sorted
 
 
@@ -55,7 +56,7 @@ STATUS, HANDLE, USERS, FETCHED_FOR, EXTERNAL = range(5)
 PRE_BACKWARD, GRADS_REMAINING, FETCH_STEP, ACTIVE, EXTERNALS = range(5)
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = int(Status.NOT_AVAILABLE), int(Status.INFLIGHT), int(Status.AVAILABLE)
 NA_ROW = (NOT_AVAILABLE, None, 0, -1, False)
-IDLE_ROW = (0, 0, -1, False, ())
+IDLE_ROW = (0, 0, -1, 0, ())
 
 
 class Inflight(NamedTuple):

@@ -47,7 +47,8 @@ class Call:
 
     module: int
     outputs_grad: bool  # outputs require grad: PreBackwardFunction -> one pre_backward
-    grad_inputs: int  # grad-requiring inputs: one post_backward each (0 if not outputs_grad)
+    grad_inputs: int  # 1: its grad-requiring inputs are wrapped (one node): one post_backward;
+    # 0: none (always 0 if not outputs_grad)
     body: tuple[Union["Call", External], ...] = ()
     returns: tuple[int, ...] = ()  # own params in its outputs: external on the caller
 
@@ -126,7 +127,7 @@ def _call(draw, model: Model, module: int, stack: tuple[int, ...], budget: list[
           root: bool = False) -> Call:
     # Hypothesis starts from (and shrinks to) the smallest draws: let those be the common case
     outputs_grad = root or draw(st.integers(0, 4)) < 4
-    grad_inputs = (1, 0, 2)[draw(st.integers(0, 2))] if outputs_grad else 0
+    grad_inputs = (1, 0)[draw(st.integers(0, 1))] if outputs_grad else 0
     body: list[Union[Call, External]] = []
     is_leaf = model.modules[module][2]
     for _ in range(draw(st.integers(1, 4) if root else st.integers(0, 2))):

@@ -68,7 +68,7 @@ class NaiveParams:
         self.outstanding: dict[int, tuple[int, ...]] = {}  # handle -> params, issue order
         self.issued: set[int] = set()
         self.live = 0
-        self.active: set[int] = set()  # modules between fetch and release
+        self.active: Counter[int] = Counter()  # module -> open calls (fetched, not released); > 0 only
         self.externals: dict[int, set[int]] = {m: set() for m in range(len(self.own))}
         self.pre = [0] * len(self.own)
         self.grads = [0] * len(self.own)
@@ -89,6 +89,13 @@ class NaiveParams:
         for a in self.active:
             out |= self.unit(a)
         return out
+
+    def close(self, m: int) -> None:
+        """One open call of `m` ends (a release, or a post_backward)."""
+        if self.active[m] > 1:
+            self.active[m] -= 1
+        else:
+            self.active.pop(m, None)
 
     def exempt(self) -> set[int]:
         """Params the live budget does not cover: in use, persistent, external."""
@@ -112,11 +119,10 @@ class NaiveParams:
             self.pre[m] -= 1
             fetching = True
         elif kind == "release":
-            self.active.discard(m)
+            self.close(m)
         elif kind == "post_backward" and self.grads[m] > 0:
             self.grads[m] -= 1
-            if self.grads[m] == 0:
-                self.active.discard(m)
+            self.close(m)  # one call's backward is done
         elif kind == "external":  # the core may sweep (invalidation) before the unit grows
             new = set(ev[2]) - self.unit(m)
             if new:
@@ -146,7 +152,7 @@ class NaiveParams:
 
     def _after(self, kind: str, m: int | None, fetching: bool, effects: tuple) -> None:
         if fetching:
-            self.active.add(m)
+            self.active[m] += 1
             if any(isinstance(e, AllGather) and e.prefetch for e in effects):
                 assert self.live <= self.config.max_live_parameters, (  # I1
                     f"prefetch in the fetch of m{m} left {self.live} live > max_live_parameters")
@@ -259,7 +265,7 @@ class NaiveParams:
                 f"m{m} counters: core {ms.pre_backward}/{ms.grads_remaining}, "
                 f"model {self.pre[m]}/{self.grads[m]}")
             assert ms.externals == tuple(sorted(self.externals[m])), f"m{m} externals {ms.externals}"
-            assert ms.active == (m in self.active), f"m{m}: core active={ms.active}, model disagrees"
+            assert ms.active == self.active[m], f"m{m}: core has {ms.active} open calls, model {self.active[m]}"
         tr, nt = st.trace, self.trace
         assert (tr.mode, tr.invalidations, tr.step_id) == (nt.mode, nt.invalidations, len(nt.this_pass)), (
             f"trace: core {tr.mode.name}/{tr.invalidations}/{tr.step_id}, "
