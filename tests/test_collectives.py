@@ -89,3 +89,19 @@ def test_pack_reduce_scatter_into_matches_pack(world_size):
     want = c.pack_reduce_scatter(grads, world_size)
     buf = torch.full_like(want, float("nan"))
     assert torch.equal(c.pack_reduce_scatter_into(grads, world_size, buf), want)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_unpack_gather_into_matches_unpack(world_size):
+    """The in-place unpacking the interpreter uses equals the pure one and writes only `out`."""
+    g = torch.Generator().manual_seed(world_size)
+    numels = (5, 0, 1, 8, 3, 12, 2)
+    shards = [[torch.randint(-9, 9, (c.shard_numel(n, world_size),), generator=g).float()
+               for n in numels] for _ in range(world_size)]
+    gathered = c.sim_all_gather([c.pack_gather(s) for s in shards])[0]
+    want = c.unpack_gather(gathered, numels, world_size)
+    out = torch.full((sum(numels),), float("nan"))
+    got = c.unpack_gather_into(gathered, numels, world_size, out)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for x in got)
+    assert not out.isnan().any()

@@ -43,6 +43,25 @@ def unpack_gather(gathered: torch.Tensor, numels: Sequence[int], world_size: int
     return [c.reshape(-1)[:n] for c, n in zip(cols, numels)]
 
 
+
+def unpack_gather_into(gathered: torch.Tensor, numels: Sequence[int], world_size: int,
+                       out: torch.Tensor) -> list[torch.Tensor]:
+    """`unpack_gather` written into a given (sum n_i,) buffer, param after param: one strided
+    copy per param (two when its padding cuts a row), no temporaries. -> views of `out`, (n_i,)
+    each. For the interpreter, which takes `out` from its buffer pool."""
+    rows = gathered.view(world_size, -1)  # (W, S)
+    fulls, col, off = [], 0, 0
+    for n in numels:
+        s = shard_numel(n, world_size)
+        full, rest = divmod(n, s) if s else (0, 0)
+        dst = out[off:off + n]
+        dst[:full * s].view(full, s).copy_(rows[:full, col:col + s])
+        if rest:
+            dst[full * s:].copy_(rows[full, col:col + rest])
+        fulls.append(dst)
+        col, off = col + s, off + n
+    return fulls
+
 def pack_bucket(grads: Tensors) -> torch.Tensor:
     """The contiguous IPG bucket: grads flattened back to back -> (N,)."""
     return torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)

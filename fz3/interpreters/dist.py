@@ -1,7 +1,7 @@
 """The real interpreter: runs the core's effects with torch.distributed on the tensor store.
 
     AllGather(h)      flat 1-D all_gather_into_tensor of the params' shards, async (overlap_comm)
-    Wait(h)           wait that work, split the output into the params' full values
+    Wait(h)           wait that work, copy the output out into the params' full values
     Free              params back to empty .data
     CopyToBucket      param.grad -> slice of a flat IPG bucket buffer; param.grad = None
     ReduceBucket      SUM all_reduce of the flat bucket, or one reduce_scatter_tensor of the
@@ -16,6 +16,9 @@ WritePartition / DropGrads effects that follow a ReduceBucket wait in a queue at
 reduce; they run when it completes: at WaitReduce, or earlier when its buffer is needed again.
 On an accelerator the collectives run on side streams and the compute stream waits on them at
 Wait / WaitReduce; on CPU (gloo) the async Work objects are the only concurrency.
+
+Every flat buffer (gather input and output, the params' full values, reduce-scatter input and
+output) comes from a `BufferPool` (fz3/data/pool.py): the same sizes come back every step.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, 
                               Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle
 from fz3.data import collectives
+from fz3.data.pool import BufferPool
 from fz3.shell.store import TensorStore
 
 
@@ -63,8 +67,10 @@ class DistInterpreter:
         trainable = sum(s.numel for s, t in zip(self.spec.params, store.trainable) if t)
         self.bucket_capacity = max(1, min(config.reduce_bucket_size, trainable))
         self.counts: Counter[str] = Counter()
-        self.scratch: dict[tuple, list[torch.Tensor]] = {}  # reusable reduce-scatter inputs
-        self.scratch_ptrs: set[int] = set()
+        full_bytes = sum(s.numel for s in self.spec.params) * store.shards[0].element_size() \
+            if self.spec.params else 0
+        # room for every param's full value, a gather's input and output, and a reduce's
+        self.buffers_pool = BufferPool(store.device, limit_bytes=3 * full_bytes + (64 << 20))
 
     def run(self, effects: Iterable[object]) -> None:
         for e in effects:
@@ -102,8 +108,12 @@ class DistInterpreter:
 
     def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
         shards = [self.store.shards[p] for p in ps]
-        inp = shards[0] if len(shards) == 1 else collectives.pack_gather(shards)
-        out = torch.empty(inp.numel() * self.world_size, dtype=inp.dtype, device=inp.device)
+        if len(shards) == 1:
+            inp = shards[0]
+        else:
+            inp = self.buffers_pool.take(sum(s.numel() for s in shards), shards[0].dtype)
+            torch.cat(shards, out=inp)
+        out = self.buffers_pool.take(inp.numel() * self.world_size, inp.dtype)
         with self._on(self.gather_stream):
             work = ALL_GATHER(out, inp, group=self.group, async_op=self.async_op)
         self.gathers[h] = (work, out, ps, inp)  # inp stays alive until the gather is done
@@ -118,7 +128,11 @@ class DistInterpreter:
         if self.gather_stream is not None:
             self.device.wait_stream(self.device.current_stream(), self.gather_stream)
         numels = [self.spec.params[p].numel for p in ps]
-        fulls = [out[:numels[0]]] if len(ps) == 1 else collectives.unpack_gather(out, numels, self.world_size)
+        if len(ps) == 1:
+            fulls = [out[:numels[0]]]  # rank-major of one param: already its flat value
+        else:
+            fulls = collectives.unpack_gather_into(out, numels, self.world_size,
+                                                   self.buffers_pool.take(sum(numels), out.dtype))
         for p, full in zip(ps, fulls):
             self.store.set_full(p, full)
 
@@ -161,8 +175,8 @@ class DistInterpreter:
             order = sorted(range(len(e.slots)), key=lambda i: e.slots[i].param)
             S = sum(self.spec.params[e.slots[i].param].shard_numel for i in order)
             inp = collectives.pack_reduce_scatter_into([grads[i] for i in order], W,
-                                                       self._scratch(W * S, grads[0].dtype))
-            out = torch.empty(S, dtype=inp.dtype, device=inp.device)
+                                                       self.buffers_pool.take(W * S, grads[0].dtype))
+            out = self.buffers_pool.take(S, inp.dtype)
             with self._on(self.reduce_stream):
                 work = REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group,
                                       async_op=self.async_op)
@@ -175,7 +189,6 @@ class DistInterpreter:
         pending = _Reduce(work, finish, keep)
         if work is None:
             self.reduced[e.bucket] = finish()
-            self._unscratch(keep)
         else:
             self.reduces.append((e.bucket, pending))
 
@@ -191,22 +204,7 @@ class DistInterpreter:
         if self.reduce_stream is not None:
             self.device.wait_stream(self.device.current_stream(), self.reduce_stream)
         self.reduced[bucket] = pending.finish()
-        self._unscratch(pending.keep)
         self.run(pending.deferred)
-
-    def _scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A reusable (numel,) buffer: reduce-scatter inputs are packed into the same memory every
-        step instead of freshly allocated (and page-faulted) memory."""
-        free = self.scratch.get((numel, dtype))
-        if free:
-            return free.pop()
-        t = torch.empty(numel, dtype=dtype, device=self.store.device)
-        self.scratch_ptrs.add(t.data_ptr())
-        return t
-
-    def _unscratch(self, t: torch.Tensor) -> None:
-        if t.data_ptr() in self.scratch_ptrs:
-            self.scratch.setdefault((t.numel(), t.dtype), []).append(t)
 
     def _write(self, bucket: BucketId, p: int, mode: str) -> None:
         part = self.store.partitions[p]
