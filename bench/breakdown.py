@@ -95,9 +95,11 @@ def instrument(timers: Timers) -> None:
                       ("_copy_to_bucket", "bucket_copy"), ("_reduce", "reduce_issue"),
                       ("_complete_oldest", "reduce_finish"), ("_write", "reduce_finish")):
         setattr(DistInterpreter, name, timers.wrap(cat, getattr(DistInterpreter, name)))
-    for name, cat in (("all_gather_into_tensor", "gather_wait"), ("reduce_scatter_tensor", "reduce_wait"),
-                      ("all_reduce", "reduce_wait")):
-        setattr(dist, name, _timed_work(getattr(dist, name), timers.wrap(cat, lambda w: w.wait())))
+    # the interpreter binds its collectives at import (ALL_GATHER, REDUCE_SCATTER): patch those
+    import fz3.interpreters.dist as interp
+    for name, cat in (("ALL_GATHER", "gather_wait"), ("REDUCE_SCATTER", "reduce_wait")):
+        setattr(interp, name, _timed_work(getattr(interp, name), timers.wrap(cat, lambda w: w.wait())))
+    dist.all_reduce = _timed_work(dist.all_reduce, timers.wrap("reduce_wait", lambda w: w.wait()))
 
 
 def _timed_work(collective, timed_wait):

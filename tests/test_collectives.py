@@ -67,7 +67,7 @@ def test_unknown_path():
 
 def test_torch_func_through_reduce_and_gather():
     # d/dg of sum(partitions * weights): every grad element of every rank gets its slot's weight
-    w, numels = 2, [3, 2]
+    w = 2  # two grads of numel 3 and 2
     grads = torch.ones(w, 5)
 
     def f(flat):

@@ -45,7 +45,7 @@ FP32 = dict(rtol=1e-5, atol=1e-6)
 BF16_LOSS = dict(rtol=2e-2, atol=2e-3)
 BF16_PARAM = dict(rtol=2e-2, atol=6e-3)
 STATS_KEYS = {"all_gather", "all_gather_on_demand", "all_gather_prefetch", "gathered_bytes",
-              "reduce", "reduced_bytes", "live_numel", "peak_live_numel", "trace",
+              "reduce", "reduce_all_reduce", "reduce_reduce_scatter", "reduced_bytes", "live_numel", "peak_live_numel", "trace",
               "trace_invalidations", "micro_step", "optimizer_steps", "param_shards",
               "grad_partitions"}
 
@@ -122,6 +122,10 @@ def check_model(model: str, world_size: int) -> None:
             assert r.stats["all_gather_prefetch"] == 0, where
         if cname == "base":
             assert r.stats["all_gather_prefetch"] > 0, f"{where}: prefetch never ran"
+        # the collective each reduce ran: gloo's reduce_scatter only where a config asks for it
+        native_rs = cfg.reduce_scatter and not cfg.gloo_reduce_scatter_via_allreduce
+        used = (r.stats["reduce_all_reduce"], r.stats["reduce_reduce_scatter"])
+        assert used == ((0, r.stats["reduce"]) if native_rs else (r.stats["reduce"], 0)), (where, used)
         if cfg.max_live_parameters < 10**6:
             chain = cfg.max_live_parameters + max(r.chains)
             assert peak <= chain, f"{where}: peak {peak} > max_live + deepest chain {chain}: {r.peak_detail}"

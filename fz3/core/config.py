@@ -40,6 +40,11 @@ class Config:
     gradient_clipping: float = 0.0  # global grad-norm clip; 0 = off
     compute_dtype: str = "fp32"  # "fp32" | "bf16"; master shards are always fp32
     debug_checks: bool = False  # shell runs the core's check_* invariants after each event
+    # fz3 only: on gloo, run a reduce_scatter-path reduce as one all-reduce of the bucket and keep
+    # this rank's slices (the allreduce path's data plane: same partitions, I3). gloo emulates
+    # reduce_scatter and takes about twice as long as its all-reduce of the same buffer, plus the
+    # rank-interleaved packing (bench/RESULTS.md, "gloo collectives"). False: gloo's own.
+    gloo_reduce_scatter_via_allreduce: bool = True
 
     def __post_init__(self) -> None:
         for name in ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
@@ -47,7 +52,8 @@ class Config:
             _check_int(name, getattr(self, name), low=0)
         _check_int("reduce_bucket_size", self.reduce_bucket_size, low=1)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, low=1)
-        for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "debug_checks"):
+        for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "debug_checks",
+                     "gloo_reduce_scatter_via_allreduce"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         clip = self.gradient_clipping

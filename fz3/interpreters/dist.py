@@ -5,7 +5,9 @@
     Free              params back to empty .data
     CopyToBucket      param.grad -> slice of a flat IPG bucket buffer; param.grad = None
     ReduceBucket      SUM all_reduce of the flat bucket, or one reduce_scatter_tensor of the
-                      padded rank-interleaved grads; async with overlap_comm
+                      padded rank-interleaved grads; async with overlap_comm. On gloo the
+                      reduce_scatter path runs as the all-reduce one unless
+                      Config.gloo_reduce_scatter_via_allreduce is False (same partitions)
     WritePartition    this rank's reduced slice -> its fp32 partition (copy | add)
     DropGrads         the bucket buffer goes back to the pool (or param.grad = None)
     WaitReduce        wait every reduce in flight and run the writes that waited for it
@@ -57,6 +59,7 @@ class DistInterpreter:
         self.rank, self.world_size = store.rank, store.world_size
         self.spec = store.tables.spec
         self.async_op = config.overlap_comm
+        self.rs_via_allreduce = config.gloo_reduce_scatter_via_allreduce and device.backend == "gloo"
         self.gather_stream = device.new_stream() if self.async_op else None
         self.reduce_stream = device.new_stream() if self.async_op else None
         self.gathers: dict[Handle, tuple] = {}
@@ -161,11 +164,15 @@ class DistInterpreter:
             grads = [buf[s.offset:s.offset + s.numel] for s in e.slots]
         else:
             grads = [self.store.params[s.param].grad.reshape(-1) for s in e.slots]
-        if e.path == "allreduce":
-            flat = buf[:max(s.offset + s.numel for s in e.slots)] if e.contiguous else \
-                collectives.pack_bucket(grads)
+        if e.path == "allreduce" or self.rs_via_allreduce:
+            if e.contiguous:
+                flat = buf[:max(s.offset + s.numel for s in e.slots)]
+            else:
+                flat = self.buffers_pool.take(sum(g.numel() for g in grads), grads[0].dtype)
+                torch.cat(grads, out=flat)
             with self._on(self.reduce_stream):
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=self.async_op)
+            self.counts["reduce_all_reduce"] += 1
             spans = list(zip(collectives.slot_offsets([s.numel for s in e.slots]), [s.numel for s in e.slots])) \
                 if not e.contiguous else [(s.offset, s.numel) for s in e.slots]
             finish = lambda: dict(zip((s.param for s in e.slots),
@@ -180,6 +187,7 @@ class DistInterpreter:
             with self._on(self.reduce_stream):
                 work = REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group,
                                       async_op=self.async_op)
+            self.counts["reduce_reduce_scatter"] += 1
             params = [e.slots[i].param for i in order]
             finish = lambda: dict(zip(params, collectives.unpack_reduce_scatter(
                 out, [self.spec.params[p].numel for p in params], W)))
