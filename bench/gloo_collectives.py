@@ -1,0 +1,73 @@
+"""How long gloo's collectives take on this machine, for the buffer sizes of the wide model.
+
+Two local ranks, one intra-op thread each, fp32. For a buffer of N elements (default: the wide
+GPT's 29,420,544 parameters), times the issue call and the wait of:
+    all_gather      shard (N/2,) -> (N,)
+    reduce_scatter  (N,) -> (N/2,)
+    all_reduce      (N,) in place
+    all_gather as all_reduce: zero an (N,) buffer, copy the shard in, all-reduce (SUM)
+
+    python bench/gloo_collectives.py [--numel N] [--repeats 5]
+
+Why: fz3's interpreter picks, per backend, which collective carries a reduce
+(Config.gloo_reduce_scatter_via_allreduce); these figures are the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+from fz3.launch import run
+
+
+def worker(rank: int, world: int, numel: int, repeats: int) -> dict:
+    n = numel - numel % world
+    full, shard = torch.randn(n), torch.randn(n // world)
+    out_full, out_shard = torch.empty(n), torch.empty(n // world)
+
+    def gather_by_reduce():
+        out_full.zero_()
+        out_full.view(world, -1)[rank].copy_(shard)
+        return dist.all_reduce(out_full, async_op=True)
+
+    ops = {"all_gather": lambda: dist.all_gather_into_tensor(out_full, shard, async_op=True),
+           "reduce_scatter": lambda: dist.reduce_scatter_tensor(out_shard, full, async_op=True),
+           "all_reduce": lambda: dist.all_reduce(full, async_op=True),
+           "all_gather as all_reduce": gather_by_reduce}
+    res = {}
+    for name, op in ops.items():
+        times = []
+        for _ in range(repeats + 1):  # the first touches fresh memory: dropped
+            dist.barrier()
+            t0 = time.perf_counter()
+            work = op()
+            t1 = time.perf_counter()
+            work.wait()
+            times.append((t1 - t0, time.perf_counter() - t1))
+        res[name] = times[1:]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=29_420_544)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    per_rank = run(worker, world_size=2, args=(args.numel, args.repeats), timeout=600)
+    mib = args.numel * 4 / 2**20
+    print(f"gloo, 2 ranks, buffer {args.numel:,} fp32 elements ({mib:.1f} MiB); median over "
+          f"{args.repeats} repeats, slower rank")
+    print(f"{'collective':<26} {'issue ms':>9} {'wait ms':>9} {'total ms':>9}")
+    for name in per_rank[0]:
+        rows = [max(a, b, key=sum) for a, b in zip(per_rank[0][name], per_rank[1][name])]
+        issue = sorted(r[0] for r in rows)[len(rows) // 2] * 1e3
+        wait = sorted(r[1] for r in rows)[len(rows) // 2] * 1e3
+        total = sorted(sum(r) for r in rows)[len(rows) // 2] * 1e3
+        print(f"{name:<26} {issue:>9.1f} {wait:>9.1f} {total:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
