@@ -37,3 +37,12 @@ def test_byte_limit_evicts_free_buffers_least_recently_used_first():
     big = pool.take(200, torch.float32)  # can never fit: handed out untracked
     assert pool.bytes == 80 * 4 and big.numel() == 200 and held.numel() == 30
     assert ptr(pool.take(30, torch.float32)) != ptr(held)  # the 30 is in use: not handed out twice
+
+
+def test_no_room_means_plain_allocations():
+    """limit 0 (the interpreter's choice on an accelerator): nothing is kept, nothing reused."""
+    pool = BufferPool(CPU, limit_bytes=0)
+    pool.take(1024, torch.float32)
+    assert pool.bytes == 0 and not pool.buffers and pool.misses == 1
+    pool.take(1024, torch.float32)
+    assert pool.hits == 0 and pool.misses == 2

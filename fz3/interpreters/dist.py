@@ -72,8 +72,11 @@ class DistInterpreter:
         self.counts: Counter[str] = Counter()
         full_bytes = sum(s.numel for s in self.spec.params) * store.shards[0].element_size() \
             if self.spec.params else 0
-        # room for every param's full value, a gather's input and output, and a reduce's
-        self.buffers_pool = BufferPool(store.device, limit_bytes=3 * full_bytes + (64 << 20))
+        # CPU: room for every param's full value, a gather's input and output, and a reduce's.
+        # An accelerator's caching allocator reuses memory already; a pool there would only keep
+        # buffers from activations, so it holds nothing (every take allocates).
+        limit = 3 * full_bytes + (64 << 20) if store.device.type == "cpu" else 0
+        self.buffers_pool = BufferPool(store.device, limit_bytes=limit)
 
     def run(self, effects: Iterable[object]) -> None:
         for e in effects:
