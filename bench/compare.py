@@ -30,6 +30,7 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ENV_PY = os.path.join(HERE, ".env", "bin", "python")
+NATIVE = {"gloo_all_gather_via_allreduce": False, "gloo_reduce_scatter_via_allreduce": False}
 
 
 def _ensure_env() -> None:
@@ -58,6 +59,8 @@ def systems_table(with_volume: bool) -> dict[str, dict]:
         "fsdp2": {"module": "fsdp2", "world": 2, "options": {}},
         "deepspeed": {"module": "deepspeed_z3", "world": 2, "options": {}},
         "fz3": {"module": "fz3_z3", "world": 2, "options": {"config": {}}},
+        # fz3's defaults but gloo's own allgather / reduce_scatter: what the two switches buy
+        "fz3-native": {"module": "fz3_z3", "world": 2, "options": {"config": NATIVE}},
     }
     same_fields = {k: v for k, v in dataclasses.asdict(same).items()}
     if same != Config():
@@ -65,7 +68,7 @@ def systems_table(with_volume: bool) -> dict[str, dict]:
     if with_volume:
         table["fz3-vol"] = {"module": "fz3_z3", "world": 2,
                             "options": {"config": {"max_reuse_distance": 0, "param_persistence_threshold": 0,
-                                                   "gloo_reduce_scatter_via_allreduce": False}}}
+                                                   **NATIVE}}}
     return table, same == Config(), same_fields
 
 

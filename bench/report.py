@@ -180,7 +180,10 @@ def render(res: dict) -> str:
            f"settings: `{json.dumps(res['deepspeed_zero'])}` (its defaults, written out); "
            + ("fz3's `Config.from_deepspeed` of that dict equals `fz3.Config()`, so \"fz3 with the same settings\" "
               "is the `fz3` row. " if res.get("fz3_ds_equals_default") else "`fz3-ds` = Config.from_deepspeed of it. ")
-           + "`fz3-vol`: `Config(max_reuse_distance=0, param_persistence_threshold=0, gloo_reduce_scatter_via_allreduce=False)` (pure ZeRO-3 volume: gloo's own reduce_scatter). "
+           + "`fz3-vol`: `Config(max_reuse_distance=0, param_persistence_threshold=0)` with gloo's own "
+           "collectives (pure ZeRO-3 volume). `fz3-native`: fz3's defaults with gloo's own allgather "
+           "and reduce_scatter (`gloo_all_gather_via_allreduce=False, "
+           "gloo_reduce_scatter_via_allreduce=False`), to show what fz3's all-reduce paths on gloo buy. "
            "FSDP2: fully_shard per block then root, CPU mesh, `set_force_sum_reduction_for_comms(True)` "
            "(SUM, FSDP divides after). DeepSpeed: model built outside zero.Init, its shm op build skipped "
            "(see bench/systems/deepspeed_z3.py).", ""]

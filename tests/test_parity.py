@@ -44,7 +44,8 @@ pytestmark = pytest.mark.timeout(600)  # the first test per world size launches 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 BF16_LOSS = dict(rtol=2e-2, atol=2e-3)
 BF16_PARAM = dict(rtol=2e-2, atol=6e-3)
-STATS_KEYS = {"all_gather", "all_gather_on_demand", "all_gather_prefetch", "gathered_bytes",
+STATS_KEYS = {"all_gather", "all_gather_on_demand", "all_gather_prefetch", "all_gather_via_all_reduce",
+              "gathered_bytes",
               "reduce", "reduce_all_reduce", "reduce_reduce_scatter", "reduced_bytes", "live_numel", "peak_live_numel", "trace",
               "trace_invalidations", "micro_step", "optimizer_steps", "param_shards",
               "grad_partitions"}
@@ -126,6 +127,8 @@ def check_model(model: str, world_size: int) -> None:
         native_rs = cfg.reduce_scatter and not cfg.gloo_reduce_scatter_via_allreduce
         used = (r.stats["reduce_all_reduce"], r.stats["reduce_reduce_scatter"])
         assert used == ((0, r.stats["reduce"]) if native_rs else (r.stats["reduce"], 0)), (where, used)
+        via = r.stats["all_gather"] if cfg.gloo_all_gather_via_allreduce else 0
+        assert r.stats["all_gather_via_all_reduce"] == via, (where, r.stats["all_gather_via_all_reduce"])
         if cfg.max_live_parameters < 10**6:
             chain = cfg.max_live_parameters + max(r.chains)
             assert peak <= chain, f"{where}: peak {peak} > max_live + deepest chain {chain}: {r.peak_detail}"

@@ -45,6 +45,10 @@ class Config:
     # reduce_scatter and takes about twice as long as its all-reduce of the same buffer, plus the
     # rank-interleaved packing (bench/RESULTS.md, "gloo collectives"). False: gloo's own.
     gloo_reduce_scatter_via_allreduce: bool = True
+    # fz3 only: on gloo, run an all-gather as an all-reduce (SUM) of a zeroed (W*S,) buffer holding
+    # this rank's shards in its row: the same values (x + 0 == x; a -0.0 comes back as +0.0), twice
+    # the wire bytes, yet faster here than gloo's allgather (bench/RESULTS.md, "gloo collectives").
+    gloo_all_gather_via_allreduce: bool = True
 
     def __post_init__(self) -> None:
         for name in ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
@@ -53,7 +57,7 @@ class Config:
         _check_int("reduce_bucket_size", self.reduce_bucket_size, low=1)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, low=1)
         for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "debug_checks",
-                     "gloo_reduce_scatter_via_allreduce"):
+                     "gloo_reduce_scatter_via_allreduce", "gloo_all_gather_via_allreduce"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         clip = self.gradient_clipping

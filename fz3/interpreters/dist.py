@@ -1,6 +1,8 @@
 """The real interpreter: runs the core's effects with torch.distributed on the tensor store.
 
-    AllGather(h)      flat 1-D all_gather_into_tensor of the params' shards, async (overlap_comm)
+    AllGather(h)      flat 1-D all_gather_into_tensor of the params' shards, async (overlap_comm);
+                      on gloo an all-reduce of the zero-padded rows unless
+                      Config.gloo_all_gather_via_allreduce is False (same values)
     Wait(h)           wait that work, copy the output out into the params' full values
     Free              params back to empty .data
     CopyToBucket      param.grad -> slice of a flat IPG bucket buffer; param.grad = None
@@ -60,6 +62,7 @@ class DistInterpreter:
         self.spec = store.tables.spec
         self.async_op = config.overlap_comm
         self.rs_via_allreduce = config.gloo_reduce_scatter_via_allreduce and device.backend == "gloo"
+        self.ag_via_allreduce = config.gloo_all_gather_via_allreduce and device.backend == "gloo"
         self.gather_stream = device.new_stream() if self.async_op else None
         self.reduce_stream = device.new_stream() if self.async_op else None
         self.gathers: dict[Handle, tuple] = {}
@@ -114,14 +117,23 @@ class DistInterpreter:
 
     def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
         shards = [self.store.shards[p] for p in ps]
-        if len(shards) == 1:
-            inp = shards[0]
+        S, W = sum(s.numel() for s in shards), self.world_size
+        out = self.buffers_pool.take(S * W, shards[0].dtype)
+        if self.ag_via_allreduce:  # see Config.gloo_all_gather_via_allreduce
+            rows = out.view(W, S)
+            rows[:self.rank].zero_()
+            rows[self.rank + 1:].zero_()
+            inp = torch.cat(shards, out=rows[self.rank])
+            with self._on(self.gather_stream):
+                work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=self.async_op)
+            self.counts["all_gather_via_all_reduce"] += 1
         else:
-            inp = self.buffers_pool.take(sum(s.numel() for s in shards), shards[0].dtype)
-            torch.cat(shards, out=inp)
-        out = self.buffers_pool.take(inp.numel() * self.world_size, inp.dtype)
-        with self._on(self.gather_stream):
-            work = ALL_GATHER(out, inp, group=self.group, async_op=self.async_op)
+            if len(shards) == 1:
+                inp = shards[0]
+            else:
+                inp = torch.cat(shards, out=self.buffers_pool.take(S, shards[0].dtype))
+            with self._on(self.gather_stream):
+                work = ALL_GATHER(out, inp, group=self.group, async_op=self.async_op)
         self.gathers[h] = (work, out, ps, inp)  # inp stays alive until the gather is done
         self.counts["all_gather"] += 1
         self.counts["all_gather_prefetch" if prefetch else "all_gather_on_demand"] += 1

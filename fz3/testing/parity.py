@@ -49,8 +49,9 @@ DS_CONFIG = {  # a real DeepSpeed dict: stage 3, DeepSpeed defaults, clipping on
 
 # Named configs; every model runs each of CONFIGS, "gpt" also "ds_defaults". Together they cover,
 # for every model: prefetch on (base, tiny, bf16) and off (sync_allreduce), tiny prefetch (tiny),
-# overlap on / off, both reduce paths (the reduce_scatter one as gloo's own reduce_scatter in tiny
-# and bf16, as an all-reduce of the bucket in base), contiguous_gradients off (tiny), a reduce bucket smaller
+# overlap on / off, both reduce paths (the reduce_scatter one as gloo's own reduce_scatter in bf16,
+# as an all-reduce in base and tiny), gloo's own allgather (tiny) and fz3's all-reduce one (the
+# others), contiguous_gradients off (tiny), a reduce bucket smaller
 # than most single grads (sync_allreduce, tiny), a tiny live budget (tiny), reuse distance 0
 # (sync_allreduce), persistence off (threshold 0) and bf16 compute. The optimizer is AdamW, but
 # SGD with momentum where OPTIMIZERS says (see optimizer_for).
@@ -62,7 +63,7 @@ CONFIGS: dict[str, Config] = {
                              max_reuse_distance=0, **_C),
     "tiny": Config(param_persistence_threshold=2, prefetch_bucket_size=16, max_live_parameters=24,
                    reduce_bucket_size=7, contiguous_gradients=False,
-                   gloo_reduce_scatter_via_allreduce=False, **_C),
+                   gloo_all_gather_via_allreduce=False, **_C),
     "bf16": Config(param_persistence_threshold=0, compute_dtype="bf16", prefetch_bucket_size=40,
                    reduce_bucket_size=64, gloo_reduce_scatter_via_allreduce=False, **_C),
 }
