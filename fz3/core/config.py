@@ -45,14 +45,17 @@ class Config:
     # reduce_scatter and takes about twice as long as its all-reduce of the same buffer, plus the
     # rank-interleaved packing (bench/RESULTS.md, "gloo collectives"). False: gloo's own.
     gloo_reduce_scatter_via_allreduce: bool = True
-    # fz3 only: on gloo, run an all-gather as an all-reduce (SUM) of a zeroed (W*S,) buffer holding
-    # this rank's shards in its row: the same values (x + 0 == x; a -0.0 comes back as +0.0), twice
-    # the wire bytes, yet faster here than gloo's allgather (bench/RESULTS.md, "gloo collectives").
+    # fz3 only: on gloo, run an all-gather whose output has at least
+    # gloo_all_gather_via_allreduce_min_bytes as an all-reduce (SUM) of a zeroed (W*S,) buffer
+    # holding this rank's shards in its row: the same values (x + 0 == x; a -0.0 comes back as
+    # +0.0), twice the wire bytes. Faster here for large gathers (the wide model's 48 and 64 MiB),
+    # slower for small ones that overlap compute (the small model's 8 MiB): bench/RESULTS.md.
     gloo_all_gather_via_allreduce: bool = True
+    gloo_all_gather_via_allreduce_min_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         for name in ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
-                     "param_persistence_threshold"):
+                     "param_persistence_threshold", "gloo_all_gather_via_allreduce_min_bytes"):
             _check_int(name, getattr(self, name), low=0)
         _check_int("reduce_bucket_size", self.reduce_bucket_size, low=1)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, low=1)

@@ -1,8 +1,8 @@
 """The real interpreter: runs the core's effects with torch.distributed on the tensor store.
 
     AllGather(h)      flat 1-D all_gather_into_tensor of the params' shards, async (overlap_comm);
-                      on gloo an all-reduce of the zero-padded rows unless
-                      Config.gloo_all_gather_via_allreduce is False (same values)
+                      on gloo a large one is an all-reduce of the zero-padded rows (same values;
+                      Config.gloo_all_gather_via_allreduce[_min_bytes])
     Wait(h)           wait that work, copy the output out into the params' full values
     Free              params back to empty .data
     CopyToBucket      param.grad -> slice of a flat IPG bucket buffer; param.grad = None
@@ -62,7 +62,8 @@ class DistInterpreter:
         self.spec = store.tables.spec
         self.async_op = config.overlap_comm
         self.rs_via_allreduce = config.gloo_reduce_scatter_via_allreduce and device.backend == "gloo"
-        self.ag_via_allreduce = config.gloo_all_gather_via_allreduce and device.backend == "gloo"
+        self.ag_via_allreduce_from = config.gloo_all_gather_via_allreduce_min_bytes \
+            if config.gloo_all_gather_via_allreduce and device.backend == "gloo" else None
         self.gather_stream = device.new_stream() if self.async_op else None
         self.reduce_stream = device.new_stream() if self.async_op else None
         self.gathers: dict[Handle, tuple] = {}
@@ -119,7 +120,8 @@ class DistInterpreter:
         shards = [self.store.shards[p] for p in ps]
         S, W = sum(s.numel() for s in shards), self.world_size
         out = self.buffers_pool.take(S * W, shards[0].dtype)
-        if self.ag_via_allreduce:  # see Config.gloo_all_gather_via_allreduce
+        if self.ag_via_allreduce_from is not None and \
+                out.numel() * out.element_size() >= self.ag_via_allreduce_from:  # see Config
             rows = out.view(W, S)
             rows[:self.rank].zero_()
             rows[self.rank + 1:].zero_()
