@@ -99,7 +99,20 @@ def instrument(timers: Timers) -> None:
     import fz3.interpreters.dist as interp
     for name, cat in (("ALL_GATHER", "gather_wait"), ("REDUCE_SCATTER", "reduce_wait")):
         setattr(interp, name, _timed_work(getattr(interp, name), timers.wrap(cat, lambda w: w.wait())))
-    dist.all_reduce = _timed_work(dist.all_reduce, timers.wrap("reduce_wait", lambda w: w.wait()))
+    # all_reduce carries reduces, and on gloo large all-gathers too: charge it by its issuer
+    in_gather = [False]
+    issue_gather = DistInterpreter._all_gather
+
+    def all_gather(self, *args, **kwargs):
+        in_gather[0] = True
+        try:
+            return issue_gather(self, *args, **kwargs)
+        finally:
+            in_gather[0] = False
+    DistInterpreter._all_gather = all_gather
+    as_gather = _timed_work(dist.all_reduce, timers.wrap("gather_wait", lambda w: w.wait()))
+    as_reduce = _timed_work(dist.all_reduce, timers.wrap("reduce_wait", lambda w: w.wait()))
+    dist.all_reduce = lambda *a, **k: (as_gather if in_gather[0] else as_reduce)(*a, **k)
 
 
 def _timed_work(collective, timed_wait):

@@ -1,0 +1,71 @@
+"""A/B of fz3 configs: one engine per config in the same 2 gloo ranks, stepping in turn.
+
+Finer than compare.py for a single switch: the engines share the processes, the data and every
+slow spell of the machine; the order alternates each step.
+
+    python bench/ab_configs.py --model small --steps 27 \
+        'all={"gloo_all_gather_via_allreduce_min_bytes": 0}' \
+        'native={"gloo_all_gather_via_allreduce": false}'
+
+Prints median and min step time per config (slower rank; the first 3 steps dropped).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from fz3.launch import run  # noqa: E402
+
+WARMUP = 3
+
+
+def worker(rank: int, world: int, model: str, variants: dict, steps: int) -> dict:
+    import fz3
+    from systems.common import batches, loss_fn, make_model, make_optimizer
+
+    engines = {}
+    for name, cfg in variants.items():
+        net = make_model(model)
+        engines[name] = fz3.initialize(net, make_optimizer(net.parameters()), fz3.Config(**cfg))
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for i, (x, y) in enumerate(batches(model, rank, world, steps + WARMUP)):
+        order = list(engines.items())
+        for name, engine in (order if i % 2 else order[::-1]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            loss.item()
+            times[name].append(time.perf_counter() - t0)
+    return {k: v[WARMUP:] for k, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("small", "wide"), default="small")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("variants", nargs="+", help='name={"config_field": value, ...} (JSON)')
+    args = ap.parse_args()
+    variants = {}
+    for v in args.variants:
+        name, sep, cfg = v.partition("=")
+        if not sep:
+            raise SystemExit(f"variant {v!r}: expected name={{json}}")
+        variants[name] = json.loads(cfg)
+    per_rank = run(worker, world_size=2, args=(args.model, variants, args.steps), timeout=1800)
+    for name in variants:
+        step = sorted(max(a, b) for a, b in zip(per_rank[0][name], per_rank[1][name]))
+        print(f"{args.model} {name:<16} median {step[len(step) // 2] * 1e3:7.0f} ms   "
+              f"min {step[0] * 1e3:7.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
