@@ -59,16 +59,14 @@ def systems_table(with_volume: bool) -> dict[str, dict]:
         "fsdp2": {"module": "fsdp2", "world": 2, "options": {}},
         "deepspeed": {"module": "deepspeed_z3", "world": 2, "options": {}},
         "fz3": {"module": "fz3_z3", "world": 2, "options": {"config": {}}},
-        # fz3's defaults but gloo's own allgather / reduce_scatter: what the two switches buy
         "fz3-native": {"module": "fz3_z3", "world": 2, "options": {"config": NATIVE}},
     }
-    same_fields = {k: v for k, v in dataclasses.asdict(same).items()}
+    same_fields = dataclasses.asdict(same)
     if same != Config():
         table["fz3-ds"] = {"module": "fz3_z3", "world": 2, "options": {"config": same_fields}}
     if with_volume:
-        table["fz3-vol"] = {"module": "fz3_z3", "world": 2,
-                            "options": {"config": {"max_reuse_distance": 0, "param_persistence_threshold": 0,
-                                                   **NATIVE}}}
+        vol = {"max_reuse_distance": 0, "param_persistence_threshold": 0, **NATIVE}
+        table["fz3-vol"] = {"module": "fz3_z3", "world": 2, "options": {"config": vol}}
     return table, same == Config(), same_fields
 
 
@@ -284,13 +282,12 @@ def main() -> int:
         for model in models:
             cmd = [sys.executable, os.path.join(HERE, "copy_costs.py"), "--model", model]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-            res["copy_costs"][model] = {"stdout": proc.stdout, "command": f"python bench/copy_costs.py --model {model}",
-                                        "load": os.getloadavg()[0]}
+            res["copy_costs"][model] = {"stdout": proc.stdout, "load": os.getloadavg()[0],
+                                        "command": f"python bench/copy_costs.py --model {model}"}
             log(proc.stdout + proc.stderr[-1000:])
 
-    res["load_end"] = os.getloadavg()
-    res["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    res["total_s"] = time.time() - t_start
+    res.update(load_end=os.getloadavg(), total_s=time.time() - t_start,
+               finished=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
     import report
