@@ -47,7 +47,8 @@ if __name__ == "__main__":
 sys.path.insert(0, HERE)  # systems.*, breakdown (spawned ranks inherit sys.path)
 
 def systems_table(with_volume: bool) -> dict[str, dict]:
-    """label -> {module, world, options}. fz3-ds = Config.from_deepspeed(DeepSpeed's dict)."""
+    """label -> {module, world, options}. fz3-ds = Config.from_deepspeed(DeepSpeed's dict);
+    fz3-native = fz3 with gloo's own collectives (NATIVE)."""
     from fz3 import Config
     from systems.deepspeed_z3 import ds_config
     with warnings.catch_warnings():
@@ -78,12 +79,10 @@ def launch(system: dict, spec: dict, timeout: float, env: dict | None = None) ->
     try:
         return fz3.launch.run(worker, world_size=system["world"], args=(system["module"], spec),
                               timeout=timeout, threads=1)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    finally:  # put the environment back
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
+        for k in [k for k, v in saved.items() if v is None]:
+            os.environ.pop(k, None)
 
 
 def merge_ranks(results: list[dict]) -> dict:
