@@ -27,7 +27,7 @@ from fz3.core.fetch import fetch
 from fz3.core.grads import bucket_add, init_grad_state
 from fz3.core.ids import Status, TraceMode
 from fz3.core.release import release
-from fz3.core.state import STATUS, initial_state
+from fz3.core.state import GRADS_REMAINING, STATUS, initial_state
 from fz3.core.step import end_of_step, finish_backward, reset_step
 from fz3.interpreters.dist import DistInterpreter
 from fz3.shell import checks
@@ -151,7 +151,8 @@ class Engine:
 
     def _post_backward(self, m: int) -> None:
         self._queue_end_of_backward()
-        if self.spec.modules[m].is_leaf:
+        if self.spec.modules[m].is_leaf and m in self.leaves_pending and \
+                self.params_state.module_rows[m][GRADS_REMAINING] <= 1:  # its last call's backward
             self._reduce_leaf(m)
         self._params(core_bwd.post_backward(self.params_state, m, config=self.config))
 

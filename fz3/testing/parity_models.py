@@ -25,7 +25,8 @@ some params are smaller than the world size. What each model is there to exercis
                consumed by the parent; the root returns a dict too
     odd        numels not divisible by 2 or 3, numel 1 and 2 (< world size 3), a 0-dim param
     moe        mixture of experts picked per sample by argmax of a router on the data, declared a
-               leaf module: ranks run different experts, the leaf reduces them all
+               leaf module: ranks run different experts, the leaf reduces them all; applied
+               twice per forward, it is reduced once, after its last call's backward
 
 [Note: no k-bias] Attention here has no q/k/v bias: the grad of the key bias is zero in exact
 arithmetic (softmax is shift invariant) but ~1e-9 noise in floating point, and Adam turns noise
