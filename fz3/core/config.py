@@ -41,9 +41,10 @@ class Config:
     compute_dtype: str = "fp32"  # "fp32" | "bf16"; master shards are always fp32
     debug_checks: bool = False  # shell runs the core's check_* invariants after each event
     # fz3 only: on gloo, run a reduce_scatter-path reduce as one all-reduce of the bucket and keep
-    # this rank's slices (the allreduce path's data plane: same partitions, I3). gloo emulates
-    # reduce_scatter and takes about twice as long as its all-reduce of the same buffer, plus the
-    # rank-interleaved packing (bench/RESULTS.md, "gloo collectives"). False: gloo's own.
+    # this rank's slices (the allreduce path's data plane: same partitions, I3). Here gloo's
+    # reduce_scatter takes about twice its all-reduce of the same buffer, ~100 ms of it blocking
+    # in the issue call, plus fz3's rank-interleaved packing (bench/gloo_collectives.py,
+    # bench/RESULTS.md). False: gloo's own.
     gloo_reduce_scatter_via_allreduce: bool = True
     # fz3 only: on gloo, run an all-gather whose output has at least
     # gloo_all_gather_via_allreduce_min_bytes as an all-reduce (SUM) of a zeroed (W*S,) buffer

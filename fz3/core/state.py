@@ -115,9 +115,6 @@ def initial_state(spec: ModelSpec) -> ParamState:
                       0, 0, (), 0, Log(), initial_trace())
 
 
-_new_state = tuple.__new__  # ParamState(...) without its generated __new__'s frame (hot path)
-
-
 class Txn:
     """A transient: one transition's private, mutable working copy of a ParamState.
 
@@ -151,9 +148,9 @@ class Txn:
         self.mods[m] = row
 
     def commit(self) -> tuple[ParamState, Effects]:
-        return _new_state(ParamState, (self.st.spec, self.param_rows, self.module_rows, self.live,
-                                       self.peak, tuple(self.inflight), self.next_handle,
-                                       self.gathered, self.trace, self.st.held)), tuple(self.effects)
+        return ParamState(self.st.spec, self.param_rows, self.module_rows, self.live, self.peak,
+                          tuple(self.inflight), self.next_handle, self.gathered,
+                          self.trace, self.st.held), tuple(self.effects)
 
 
 def gather(tx: Txn, pids: tuple[ParamId, ...], *, prefetch: bool, forward: bool,
@@ -198,11 +195,7 @@ def wait_for(tx: Txn, pids: tuple[ParamId, ...]) -> None:
     if not tx.inflight:
         return
     slots = tx.slots
-    needed = None
-    for p in pids:
-        s = slots[p]
-        if s[STATUS] == INFLIGHT:
-            needed = {s[HANDLE]} if needed is None else needed | {s[HANDLE]}
+    needed = {slots[p][HANDLE] for p in pids if slots[p][STATUS] == INFLIGHT}
     if needed:
         for f in [f for f in tx.inflight if f.handle in needed]:
             wait(tx, f.handle)
