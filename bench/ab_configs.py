@@ -4,8 +4,7 @@ Finer than compare.py for a single switch: the engines share the processes, the 
 slow spell of the machine; the order alternates each step.
 
     python bench/ab_configs.py --model small --steps 27 \
-        'all={"gloo_all_gather_via_allreduce_min_bytes": 0}' \
-        'native={"gloo_all_gather_via_allreduce": false}'
+        'p2p={}' 'native={"gloo_all_gather": "native", "gloo_reduce_scatter": "native"}'
 
 Prints median and min step time per config (slower rank; the first 3 steps dropped).
 """

@@ -6,6 +6,7 @@ interpreter and the collectives' waits, plus a cProfile pass for the hottest Pyt
 Categories (exclusive time: a nested timed call is charged to its own category, not its caller):
     compute          the rest of the step: forward/backward ops, autograd engine, loss, .item()
     gather_wait      Work.wait() of all-gathers            gather_issue  pack + issue all-gathers
+                     (fz3's p2p ones too: their receives land straight in the params)
     gather_unpack    _wait after the wait: split, set .data
     reduce_wait      Work.wait() of reduce-scatters / all-reduces
     reduce_issue     pack (rank-interleave) + issue        reduce_finish unpack + partition writes
@@ -113,6 +114,15 @@ def instrument(timers: Timers) -> None:
     as_gather = _timed_work(dist.all_reduce, timers.wrap("gather_wait", lambda w: w.wait()))
     as_reduce = _timed_work(dist.all_reduce, timers.wrap("reduce_wait", lambda w: w.wait()))
     dist.all_reduce = lambda *a, **k: (as_gather if in_gather[0] else as_reduce)(*a, **k)
+    # fz3's point-to-point collectives on gloo (fz3/interpreters/p2p.py)
+    import fz3.interpreters.p2p as p2p
+    p2p.all_gather = _timed_work(p2p.all_gather, timers.wrap("gather_wait", lambda w: w.wait()))
+    rs, rs_wait = p2p.reduce_scatter, timers.wrap("reduce_wait", lambda w: w.wait())
+
+    def reduce_scatter(*args, **kwargs):
+        work, result = rs(*args, **kwargs)
+        return _TimedWork(work, lambda: rs_wait(work)), result
+    p2p.reduce_scatter = reduce_scatter
 
 
 def _timed_work(collective, timed_wait):

@@ -30,7 +30,7 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ENV_PY = os.path.join(HERE, ".env", "bin", "python")
-NATIVE = {"gloo_all_gather_via_allreduce": False, "gloo_reduce_scatter_via_allreduce": False}
+NATIVE = {"gloo_all_gather": "native", "gloo_reduce_scatter": "native"}
 
 
 def _ensure_env() -> None:

@@ -79,7 +79,7 @@ def comm_table(res: dict, model: str) -> list[str]:
     stats = res["stats"].get(model, {})
     if not stats:
         return []
-    kinds = ["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
+    kinds = ["all_gather", "reduce_scatter", "all_reduce", "broadcast", "send"]
     rows = ["| system | " + " | ".join(f"{k} calls / MiB" for k in kinds) + " |",
             "|---|" + "---:|" * len(kinds)]
     for label, out in stats.items():
@@ -182,8 +182,8 @@ def render(res: dict) -> str:
               "is the `fz3` row. " if res.get("fz3_ds_equals_default") else "`fz3-ds` = Config.from_deepspeed of it. ")
            + "`fz3-vol`: `Config(max_reuse_distance=0, param_persistence_threshold=0)` with gloo's own "
            "collectives (pure ZeRO-3 volume). `fz3-native`: fz3's defaults with gloo's own allgather "
-           "and reduce_scatter (`gloo_all_gather_via_allreduce=False, "
-           "gloo_reduce_scatter_via_allreduce=False`), to show what fz3's all-reduce paths on gloo buy. "
+           "and reduce_scatter (`gloo_all_gather=\"native\", gloo_reduce_scatter=\"native\"`) instead of "
+           "fz3's point-to-point ones (fz3/interpreters/p2p.py), to show what those buy. "
            "FSDP2: fully_shard per block then root, CPU mesh, `set_force_sum_reduction_for_comms(True)` "
            "(SUM, FSDP divides after). DeepSpeed: model built outside zero.Init, its shm op build skipped "
            "(see bench/systems/deepspeed_z3.py).", ""]
@@ -199,7 +199,8 @@ def render(res: dict) -> str:
                 f"buffers, allocated size, not in the total); peak RSS with MALLOC_MMAP_THRESHOLD_=131072, "
                 f"{res['settings']['stats_steps']} steps:", ""] + memory_table(res, model)
         out += ["", "Collectives per step per rank (calls / buffer MiB: all-gather output, reduce-scatter input, "
-                "all-reduce tensor; DDP counted through its Python allreduce_hook in the stats launch):", ""] \
+                "all-reduce tensor; send: point-to-point sends, bytes sent, fz3's gloo all-gather and reduce-scatter; "
+                "DDP counted through its Python allreduce_hook in the stats launch):", ""] \
             + comm_table(res, model)
         out += ["", "Loss (mean over ranks) against single process, same data and seed:", ""] + loss_table(res, model)
         tl = theory_lines(res, model)

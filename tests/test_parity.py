@@ -45,8 +45,9 @@ FP32 = dict(rtol=1e-5, atol=1e-6)
 BF16_LOSS = dict(rtol=2e-2, atol=2e-3)
 BF16_PARAM = dict(rtol=2e-2, atol=6e-3)
 STATS_KEYS = {"all_gather", "all_gather_on_demand", "all_gather_prefetch", "all_gather_via_all_reduce",
-              "gathered_bytes",
-              "reduce", "reduce_all_reduce", "reduce_reduce_scatter", "reduced_bytes", "live_numel", "peak_live_numel", "trace",
+              "all_gather_via_native", "all_gather_via_p2p", "gathered_bytes", "reduce",
+              "reduce_all_reduce", "reduce_p2p", "reduce_reduce_scatter", "reduced_bytes",
+              "live_numel", "peak_live_numel", "trace",
               "trace_invalidations", "micro_step", "optimizer_steps", "param_shards",
               "grad_partitions"}
 
@@ -123,13 +124,14 @@ def check_model(model: str, world_size: int) -> None:
             assert r.stats["all_gather_prefetch"] == 0, where
         if cname == "base":
             assert r.stats["all_gather_prefetch"] > 0, f"{where}: prefetch never ran"
-        # the collective each reduce ran: gloo's reduce_scatter only where a config asks for it
-        native_rs = cfg.reduce_scatter and not cfg.gloo_reduce_scatter_via_allreduce
-        used = (r.stats["reduce_all_reduce"], r.stats["reduce_reduce_scatter"])
-        assert used == ((0, r.stats["reduce"]) if native_rs else (r.stats["reduce"], 0)), (where, used)
-        always = cfg.gloo_all_gather_via_allreduce and cfg.gloo_all_gather_via_allreduce_min_bytes == 0
-        via = r.stats["all_gather"] if always else 0  # these models' gathers are far below 32 MiB
-        assert r.stats["all_gather_via_all_reduce"] == via, (where, r.stats["all_gather_via_all_reduce"])
+        # the collective each reduce and gather ran: the one its config names
+        rs_by = {"p2p": "reduce_p2p", "native": "reduce_reduce_scatter", "all_reduce": "reduce_all_reduce"}
+        want = rs_by[cfg.gloo_reduce_scatter] if cfg.reduce_scatter else "reduce_all_reduce"
+        used = {k: r.stats[k] for k in rs_by.values() if r.stats[k]}
+        assert used == ({want: r.stats["reduce"]} if r.stats["reduce"] else {}), (where, used)
+        used = {k: r.stats[k] for k in r.stats if k.startswith("all_gather_via_") and r.stats[k]}
+        n = r.stats["all_gather"]
+        assert used == ({f"all_gather_via_{cfg.gloo_all_gather}": n} if n else {}), (where, used)
         if cfg.max_live_parameters < 10**6:
             chain = cfg.max_live_parameters + max(r.chains)
             assert peak <= chain, f"{where}: peak {peak} > max_live + deepest chain {chain}: {r.peak_detail}"

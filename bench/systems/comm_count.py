@@ -7,7 +7,8 @@
 Bytes are the size of the collective's full buffer, the same definition as fz3's
 engine.stats(): all-gather -> output bytes (W x shard), reduce-scatter -> input bytes
 (W x shard), all-reduce / broadcast / reduce -> the tensor's bytes. A rank sends and receives
-(W-1)/W of that with a ring. Nested calls (e.g. _all_gather_base -> all_gather_into_tensor)
+(W-1)/W of that with a ring. Point-to-point sends (fz3's gloo collectives, p2p.py) count the
+bytes sent. Nested calls (e.g. _all_gather_base -> all_gather_into_tensor)
 count once, at the outermost.
 """
 from __future__ import annotations
@@ -36,6 +37,8 @@ OPS = {
     "broadcast": "tensor",
     "reduce": "tensor",
     "all_to_all_single": "input",
+    "isend": "tensor",
+    "send": "tensor",
 }
 KIND = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
         "reduce_scatter_single": "reduce_scatter", "_all_gather_base": "all_gather",
@@ -43,7 +46,7 @@ KIND = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather
         "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
         "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce",
         "all_reduce_coalesced": "all_reduce", "broadcast": "broadcast", "reduce": "reduce",
-        "all_to_all_single": "all_to_all"}
+        "all_to_all_single": "all_to_all", "isend": "send", "send": "send"}
 
 
 def _nbytes(x) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 COMPUTE_DTYPES = ("fp32", "bf16")
+GLOO_COLLECTIVES = ("p2p", "all_reduce", "native")
 
 
 @dataclass(frozen=True)
@@ -40,28 +41,23 @@ class Config:
     gradient_clipping: float = 0.0  # global grad-norm clip; 0 = off
     compute_dtype: str = "fp32"  # "fp32" | "bf16"; master shards are always fp32
     debug_checks: bool = False  # shell runs the core's check_* invariants after each event
-    # fz3 only: on gloo, run a reduce_scatter-path reduce as one all-reduce of the bucket and keep
-    # this rank's slices (the allreduce path's data plane: same partitions, I3). Here gloo's
-    # reduce_scatter takes about twice its all-reduce of the same buffer, ~100 ms of it blocking
-    # in the issue call, plus fz3's rank-interleaved packing (bench/gloo_collectives.py,
-    # bench/RESULTS.md). False: gloo's own.
-    gloo_reduce_scatter_via_allreduce: bool = True
-    # fz3 only: on gloo, run an all-gather whose output has at least
-    # gloo_all_gather_via_allreduce_min_bytes as an all-reduce (SUM) of a zeroed (W*S,) buffer
-    # holding this rank's shards in its row: the same values (x + 0 == x; a -0.0 comes back as
-    # +0.0), twice the wire bytes. Faster here for large gathers (the wide model's 48 and 64 MiB),
-    # slower for small ones that overlap compute (the small model's 8 MiB): bench/RESULTS.md.
-    gloo_all_gather_via_allreduce: bool = True
-    gloo_all_gather_via_allreduce_min_bytes: int = 32 << 20
+    # fz3 only, gloo only: what carries an all-gather and a reduce_scatter-path reduce, one of
+    # GLOO_COLLECTIVES. "p2p": isend/irecv between every pair of ranks (fz3/interpreters/p2p.py);
+    # "all_reduce": an all-reduce (SUM) of the zero-padded rows (gather: x + 0 == x, a -0.0 comes
+    # back as +0.0) or of the bucket, keeping this rank's slices (reduce: the allreduce path's
+    # data plane, same partitions, I3); "native": gloo's allgather / reduce_scatter. Here p2p is
+    # the fastest at both benchmark sizes, gloo's reduce_scatter the slowest, about twice its
+    # all-reduce (bench/gloo_collectives.py, bench/RESULTS.md).
+    gloo_all_gather: str = "p2p"
+    gloo_reduce_scatter: str = "p2p"
 
     def __post_init__(self) -> None:
         for name in ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
-                     "param_persistence_threshold", "gloo_all_gather_via_allreduce_min_bytes"):
+                     "param_persistence_threshold"):
             _check_int(name, getattr(self, name), low=0)
         _check_int("reduce_bucket_size", self.reduce_bucket_size, low=1)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, low=1)
-        for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "debug_checks",
-                     "gloo_reduce_scatter_via_allreduce", "gloo_all_gather_via_allreduce"):
+        for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "debug_checks"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         clip = self.gradient_clipping
@@ -70,6 +66,10 @@ class Config:
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"Config.compute_dtype must be one of {COMPUTE_DTYPES}, "
                              f"got {self.compute_dtype!r}")
+        for name in ("gloo_all_gather", "gloo_reduce_scatter"):
+            if getattr(self, name) not in GLOO_COLLECTIVES:
+                raise ValueError(f"Config.{name} must be one of {GLOO_COLLECTIVES}, "
+                                 f"got {getattr(self, name)!r}")
         if not self.contiguous_gradients and not self.reduce_scatter:
             raise ValueError("contiguous_gradients=False needs reduce_scatter=True: the all-reduce "
                              "path reduces one contiguous bucket (DeepSpeed has the same rule)")

@@ -1,5 +1,5 @@
-"""Reusable flat buffers for the collectives: all-gather inputs and outputs, the unpacked full
-params, reduce-scatter inputs and outputs.
+"""Reusable flat buffers for the collectives: all-gather inputs and outputs, the params' full
+values, reduce-scatter inputs and outputs, the point-to-point receive scratch.
 
 Why: every step asks for the same buffer sizes (the trace repeats), and a fresh large tensor on
 CPU is fresh memory from the OS, page-faulted on first write: about 0.8 ms per MiB here, more

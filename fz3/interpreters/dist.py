@@ -1,15 +1,16 @@
 """The real interpreter: runs the core's effects with torch.distributed on the tensor store.
 
     AllGather(h)      flat 1-D all_gather_into_tensor of the params' shards, async (overlap_comm);
-                      on gloo a large one is an all-reduce of the zero-padded rows (same values;
-                      Config.gloo_all_gather_via_allreduce[_min_bytes])
-    Wait(h)           wait that work, copy the output out into the params' full values
+                      on gloo, by Config.gloo_all_gather: point-to-point sends (p2p.py), an
+                      all-reduce of the zero-padded rows, or gloo's own
+    Wait(h)           wait that work, copy the output out into the params' full values (p2p:
+                      the peers' shards were received in place)
     Free              params back to empty .data
     CopyToBucket      param.grad -> slice of a flat IPG bucket buffer; param.grad = None
     ReduceBucket      SUM all_reduce of the flat bucket, or one reduce_scatter_tensor of the
                       padded rank-interleaved grads; async with overlap_comm. On gloo the
-                      reduce_scatter path runs as the all-reduce one unless
-                      Config.gloo_reduce_scatter_via_allreduce is False (same partitions)
+                      reduce_scatter path runs by Config.gloo_reduce_scatter: point-to-point
+                      sends, the all-reduce path's data plane (same partitions) or gloo's own
     WritePartition    this rank's reduced slice -> its fp32 partition (copy | add)
     DropGrads         the bucket buffer goes back to the pool (or param.grad = None)
     WaitReduce        wait every reduce in flight and run the writes that waited for it
@@ -38,6 +39,7 @@ from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, 
 from fz3.core.ids import BucketId, Handle
 from fz3.data import collectives
 from fz3.data.pool import BufferPool
+from fz3.interpreters import p2p
 from fz3.shell.store import TensorStore
 
 
@@ -61,9 +63,10 @@ class DistInterpreter:
         self.rank, self.world_size = store.rank, store.world_size
         self.spec = store.tables.spec
         self.async_op = config.overlap_comm
-        self.rs_via_allreduce = config.gloo_reduce_scatter_via_allreduce and device.backend == "gloo"
-        self.ag_via_allreduce_from = config.gloo_all_gather_via_allreduce_min_bytes \
-            if config.gloo_all_gather_via_allreduce and device.backend == "gloo" else None
+        gloo = device.backend == "gloo"
+        self.gather_by = config.gloo_all_gather if gloo else "native"
+        self.reduce_scatter_by = config.gloo_reduce_scatter if gloo else "native"
+        self.tag = 0  # p2p message tag: the same sequence on every rank (SPMD)
         self.gather_stream = device.new_stream() if self.async_op else None
         self.reduce_stream = device.new_stream() if self.async_op else None
         self.gathers: dict[Handle, tuple] = {}
@@ -119,41 +122,50 @@ class DistInterpreter:
     def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
         shards = [self.store.shards[p] for p in ps]
         S, W = sum(s.numel() for s in shards), self.world_size
-        out = self.buffers_pool.take(S * W, shards[0].dtype)
-        if self.ag_via_allreduce_from is not None and \
-                out.numel() * out.element_size() >= self.ag_via_allreduce_from:  # see Config
-            rows = out.view(W, S)
-            rows[:self.rank].zero_()
-            rows[self.rank + 1:].zero_()
-            inp = torch.cat(shards, out=rows[self.rank])
+        self.counts[f"all_gather_via_{self.gather_by}"] += 1
+        self.counts["all_gather"] += 1
+        self.counts["all_gather_prefetch" if prefetch else "all_gather_on_demand"] += 1
+        self.counts["gathered_bytes"] += S * W * shards[0].element_size()
+        if self.gather_by == "p2p":
+            numels = [self.spec.params[p].numel for p in ps]
+            flat = self.buffers_pool.take(sum(numels), shards[0].dtype)
+            fulls = torch.split(flat, numels)
             with self._on(self.gather_stream):
-                work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=self.async_op)
-            self.counts["all_gather_via_all_reduce"] += 1
-        else:
+                work = self._p2p(p2p.all_gather(fulls, shards, self.rank, W, group=self.group,
+                                                tag=self._tag()))
+            self.gathers[h] = (work, ps, lambda: fulls)
+            return
+        out = self.buffers_pool.take(S * W, shards[0].dtype)
+        if self.gather_by == "native":
             if len(shards) == 1:
                 inp = shards[0]
             else:
                 inp = torch.cat(shards, out=self.buffers_pool.take(S, shards[0].dtype))
             with self._on(self.gather_stream):
                 work = ALL_GATHER(out, inp, group=self.group, async_op=self.async_op)
-        self.gathers[h] = (work, out, ps, inp)  # inp stays alive until the gather is done
-        self.counts["all_gather"] += 1
-        self.counts["all_gather_prefetch" if prefetch else "all_gather_on_demand"] += 1
-        self.counts["gathered_bytes"] += out.numel() * out.element_size()
+        else:  # all_reduce
+            rows = out.view(W, S)
+            rows[:self.rank].zero_()
+            rows[self.rank + 1:].zero_()
+            inp = torch.cat(shards, out=rows[self.rank])
+            with self._on(self.gather_stream):
+                work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=self.async_op)
+        self.gathers[h] = (work, ps, lambda: self._unpack(out, ps, inp))  # inp alive until done
+
+    def _unpack(self, out: torch.Tensor, ps: tuple[int, ...], inp: torch.Tensor) -> list[torch.Tensor]:
+        numels = [self.spec.params[p].numel for p in ps]
+        if len(ps) == 1:
+            return [out[:numels[0]]]  # rank-major of one param: already its flat value
+        return collectives.unpack_gather_into(out, numels, self.world_size,
+                                              self.buffers_pool.take(sum(numels), out.dtype))
 
     def _wait(self, h: Handle) -> None:
-        work, out, ps, _ = self.gathers.pop(h)
+        work, ps, fulls = self.gathers.pop(h)
         if work is not None:
             work.wait()
         if self.gather_stream is not None:
             self.device.wait_stream(self.device.current_stream(), self.gather_stream)
-        numels = [self.spec.params[p].numel for p in ps]
-        if len(ps) == 1:
-            fulls = [out[:numels[0]]]  # rank-major of one param: already its flat value
-        else:
-            fulls = collectives.unpack_gather_into(out, numels, self.world_size,
-                                                   self.buffers_pool.take(sum(numels), out.dtype))
-        for p, full in zip(ps, fulls):
+        for p, full in zip(ps, fulls()):
             self.store.set_full(p, full)
 
     # ---- gradients ------------------------------------------------------------------------------
@@ -181,7 +193,7 @@ class DistInterpreter:
             grads = [buf[s.offset:s.offset + s.numel] for s in e.slots]
         else:
             grads = [self.store.params[s.param].grad.reshape(-1) for s in e.slots]
-        if e.path == "allreduce" or self.rs_via_allreduce:
+        if e.path == "allreduce" or self.reduce_scatter_by == "all_reduce":
             if e.contiguous:
                 flat = buf[:max(s.offset + s.numel for s in e.slots)]
             else:
@@ -196,19 +208,29 @@ class DistInterpreter:
                                       collectives.slice_allreduced(flat, spans, r, W)))
             nbytes, keep = flat.numel() * flat.element_size(), flat
         else:
-            order = sorted(range(len(e.slots)), key=lambda i: e.slots[i].param)
-            S = sum(self.spec.params[e.slots[i].param].shard_numel for i in order)
-            inp = collectives.pack_reduce_scatter_into([grads[i] for i in order], W,
-                                                       self.buffers_pool.take(W * S, grads[0].dtype))
-            out = self.buffers_pool.take(S, inp.dtype)
-            with self._on(self.reduce_stream):
-                work = REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=self.group,
-                                      async_op=self.async_op)
-            self.counts["reduce_reduce_scatter"] += 1
-            params = [e.slots[i].param for i in order]
-            finish = lambda: dict(zip(params, collectives.unpack_reduce_scatter(
-                out, [self.spec.params[p].numel for p in params], W)))
-            nbytes, keep = inp.numel() * inp.element_size(), inp
+            params = [s.param for s in e.slots]
+            S = sum(self.spec.params[p].shard_numel for p in params)
+            nbytes = W * S * grads[0].element_size()
+            if self.reduce_scatter_by == "p2p":
+                keep = self.buffers_pool.take(p2p.scratch_numel([g.numel() for g in grads], r, W),
+                                              grads[0].dtype)
+                with self._on(self.reduce_stream):
+                    work, reduced = p2p.reduce_scatter(grads, keep, r, W, group=self.group, tag=self._tag())
+                work = self._p2p(work)
+                finish = lambda: dict(zip(params, reduced()))
+                self.counts["reduce_p2p"] += 1
+            else:
+                order = sorted(range(len(e.slots)), key=lambda i: params[i])
+                params = [params[i] for i in order]
+                keep = collectives.pack_reduce_scatter_into([grads[i] for i in order], W,
+                                                            self.buffers_pool.take(W * S, grads[0].dtype))
+                out = self.buffers_pool.take(S, keep.dtype)
+                with self._on(self.reduce_stream):
+                    work = REDUCE_SCATTER(out, keep, op=dist.ReduceOp.SUM, group=self.group,
+                                          async_op=self.async_op)
+                finish = lambda: dict(zip(params, collectives.unpack_reduce_scatter(
+                    out, [self.spec.params[p].numel for p in params], W)))
+                self.counts["reduce_reduce_scatter"] += 1
         self.counts["reduce"] += 1
         self.counts["reduced_bytes"] += nbytes
         pending = _Reduce(work, finish, keep)
@@ -216,6 +238,17 @@ class DistInterpreter:
             self.reduced[e.bucket] = finish()
         else:
             self.reduces.append((e.bucket, pending))
+
+    def _tag(self) -> int:
+        self.tag += 1
+        return self.tag
+
+    def _p2p(self, work: p2p.P2PWork) -> Optional[p2p.P2PWork]:
+        """Point-to-point work is always async; without overlap_comm it is waited here."""
+        if self.async_op:
+            return work
+        work.wait()
+        return None
 
     def _pending(self, bucket: BucketId) -> Optional[_Reduce]:
         for b, pending in self.reduces:

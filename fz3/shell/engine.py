@@ -38,7 +38,8 @@ from fz3.shell.tables import read_tables
 
 
 COUNTERS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "all_gather_via_all_reduce",
-            "gathered_bytes", "reduce", "reduce_all_reduce", "reduce_reduce_scatter", "reduced_bytes")
+            "all_gather_via_native", "all_gather_via_p2p", "gathered_bytes", "reduce",
+            "reduce_all_reduce", "reduce_p2p", "reduce_reduce_scatter", "reduced_bytes")
 """The interpreter's counters stats() reports; every key is present, 0 until it first counts."""
 
 

@@ -49,25 +49,24 @@ DS_CONFIG = {  # a real DeepSpeed dict: stage 3, DeepSpeed defaults, clipping on
 
 # Named configs; every model runs each of CONFIGS, "gpt" also "ds_defaults". Together they cover,
 # for every model: prefetch on (base, tiny, bf16) and off (sync_allreduce), tiny prefetch (tiny),
-# overlap on / off, both reduce paths (the reduce_scatter one as gloo's own reduce_scatter in bf16,
-# as an all-reduce in base and tiny), gloo's own allgather (tiny; ds_defaults, whose gathers are
-# below the size threshold) and fz3's all-reduce one (the others, threshold 0),
-# contiguous_gradients off (tiny), a reduce bucket smaller
-# than most single grads (sync_allreduce, tiny), a tiny live budget (tiny), reuse distance 0
-# (sync_allreduce), persistence off (threshold 0) and bf16 compute. The optimizer is AdamW, but
-# SGD with momentum where OPTIMIZERS says (see optimizer_for).
+# overlap on / off, both reduce paths, each gloo carrier of the reduce_scatter path (fz3's p2p in
+# base and ds_defaults, the all-reduce one with grads not contiguous in tiny, gloo's own in bf16)
+# and of the all-gather (p2p in base, ds_defaults and, without overlap, sync_allreduce; gloo's
+# own in tiny; the all-reduce one in bf16), contiguous_gradients off (tiny), a reduce bucket
+# smaller than most single grads (sync_allreduce, tiny), a tiny live budget (tiny), reuse
+# distance 0 (sync_allreduce), persistence off (threshold 0) and bf16 compute. The optimizer is
+# AdamW, but SGD with momentum where OPTIMIZERS says (see optimizer_for).
 _C = dict(gradient_accumulation_steps=GAS, debug_checks=True)
-_AG_AR = dict(gloo_all_gather_via_allreduce_min_bytes=0)  # these models' gathers are all small
 CONFIGS: dict[str, Config] = {
-    "base": Config(param_persistence_threshold=0, **_C, **_AG_AR),
+    "base": Config(param_persistence_threshold=0, **_C),
     "sync_allreduce": Config(param_persistence_threshold=0, prefetch_bucket_size=0,
                              overlap_comm=False, reduce_scatter=False, reduce_bucket_size=7,
-                             max_reuse_distance=0, **_C, **_AG_AR),
+                             max_reuse_distance=0, **_C),
     "tiny": Config(param_persistence_threshold=2, prefetch_bucket_size=16, max_live_parameters=24,
-                   reduce_bucket_size=7, contiguous_gradients=False,
-                   gloo_all_gather_via_allreduce=False, **_C),
+                   reduce_bucket_size=7, contiguous_gradients=False, gloo_all_gather="native",
+                   gloo_reduce_scatter="all_reduce", **_C),
     "bf16": Config(param_persistence_threshold=0, compute_dtype="bf16", prefetch_bucket_size=40,
-                   reduce_bucket_size=64, gloo_reduce_scatter_via_allreduce=False, **_C, **_AG_AR),
+                   reduce_bucket_size=64, gloo_all_gather="all_reduce", gloo_reduce_scatter="native", **_C),
 }
 EXTRA = {"gpt": ("ds_defaults",)}  # DeepSpeed defaults (everything persistent), from_deepspeed
 

@@ -1,0 +1,105 @@
+"""All-gather and reduce-scatter written as point-to-point sends, param by param, for gloo.
+
+    all_gather      each param's shard -> every peer, received straight into the peers' ranges
+                    of the param's full value (no packed buffer, no unpack copy)
+    reduce_scatter  partition j of each grad -> rank j, straight from the bucket; at the end the
+                    received partitions are added, peer after peer in rank order, into this
+                    rank's own partition in place (no packed buffer, no output buffer)
+
+Direct exchange: every rank posts all its receives and sends at once, the bytes a ring moves
+((W - 1)/W of the params). Padding never travels: partition j of a param of n elements is its
+elements [j*s, (j+1)*s) clipped to n, s = ceil(n / W) (fz3.data.layout). On gloo (torch 2.13,
+2 ranks here) this is faster than gloo's own collectives and than the all-reduce stand-ins, and
+needs no staging buffers (bench/gloo_collectives.py; bench/RESULTS.md, "gloo collectives").
+
+Every rank issues the same effects in the same order (SPMD), so one tag per operation, from a
+counter each interpreter keeps, names both ends; messages between two ranks under one tag match
+in the order they were posted, which is param order on both sides.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fz3.core.spec import shard_numel
+
+
+class P2PWork:
+    """Several sends and receives, waited as one."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return True
+
+
+def span(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank's partition [lo, hi) of a flat param of `numel` elements (empty past the end)."""
+    s = shard_numel(numel, world_size)
+    return min(rank * s, numel), min((rank + 1) * s, numel)
+
+
+def all_gather(fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], rank: int,
+               world_size: int, *, group, tag: int) -> P2PWork:
+    """fulls[i] (n_i,) gets param i's full value, shards[i] (s_i,) being this rank's shard."""
+    peers = [j for j in range(world_size) if j != rank]
+    mine = []
+    for full, shard in zip(fulls, shards):
+        lo, hi = span(full.numel(), rank, world_size)
+        full[lo:hi].copy_(shard[:hi - lo])
+        mine.append(shard[:hi - lo])
+    works = []
+    for j in peers:
+        for full in fulls:
+            lo, hi = span(full.numel(), j, world_size)
+            if hi > lo:
+                works.append(dist.irecv(full[lo:hi], group=group, group_src=j, tag=tag))
+    for j in peers:
+        works += [dist.isend(m, group=group, group_dst=j, tag=tag) for m in mine if m.numel()]
+    return P2PWork(works)
+
+
+def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, rank: int,
+                   world_size: int, *, group, tag: int
+                   ) -> tuple[P2PWork, Callable[[], list[torch.Tensor]]]:
+    """SUM over ranks of this rank's partition of each flat grad (n_i,). `scratch` holds the
+    peers' partitions: (W - 1) * scratch_numel(...) elements. -> (work, result): after the work
+    is waited, result() adds them into the grads' own partitions (written in place) and returns
+    the partitions, zero-padded to s_i."""
+    peers = [j for j in range(world_size) if j != rank]
+    own = [g[slice(*span(g.numel(), rank, world_size))] for g in grads]
+    works, got, off = [], [], 0
+    for j in peers:
+        for o in own:
+            n = o.numel()
+            got.append(scratch[off:off + n])
+            off += n
+            if n:
+                works.append(dist.irecv(got[-1], group=group, group_src=j, tag=tag))
+    for j in peers:
+        for g in grads:
+            lo, hi = span(g.numel(), j, world_size)
+            if hi > lo:
+                works.append(dist.isend(g[lo:hi], group=group, group_dst=j, tag=tag))
+
+    def result() -> list[torch.Tensor]:
+        for k, o in enumerate(own * len(peers)):  # peer after peer, in rank order
+            o.add_(got[k])
+        return [F.pad(o, (0, shard_numel(g.numel(), world_size) - o.numel())) if
+                o.numel() < shard_numel(g.numel(), world_size) else o for o, g in zip(own, grads)]
+    return P2PWork(works), result
+
+
+def scratch_numel(numels: Sequence[int], rank: int, world_size: int) -> int:
+    """Elements `reduce_scatter` receives: this rank's partition of each param, per peer."""
+    mine = sum(hi - lo for lo, hi in (span(n, rank, world_size) for n in numels))
+    return (world_size - 1) * mine

@@ -1,0 +1,66 @@
+"""fz3/interpreters/p2p.py: all-gather and reduce-scatter from point-to-point sends, on 2 and 3
+gloo ranks, against the layout's definition of shards and partitions (fz3.data.layout).
+
+Sizes cover the padding cases: numel 0, numel < W (a rank holds padding only), numel not a
+multiple of W, and an even split. Two operations are in flight at once, so messages under
+different tags must not mix.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fz3.data import layout
+from fz3.interpreters import p2p
+from fz3.launch import run
+
+pytestmark = pytest.mark.timeout(120)
+
+NUMELS = [0, 1, 2, 5, 7, 12]
+
+
+def _full(i: int, n: int, rank: int) -> torch.Tensor:
+    """Param i's value (rank -1) or rank's grad of it: distinct per param and rank."""
+    return torch.arange(n, dtype=torch.float32) * (i + 1) + 1000 * (rank + 1) + 0.25
+
+
+def _worker(rank: int, world: int) -> dict:
+    shards = [layout.shard_of(_full(i, n, -1), rank, world) for i, n in enumerate(NUMELS)]
+    fulls_a = [torch.full((n,), float("nan")) for n in NUMELS]
+    fulls_b = [torch.full((n,), float("nan")) for n in NUMELS]
+    grads = [_full(i, n, rank) for i, n in enumerate(NUMELS)]
+    before = [g.clone() for g in grads]
+    scratch = torch.full((p2p.scratch_numel(NUMELS, rank, world),), float("nan"))
+    a = p2p.all_gather(fulls_a, shards, rank, world, group=None, tag=1)
+    rs, result = p2p.reduce_scatter(grads, scratch, rank, world, group=None, tag=2)
+    b = p2p.all_gather(fulls_b, shards, rank, world, group=None, tag=3)
+    for w in (b, rs, a):  # waited out of issue order
+        w.wait()
+    return {"gathered": fulls_a, "gathered_again": fulls_b, "reduced": result(), "grads": grads,
+            "before": before}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_p2p_gather_and_reduce_scatter_match_the_layout(world):
+    out = run(_worker, world_size=world, timeout=90)
+    for rank, res in enumerate(out):
+        for i, n in enumerate(NUMELS):
+            want = _full(i, n, -1)
+            assert torch.equal(res["gathered"][i], want), (rank, n)
+            assert torch.equal(res["gathered_again"][i], want), (rank, n)
+            total = sum(_full(i, n, r) for r in range(world))
+            part = layout.rank_slice(total, rank, world)
+            assert res["reduced"][i].shape == part.shape, (rank, n)
+            torch.testing.assert_close(res["reduced"][i], part, rtol=0, atol=0)
+            lo, hi = p2p.span(n, rank, world)  # only the own partition was written
+            outside = torch.ones(n, dtype=torch.bool)
+            outside[lo:hi] = False
+            assert torch.equal(res["grads"][i][outside], res["before"][i][outside]), (rank, n)
+
+
+def test_span_and_scratch_numel():
+    assert [p2p.span(7, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 7)]
+    assert [p2p.span(1, r, 3) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
+    assert [p2p.span(0, r, 2) for r in range(2)] == [(0, 0), (0, 0)]
+    assert p2p.scratch_numel([7, 1, 0], 0, 3) == 2 * (3 + 1)
+    assert p2p.scratch_numel([7, 1, 0], 2, 3) == 2 * 1
