@@ -19,18 +19,19 @@ pytestmark = pytest.mark.timeout(120)
 NUMELS = [0, 1, 2, 5, 7, 12]
 
 
-def _full(i: int, n: int, rank: int) -> torch.Tensor:
-    """Param i's value (rank -1) or rank's grad of it: distinct per param and rank."""
-    return torch.arange(n, dtype=torch.float32) * (i + 1) + 1000 * (rank + 1) + 0.25
+def _full(i: int, n: int, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Param i's value (rank -1) or rank's grad of it: distinct per param and rank, small
+    integers, so bf16 holds them and their sums exactly."""
+    return (torch.arange(n) + 10 * i + rank + 2).to(dtype)
 
 
-def _worker(rank: int, world: int) -> dict:
-    shards = [layout.shard_of(_full(i, n, -1), rank, world) for i, n in enumerate(NUMELS)]
-    fulls_a = [torch.full((n,), float("nan")) for n in NUMELS]
-    fulls_b = [torch.full((n,), float("nan")) for n in NUMELS]
-    grads = [_full(i, n, rank) for i, n in enumerate(NUMELS)]
+def _worker(rank: int, world: int, dtype: torch.dtype) -> dict:
+    shards = [layout.shard_of(_full(i, n, -1, dtype), rank, world) for i, n in enumerate(NUMELS)]
+    fulls_a = [torch.full((n,), float("nan"), dtype=dtype) for n in NUMELS]
+    fulls_b = [torch.full((n,), float("nan"), dtype=dtype) for n in NUMELS]
+    grads = [_full(i, n, rank, dtype) for i, n in enumerate(NUMELS)]
     before = [g.clone() for g in grads]
-    scratch = torch.full((p2p.scratch_numel(NUMELS, rank, world),), float("nan"))
+    scratch = torch.full((p2p.scratch_numel(NUMELS, rank, world),), float("nan"), dtype=dtype)
     a = p2p.all_gather(fulls_a, shards, rank, world, group=None, tag=1)
     rs, result = p2p.reduce_scatter(grads, scratch, rank, world, group=None, tag=2)
     b = p2p.all_gather(fulls_b, shards, rank, world, group=None, tag=3)
@@ -40,15 +41,15 @@ def _worker(rank: int, world: int) -> dict:
             "before": before}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_p2p_gather_and_reduce_scatter_match_the_layout(world):
-    out = run(_worker, world_size=world, timeout=90)
+@pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
+def test_p2p_gather_and_reduce_scatter_match_the_layout(world, dtype):
+    out = run(_worker, world_size=world, args=(dtype,), timeout=90)
     for rank, res in enumerate(out):
         for i, n in enumerate(NUMELS):
-            want = _full(i, n, -1)
+            want = _full(i, n, -1, dtype)
             assert torch.equal(res["gathered"][i], want), (rank, n)
             assert torch.equal(res["gathered_again"][i], want), (rank, n)
-            total = sum(_full(i, n, r) for r in range(world))
+            total = sum(_full(i, n, r, dtype) for r in range(world))
             part = layout.rank_slice(total, rank, world)
             assert res["reduced"][i].shape == part.shape, (rank, n)
             torch.testing.assert_close(res["reduced"][i], part, rtol=0, atol=0)
@@ -64,3 +65,29 @@ def test_span_and_scratch_numel():
     assert [p2p.span(0, r, 2) for r in range(2)] == [(0, 0), (0, 0)]
     assert p2p.scratch_numel([7, 1, 0], 0, 3) == 2 * (3 + 1)
     assert p2p.scratch_numel([7, 1, 0], 2, 3) == 2 * 1
+
+
+def _subgroup_worker(rank: int, world: int) -> dict | None:
+    import torch.distributed as dist
+    group = dist.new_group([0, 2])  # every rank creates it; ranks 0 and 2 are its ranks 0 and 1
+    if rank == 1:
+        return None
+    me = dist.get_rank(group)
+    shards = [layout.shard_of(_full(i, n, -1), me, 2) for i, n in enumerate(NUMELS)]
+    fulls = [torch.full((n,), float("nan")) for n in NUMELS]
+    grads = [_full(i, n, me) for i, n in enumerate(NUMELS)]
+    scratch = torch.empty(p2p.scratch_numel(NUMELS, me, 2))
+    p2p.all_gather(fulls, shards, me, 2, group=group, tag=1).wait()
+    work, result = p2p.reduce_scatter(grads, scratch, me, 2, group=group, tag=2)
+    work.wait()
+    return {"me": me, "gathered": fulls, "reduced": result()}
+
+
+def test_p2p_in_a_subgroup_uses_group_ranks():
+    out = run(_subgroup_worker, world_size=3, timeout=90)
+    assert out[1] is None
+    for res in (out[0], out[2]):
+        for i, n in enumerate(NUMELS):
+            assert torch.equal(res["gathered"][i], _full(i, n, -1)), n
+            total = _full(i, n, 0) + _full(i, n, 1)
+            assert torch.equal(res["reduced"][i], layout.rank_slice(total, res["me"], 2)), n

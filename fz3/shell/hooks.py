@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import optree
 import torch
+from torch._functorch.utils import unwrap_dead_wrappers
 
 
 class PreBackward(torch.autograd.Function):
@@ -38,6 +39,16 @@ class PreBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.on_backward()
         return (None, *grads)
+
+    @classmethod
+    def apply(cls, *args):
+        """torch's Function.apply without its per-call inspect.signature(forward).bind(...):
+        forward takes positionals only and has no defaults, so the binding changes nothing, and
+        it was about 9 ms of a small-model step (63 calls; bench/RESULTS.md). Under a functorch
+        transform torch's own apply runs, which routes through setup_context."""
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
 
 
 class PostBackward(PreBackward):
