@@ -2,8 +2,8 @@
 gloo ranks, against the layout's definition of shards and partitions (fz3.data.layout).
 
 Sizes cover the padding cases: numel 0, numel < W (a rank holds padding only), numel not a
-multiple of W, and an even split. Two operations are in flight at once, so messages under
-different tags must not mix.
+multiple of W, an even split, and one large param (megabytes per message). Two operations are
+in flight at once, so messages under different tags must not mix.
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from fz3.launch import run
 
 pytestmark = pytest.mark.timeout(120)
 
-NUMELS = [0, 1, 2, 5, 7, 12]
+NUMELS = [0, 1, 2, 600_001, 5, 7, 12]
 
 
 def _full(i: int, n: int, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Param i's value (rank -1) or rank's grad of it: distinct per param and rank, small
     integers, so bf16 holds them and their sums exactly."""
-    return (torch.arange(n) + 10 * i + rank + 2).to(dtype)
+    return (torch.arange(n) % 20 + 10 * i + rank + 2).to(dtype)
 
 
 def _worker(rank: int, world: int, dtype: torch.dtype) -> dict:
