@@ -47,7 +47,7 @@ BF16_PARAM = dict(rtol=2e-2, atol=6e-3)
 STATS_KEYS = {"all_gather", "all_gather_on_demand", "all_gather_prefetch", "all_gather_via_all_reduce",
               "all_gather_via_native", "all_gather_via_p2p", "gathered_bytes", "reduce",
               "reduce_all_reduce", "reduce_p2p", "reduce_reduce_scatter", "reduced_bytes",
-              "live_numel", "peak_live_numel", "trace",
+              "live_numel", "peak_live_numel", "reduce_buffer_bytes", "trace",
               "trace_invalidations", "micro_step", "optimizer_steps", "param_shards",
               "grad_partitions"}
 
@@ -130,6 +130,9 @@ def check_model(model: str, world_size: int) -> None:
         used = {k: r.stats[k] for k in rs_by.values() if r.stats[k]}
         assert used == ({want: r.stats["reduce"]} if r.stats["reduce"] else {}), (where, used)
         used = {k: r.stats[k] for k in r.stats if k.startswith("all_gather_via_") and r.stats[k]}
+        # a p2p reduce-scatter sends straight from the grads: no IPG bucket buffer is allocated
+        if cfg.reduce_scatter and cfg.gloo_reduce_scatter == "p2p":
+            assert r.stats["reduce_buffer_bytes"] == 0, (where, r.stats["reduce_buffer_bytes"])
         n = r.stats["all_gather"]
         assert used == ({f"all_gather_via_{cfg.gloo_all_gather}": n} if n else {}), (where, used)
         if cfg.max_live_parameters < 10**6:

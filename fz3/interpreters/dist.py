@@ -6,7 +6,8 @@
     Wait(h)           wait that work, copy the output out into the params' full values (p2p:
                       the peers' shards were received in place)
     Free              params back to empty .data
-    CopyToBucket      param.grad -> slice of a flat IPG bucket buffer; param.grad = None
+    CopyToBucket      param.grad -> slice of a flat IPG bucket buffer; param.grad = None (a p2p
+                      reduce-scatter holds the grad itself instead: its sends read it in place)
     ReduceBucket      SUM all_reduce of the flat bucket, or one reduce_scatter_tensor of the
                       padded rank-interleaved grads; async with overlap_comm. On gloo the
                       reduce_scatter path runs by Config.gloo_reduce_scatter: point-to-point
@@ -22,11 +23,13 @@ reduce; they run when it completes: at WaitReduce, or earlier when its buffer is
 On an accelerator the collectives run on side streams and the compute stream waits on them at
 Wait / WaitReduce; on CPU (gloo) the async Work objects are the only concurrency.
 
-Every flat buffer (gather input and output, the params' full values, reduce-scatter input and
-output) comes from a `BufferPool` (fz3/data/pool.py): the same sizes come back every step.
+Every other flat buffer (gathers, the params' full values, reduce-scatter input, output and
+scratch) comes from a `BufferPool` (fz3/data/pool.py): the same sizes come back every step.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 from collections import Counter, deque
 from typing import Iterable, Optional
 
@@ -66,7 +69,9 @@ class DistInterpreter:
         gloo = device.backend == "gloo"
         self.gather_by = config.gloo_all_gather if gloo else "native"
         self.reduce_scatter_by = config.gloo_reduce_scatter if gloo else "native"
-        self.tag = 0  # p2p message tag: the same sequence on every rank (SPMD)
+        self.tags = itertools.count(1)  # p2p message tags: the same sequence on every rank (SPMD)
+        self.hold_grads = self.reduce_scatter_by == "p2p" and config.reduce_scatter
+        self.held: dict[BucketId, dict[int, torch.Tensor]] = {}  # bucket -> offset -> grad
         self.gather_stream = device.new_stream() if self.async_op else None
         self.reduce_stream = device.new_stream() if self.async_op else None
         self.gathers: dict[Handle, tuple] = {}
@@ -132,7 +137,7 @@ class DistInterpreter:
             fulls = torch.split(flat, numels)
             with self._on(self.gather_stream):
                 work = self._p2p(p2p.all_gather(fulls, shards, self.rank, W, group=self.group,
-                                                tag=self._tag()))
+                                                tag=next(self.tags)))
             self.gathers[h] = (work, ps, lambda: fulls)
             return
         out = self.buffers_pool.take(S * W, shards[0].dtype)
@@ -172,10 +177,12 @@ class DistInterpreter:
 
     def _copy_to_bucket(self, e: CopyToBucket) -> None:
         param = self.store.params[e.param]
-        buf = self.buffers.get(e.bucket)
-        if buf is None:
-            buf = self.buffers[e.bucket] = self._acquire(e.dtype)
-        buf[e.offset:e.offset + e.numel].copy_(param.grad.reshape(-1))
+        if self.hold_grads:  # the bucket would only stage what p2p sends straight from the grad
+            self.held.setdefault(e.bucket, {})[e.offset] = param.grad.reshape(-1)
+        else:
+            if e.bucket not in self.buffers:
+                self.buffers[e.bucket] = self._acquire(e.dtype)
+            self.buffers[e.bucket][e.offset:e.offset + e.numel].copy_(param.grad.reshape(-1))
         param.grad = None
 
     def _acquire(self, dtype: str) -> torch.Tensor:
@@ -188,7 +195,9 @@ class DistInterpreter:
 
     def _reduce(self, e: ReduceBucket) -> None:
         W, r = self.world_size, self.rank
-        if e.contiguous:
+        if e.contiguous and e.bucket in self.held:
+            grads = [self.held[e.bucket][s.offset] for s in e.slots]
+        elif e.contiguous:
             buf = self.buffers[e.bucket]
             grads = [buf[s.offset:s.offset + s.numel] for s in e.slots]
         else:
@@ -212,10 +221,10 @@ class DistInterpreter:
             S = sum(self.spec.params[p].shard_numel for p in params)
             nbytes = W * S * grads[0].element_size()
             if self.reduce_scatter_by == "p2p":
-                keep = self.buffers_pool.take(p2p.scratch_numel([g.numel() for g in grads], r, W),
-                                              grads[0].dtype)
+                keep = self.buffers_pool.take(p2p.scratch_numel([g.numel() for g in grads], r, W), grads[0].dtype)
                 with self._on(self.reduce_stream):
-                    work, reduced = p2p.reduce_scatter(grads, keep, r, W, group=self.group, tag=self._tag())
+                    work, reduced = p2p.reduce_scatter(grads, keep, r, W, group=self.group,
+                                                       tag=next(self.tags))
                 work = self._p2p(work)
                 finish = lambda: dict(zip(params, reduced()))
                 self.counts["reduce_p2p"] += 1
@@ -239,16 +248,16 @@ class DistInterpreter:
         else:
             self.reduces.append((e.bucket, pending))
 
-    def _tag(self) -> int:
-        self.tag += 1
-        return self.tag
+    def bucket_bytes(self) -> int:
+        """Bytes of the IPG bucket buffers allocated (0 while the p2p reduce holds the grads)."""
+        bufs = [b for bs in self.pool.values() for b in bs] + list(self.buffers.values())
+        return sum(b.numel() * b.element_size() for b in bufs)
 
     def _p2p(self, work: p2p.P2PWork) -> Optional[p2p.P2PWork]:
         """Point-to-point work is always async; without overlap_comm it is waited here."""
-        if self.async_op:
-            return work
-        work.wait()
-        return None
+        if not self.async_op:
+            work = work.wait() and None
+        return work
 
     def _pending(self, bucket: BucketId) -> Optional[_Reduce]:
         for b, pending in self.reduces:
@@ -274,6 +283,7 @@ class DistInterpreter:
 
     def _drop(self, bucket: BucketId, ps: tuple[int, ...], contiguous: bool) -> None:
         self.reduced.pop(bucket, None)
+        self.held.pop(bucket, None)
         buf = self.buffers.pop(bucket, None)
         if buf is not None:
             self.pool.setdefault(str(buf.dtype).removeprefix("torch."), []).append(buf)
@@ -284,17 +294,7 @@ class DistInterpreter:
     def _on(self, stream):
         """Issue on a side stream that first waits for what compute queued (e.g. shard writes)."""
         if stream is None:
-            return _NULL
+            return contextlib.nullcontext()
         self.device.wait_stream(stream, self.device.current_stream())
         return self.device.stream(stream)
 
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL = _Null()

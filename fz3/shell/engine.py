@@ -248,6 +248,7 @@ class Engine:
         out.update(live_numel=st.live_numel, peak_live_numel=st.peak_live_numel,
                    trace=TraceMode(st.trace.mode).name, trace_invalidations=st.trace.invalidations,
                    micro_step=self.grads_state.micro_step, optimizer_steps=self.optimizer_steps,
+                   reduce_buffer_bytes=self.interp.bucket_bytes(),
                    **self.store.shard_bytes())
         return out
 
