@@ -1,0 +1,61 @@
+"""[Note: inert modules] (fz3/shell/engine.py): a module whose own params are all persistent, or
+that has none, gets no autograd nodes; the others (and the root) get theirs. One gloo rank."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fz3.launch import run
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16))  # a container: no params
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def _worker(rank: int, world: int) -> dict:
+    import fz3
+
+    torch.manual_seed(0)
+    net = Net()
+    engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                            fz3.Config(param_persistence_threshold=20))  # LayerNorm(8): persistent
+    x = torch.randn(3, 8, requires_grad=True)
+    counts = []
+    for _ in range(2):
+        loss = engine(x).square().sum()
+        counts.append(_fz3_nodes(loss.grad_fn))
+        engine.backward(loss)
+        engine.step()
+    return {"counts": counts, "stats": engine.stats()}
+
+
+def _fz3_nodes(root) -> dict[str, int]:
+    """PreBackward / PostBackward nodes in the autograd graph below `root`."""
+    counts, seen, todo = {"PreBackwardBackward": 0, "PostBackwardBackward": 0}, set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        if name in counts:
+            counts[name] += 1
+        todo += [nxt for nxt, _ in node.next_functions]
+    return counts
+
+
+def test_inert_modules_get_no_autograd_nodes():
+    """root, block.1 and head each wrap their inputs and outputs once; block (a container) and
+    block.0 (LayerNorm(8), persistent under threshold 20) wrap nothing."""
+    out = run(_worker, world_size=1, timeout=90)[0]
+    assert out["counts"] == [{"PreBackwardBackward": 3, "PostBackwardBackward": 3}] * 2, out["counts"]
+    assert out["stats"]["optimizer_steps"] == 2
