@@ -27,7 +27,7 @@ WARMUP = 3
 
 def worker(rank: int, world: int, model: str, variants: dict, steps: int) -> dict:
     import fz3
-    from systems.common import batches, loss_fn, make_model, make_optimizer
+    from systems.common import batches, fz3_step, make_model, make_optimizer
 
     engines = {}
     for name, cfg in variants.items():
@@ -39,10 +39,7 @@ def worker(rank: int, world: int, model: str, variants: dict, steps: int) -> dic
         for name, engine in (order if i % 2 else order[::-1]):
             dist.barrier()
             t0 = time.perf_counter()
-            loss = loss_fn(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            loss.item()
+            fz3_step(engine, x, y).item()
             times[name].append(time.perf_counter() - t0)
     return {k: v[WARMUP:] for k, v in times.items()}
 

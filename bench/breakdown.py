@@ -134,17 +134,13 @@ def _timed_work(collective, timed_wait):
 
 
 def _plain_floor(model_name: str, data, warmup: int) -> list[float]:
-    from systems.common import loss_fn, make_model, make_optimizer
+    from systems.common import make_model, make_optimizer, plain_step
     model = make_model(model_name)
     opt = make_optimizer(model.parameters())
     times = []
     for x, y in data:
         t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        loss.item()
+        plain_step(model, opt, x, y).item()
         times.append(time.perf_counter() - t0)
     return times[warmup:]
 
@@ -152,7 +148,7 @@ def _plain_floor(model_name: str, data, warmup: int) -> list[float]:
 def worker(rank: int, world: int, model_name: str, config: dict, warmup: int, steps: int,
            profile_steps: int = 3) -> dict:
     import fz3
-    from systems.common import batches, loss_fn, make_model, make_optimizer
+    from systems.common import batches, fz3_step, make_model, make_optimizer
 
     data = batches(model_name, rank, world, warmup + steps + profile_steps)
     floor = _plain_floor(model_name, data[:warmup + steps], warmup)
@@ -168,10 +164,7 @@ def worker(rank: int, world: int, model_name: str, config: dict, warmup: int, st
             timers.reset()
             timers.enabled = True
         t0 = time.perf_counter()
-        loss = loss_fn(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        loss.item()
+        fz3_step(engine, x, y).item()
         step_times.append(time.perf_counter() - t0)
     timers.enabled = False
     measured = step_times[warmup:]
@@ -182,10 +175,7 @@ def worker(rank: int, world: int, model_name: str, config: dict, warmup: int, st
     prof = cProfile.Profile()
     prof.enable()
     for x, y in data[warmup + steps:]:
-        loss = loss_fn(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        loss.item()
+        fz3_step(engine, x, y).item()
     prof.disable()
     buf = io.StringIO()
     st = pstats.Stats(prof, stream=buf)

@@ -27,8 +27,8 @@ def worker(rank: int, world: int, model: str, steps: int) -> dict:
     import torch
 
     import fz3
-    from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
-    from systems.common import batches, make_model, make_optimizer
+    from fz3.testing.gpt import GPT, GPTConfig, markov_batch
+    from systems.common import batches, fz3_step, make_model, make_optimizer, plain_step
 
     if model == "toy":
         cfg = GPTConfig(vocab=64, d_model=16, n_head=4, n_layer=4, seq=8)
@@ -45,16 +45,9 @@ def worker(rank: int, world: int, model: str, steps: int) -> dict:
     cpu: dict[str, list[float]] = {"plain": [], "fz3": []}
     for x, y in data:
         c0 = time.process_time()
-        plain_opt.zero_grad()
-        loss = loss_fn(plain(x), y)
-        loss.backward()
-        plain_opt.step()
-        loss.item()
+        plain_step(plain, plain_opt, x, y).item()
         c1 = time.process_time()
-        loss = loss_fn(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        loss.item()
+        fz3_step(engine, x, y).item()
         cpu["plain"].append(c1 - c0)
         cpu["fz3"].append(time.process_time() - c1)
     return {k: sorted(v[3:])[len(v[3:]) // 2] * 1e3 for k, v in cpu.items()}

@@ -38,6 +38,24 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
+def plain_step(model, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One step of a model without any data-parallel wrapper: zero_grad, forward, backward,
+    optimizer step. -> the loss."""
+    optimizer.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def fz3_step(engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One fz3 step: forward, engine.backward, engine.step. -> the loss."""
+    loss = loss_fn(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    return loss
+
+
 def batches(name: str, rank: int, world: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's slice of the global batch of each step (the whole batch when world == 1)."""
     cfg, global_batch = MODELS[name]
