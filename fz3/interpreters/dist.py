@@ -256,8 +256,8 @@ class DistInterpreter:
     def _p2p(self, work: p2p.P2PWork) -> Optional[p2p.P2PWork]:
         """Point-to-point work is always async; without overlap_comm it is waited here."""
         if not self.async_op:
-            work = work.wait() and None
-        return work
+            work.wait()
+        return work if self.async_op else None
 
     def _pending(self, bucket: BucketId) -> Optional[_Reduce]:
         for b, pending in self.reduces:

@@ -2,7 +2,7 @@
 
     all_gather      each param's shard -> every peer, received straight into the peers' ranges
                     of the param's full value (no packed buffer, no unpack copy)
-    reduce_scatter  partition j of each grad -> rank j, straight from the bucket; at the end the
+    reduce_scatter  partition j of each grad -> rank j, straight from the grad; at the end the
                     received partitions are added, peer after peer in rank order, into this
                     rank's own partition in place (no packed buffer, no output buffer)
 

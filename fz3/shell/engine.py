@@ -65,8 +65,13 @@ class Engine:
         self.leaf_params = {p for m in self.spec.modules if m.is_leaf for p in m.params}
         self.stack: list[int] = []
         self.leaves_pending: set[int] = set()  # leaf modules run in forward, not yet reduced
+        # [Note: inert modules] A module whose own params are all persistent (or that has none: a
+        # container) never gathers nor frees, and its externals are pinned to the step's end: its
+        # backward would do nothing, so its calls get no autograd nodes (its forward still goes
+        # through the core: trace, prefetch). 18 of the small benchmark GPT's 33 calls; ~2.7 ms
+        # a step (bench/no_comm_overhead.py, toy). The root and leaf modules always get theirs.
         self.inert = [m > 0 and not ms.is_leaf and all(self.spec.params[p].persistent for p in ms.params)
-                      for m, ms in enumerate(self.spec.modules)]  # see [Note: inert modules]
+                      for m, ms in enumerate(self.spec.modules)]
         self.grad_params = [tuple(p for p in ms.params if self.tables.params[p].requires_grad)
                             if not (ms.is_leaf or self.inert[m]) else ()
                             for m, ms in enumerate(self.spec.modules)]
@@ -116,11 +121,9 @@ class Engine:
             self._params(reset_step(self.params_state, config=self.config))
             if self.store.dtype != torch.float32:
                 args, kwargs = _cast_floating((args, kwargs), self.store.dtype)
-        if self.inert[m]:  # [Note: inert modules] No backward events: nothing to fetch or free.
-            wrapped = False  # A module whose own params are all persistent (or none: a container)
-        else:  # never gathers nor frees; its externals are pinned to the step's end anyway. Its
-            # forward still runs through the core (trace, prefetch), not its backward: 18 of the
-            # small benchmark GPT's 33 calls, -2.7 ms/step (bench/no_comm_overhead.py, toy).
+        if self.inert[m]:
+            wrapped = False
+        else:
             (args, kwargs), wrapped = wrap_tensors((args, kwargs), PostBackward, lambda: self._post_backward(m))
         if not wrapped and torch.is_grad_enabled() and self.grad_params[m]:
             wrapped = True  # released once its own grads are in: see _grads_in
