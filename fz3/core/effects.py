@@ -3,9 +3,9 @@
 
 Pure data: printable, comparable, hashable. Each is a NamedTuple (built by one tuple
 construction: a frozen dataclass costs twice as much, and the core makes several per module
-visit) made type-aware by `@record`: effects of different types never compare equal.
-Every rank computes the same effects in the same
-order (I6), so the collectives they describe line up across ranks.
+visit) made type-aware by `@record`: effects of different types never compare equal. Every
+rank computes the same effects in the same order (I6), so the collectives they describe line up
+across ranks.
 """
 from __future__ import annotations
 

@@ -43,7 +43,6 @@ def unpack_gather(gathered: torch.Tensor, numels: Sequence[int], world_size: int
     return [c.reshape(-1)[:n] for c, n in zip(cols, numels)]
 
 
-
 def unpack_gather_into(gathered: torch.Tensor, numels: Sequence[int], world_size: int,
                        out: torch.Tensor) -> list[torch.Tensor]:
     """`unpack_gather` written into a given (sum n_i,) buffer, param after param: one strided
@@ -61,6 +60,7 @@ def unpack_gather_into(gathered: torch.Tensor, numels: Sequence[int], world_size
         fulls.append(dst)
         col, off = col + s, off + n
     return fulls
+
 
 def pack_bucket(grads: Tensors) -> torch.Tensor:
     """The contiguous IPG bucket: grads flattened back to back -> (N,)."""

@@ -95,8 +95,8 @@ def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, rank: i
     def result() -> list[torch.Tensor]:
         for k, o in enumerate(own * len(peers)):  # peer after peer, in rank order
             o.add_(got[k])
-        return [F.pad(o, (0, shard_numel(g.numel(), world_size) - o.numel())) if
-                o.numel() < shard_numel(g.numel(), world_size) else o for o, g in zip(own, grads)]
+        pads = [shard_numel(g.numel(), world_size) - o.numel() for o, g in zip(own, grads)]
+        return [F.pad(o, (0, pad)) if pad else o for o, pad in zip(own, pads)]  # pad: a copy
     return P2PWork(works), result
 
 
