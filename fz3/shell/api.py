@@ -6,15 +6,17 @@ import torch.distributed as dist
 from torch import nn
 
 from fz3.core.config import Config
-from fz3.shell import consolidate
+from fz3.shell import registry
 from fz3.shell.pick import pick_device
 from fz3.shell.engine import Engine
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None,
-               *, group=None) -> Engine:
+               lr_scheduler=None, *, group=None) -> Engine:
     """Shard `model` over the default process group and rebind `optimizer` (built on
     model.parameters()) to this rank's fp32 master shards. Every rank must call it.
+    `lr_scheduler` (built on `optimizer`) is stepped by `engine.step()` at each accumulation
+    boundary, after the optimizer.
     DeepSpeed: deepspeed.initialize(model=..., optimizer=..., config=...) at stage 3."""
     if config is None:
         config = Config()
@@ -26,9 +28,15 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     if not dist.is_initialized():
         raise RuntimeError("fz3.initialize needs torch.distributed initialised (fz3.launch.run or "
                            "torchrun + fz3.launch.init_from_env)")
+    taken = registry.managed(model.parameters())
+    if taken is not None:
+        name = next(n for n, p in model.named_parameters() if p is taken)
+        raise RuntimeError(f"fz3.initialize: {type(model).__name__} already has an fz3 engine (its "
+                           f"param {name!r} is sharded by it); keep using that engine, or build a "
+                           "fresh model for a new one")
     device = pick_device()
     device.set_device()
     model.to(device.torch_device)
-    engine = Engine(model, optimizer, config, device=device, group=group)
-    consolidate.register(engine)
+    engine = Engine(model, optimizer, config, device=device, group=group, lr_scheduler=lr_scheduler)
+    registry.register(engine)
     return engine

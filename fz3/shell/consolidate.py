@@ -10,7 +10,6 @@ DeepSpeed: _zero3_consolidated_16bit_state_dict, zero.GatheredParameters.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Iterable, Iterator, Optional, Union
 
 import torch
@@ -19,28 +18,7 @@ from torch import nn
 
 from fz3.core.hold import hold, unhold
 from fz3.interpreters.dist import ALL_GATHER
-
-# [Note: no WeakKeyDictionary of tensors] A WeakKeyDictionary compares its keys with ==, and a
-# Tensor's == is elementwise: looking up a Parameter raised "Boolean value of Tensor with no
-# values is ambiguous" (a sharded param's .data is empty). So: keyed by id(param), each entry
-# holding a weak reference to the param (checked with `is`, and whose callback drops the entry
-# when the param dies, before its id can be reused) and one to the engine.
-_ENGINES: dict[int, tuple["weakref.ref[nn.Parameter]", "weakref.ref[object]"]] = {}
-
-
-def register(engine) -> None:
-    eng = weakref.ref(engine)
-    for p in engine.tables.params:
-        key = id(p)
-        _ENGINES[key] = (weakref.ref(p, lambda _, key=key: _ENGINES.pop(key, None)), eng)
-
-
-def engine_of(param: nn.Parameter):
-    """The live engine that manages `param`, or None."""
-    entry = _ENGINES.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
+from fz3.shell.registry import engine_of
 
 
 def _gather_master(engine, p: int) -> torch.Tensor:

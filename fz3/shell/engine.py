@@ -47,8 +47,9 @@ class Engine:
     """What `fz3.initialize` returns. Call it like the model."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, *,
-                 device, group=None) -> None:
+                 device, group=None, lr_scheduler=None) -> None:
         self.module, self.optimizer, self.config, self.device = model, optimizer, config, device
+        self.lr_scheduler = lr_scheduler
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         _sync_from_rank0(model, group)

@@ -6,9 +6,10 @@
              descent stops at leaf modules, whose unit is every param of their subtree
              (DeepSpeed: _register_deepspeed_module, z3_leaf_module) -> ModuleId
 
-Leaf modules are marked with `set_leaf_modules(model, [Class, ...])` before `initialize`, as
-DeepSpeed's `set_z3_leaf_modules`: a mixture-of-experts block whose experts are chosen by the
-data is one fetch unit and one reduction trigger, so every rank runs the same collectives.
+Leaf modules are marked with `set_leaf_modules(model_or_submodule, [Class, ...])` before
+`initialize` (the module objects themselves are marked), as DeepSpeed's `set_z3_leaf_modules`:
+a mixture-of-experts block whose experts are chosen by the data is one fetch unit and one
+reduction trigger, so every rank runs the same collectives.
 """
 from __future__ import annotations
 
@@ -20,29 +21,45 @@ from torch import nn
 
 from fz3.core.config import Config
 from fz3.core.spec import ModelSpec, build_spec
+from fz3.shell import registry
 
-_LEAF_CLASSES: "weakref.WeakKeyDictionary[nn.Module, tuple[type, ...]]" = weakref.WeakKeyDictionary()
+_LEAF_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def set_leaf_modules(model: nn.Module, classes: Iterable[type]) -> list[nn.Module]:
-    """Mark every submodule of `model` that is an instance of one of `classes` as a leaf
-    (one fetch unit for its whole subtree). Call before `fz3.initialize`. Returns the modules
-    marked; raises if none matched (a typo in a class list is otherwise silent).
-    DeepSpeed: deepspeed.utils.set_z3_leaf_modules(model, leaf_module_classes)."""
+    """Mark every module in `model`'s tree (itself included) that is an instance of one of
+    `classes` as a leaf: one fetch unit for its whole subtree. `model` may be the root or any
+    submodule of what is later passed to `fz3.initialize`; call it before that. Returns the
+    modules marked. Raises, naming the classes, if none matched (a typo in a class list would
+    otherwise be silent) or if an fz3 engine already manages `model` (the fetch units are fixed
+    at initialize). DeepSpeed: deepspeed.utils.set_z3_leaf_modules(model, leaf_module_classes),
+    which also marks the modules themselves (`_z3_leaf`)."""
     classes = tuple(classes)
     for c in classes:
         if not isinstance(c, type) or not issubclass(c, nn.Module):
             raise TypeError(f"set_leaf_modules expects nn.Module subclasses, got {c!r}")
+    taken = registry.managed(model.parameters())
+    if taken is not None:
+        raise RuntimeError(f"set_leaf_modules({type(model).__name__}, ...) after fz3.initialize: an "
+                           "engine already manages this model and its fetch units are fixed; call "
+                           "set_leaf_modules before fz3.initialize")
     found = [m for m in model.modules() if isinstance(m, classes)]
     if not found:
-        raise ValueError(f"set_leaf_modules: no submodule of {type(model).__name__} is an "
-                         f"instance of {[c.__name__ for c in classes]}")
-    _LEAF_CLASSES[model] = _LEAF_CLASSES.get(model, ()) + classes
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(f"set_leaf_modules: no module of {type(model).__name__} is an instance of "
+                         f"{[c.__name__ for c in classes]}; its module classes are {present}")
+    mark_leaves(found)
     return found
 
 
-def leaf_classes(model: nn.Module) -> tuple[type, ...]:
-    return _LEAF_CLASSES.get(model, ())
+def mark_leaves(modules: Iterable[nn.Module]) -> None:
+    """Make each of `modules` a leaf (what set_leaf_modules and the leaf_module config do)."""
+    for m in modules:
+        _LEAF_MODULES.add(m)
+
+
+def marked_leaf(module: nn.Module) -> bool:
+    return module in _LEAF_MODULES
 
 
 @dataclass
@@ -61,7 +78,6 @@ def read_tables(model: nn.Module, *, world_size: int, config: Config) -> Tables:
         index[p] = len(params)
         params.append(p)
         names.append(name)
-    leaves = leaf_classes(model)
     modules: list[nn.Module] = []
     module_names: list[str] = []
     units: list[tuple[str, list[int], bool]] = []
@@ -71,12 +87,12 @@ def read_tables(model: nn.Module, *, world_size: int, config: Config) -> Tables:
         if id(module) in seen:
             return  # a submodule shared under two names is one unit
         seen.add(id(module))
-        is_leaf = bool(leaves) and isinstance(module, leaves) and module is not model
-        own = module.parameters() if is_leaf else module.parameters(recurse=False)
+        leaf = module is not model and marked_leaf(module)
+        own = module.parameters() if leaf else module.parameters(recurse=False)
         modules.append(module)
         module_names.append(name)
-        units.append((name, sorted({index[p] for p in own}), is_leaf))
-        if not is_leaf:
+        units.append((name, sorted({index[p] for p in own}), leaf))
+        if not leaf:
             for child_name, child in module.named_children():
                 visit(child, f"{name}.{child_name}" if name else child_name)
 
