@@ -137,3 +137,22 @@ def test_transition_editing_its_input_is_caught(monkeypatch):
 
     monkeypatch.setattr(release, "free", leaky)
     assert_caught("changed the state it was given")
+
+
+def test_one_trace_for_every_pass_kind_is_caught(monkeypatch):
+    """(f) reset_step ignores the pass kind: a no_grad evaluation pass shares the training
+    trace, so every switch between them departs from the plan (DeepSpeed #5662)."""
+    monkeypatch.setattr(step, "pass_kind", lambda grad_enabled, training: "train")
+    assert_caught("trace")
+
+
+def test_aborted_pass_recorded_as_a_plan_is_caught(monkeypatch):
+    """(g) reset_step ignores `aborted`: a forward that raised freezes its partial recording
+    into the plan (or counts as a departure)."""
+    real = step.reset
+
+    def remembers(tr, unit, numel, dist, *, kind, aborted):
+        return real(tr, unit, numel, dist, kind=kind, aborted=False)
+
+    monkeypatch.setattr(step, "reset", remembers)
+    assert_caught("trace")

@@ -131,3 +131,56 @@ def test_new_external_param_invalidates_a_complete_trace():
     assert d.st.trace.mode is TraceMode.INVALID and d.st.trace.invalidations == 1
     d(register_external, 0, (1,))  # known already: nothing changes
     assert d.st.trace.invalidations == 1
+
+
+# ---- pass kinds and aborted passes --------------------------------------------------------------
+
+def test_pass_kind_by_grad_and_train_mode():
+    from fz3.core.trace import pass_kind
+    kinds = {pass_kind(g, t) for g in (True, False) for t in (True, False)}
+    assert len(kinds) == 4 and pass_kind(True, True) == "train"
+
+
+def test_alternating_kinds_keep_both_plans():
+    """Train passes fetch forward + backward, eval passes forward only: each kind keeps its
+    own plan, so alternating them never departs (DeepSpeed #5662)."""
+    train, evaluate = [0, 1, 2, 3, 3, 2, 1], [0, 1, 2, 3]
+    tr = initial_trace()
+    for _ in range(3):
+        tr = reset(tr, UNITS.__getitem__, NUMEL.__getitem__, 10**9, kind="train")
+        tr, _ = run(tr, train)
+        tr = reset(tr, UNITS.__getitem__, NUMEL.__getitem__, 10**9, kind="eval_no_grad")
+        tr, _ = run(tr, evaluate)
+    assert tr.kind == "eval_no_grad" and tr.mode is TraceMode.COMPLETE and tr.plan.order == tuple(evaluate)
+    parked = dict(tr.parked)
+    assert parked["train"].mode is TraceMode.COMPLETE and parked["train"].plan.order == tuple(train)
+    tr = reset(tr, UNITS.__getitem__, NUMEL.__getitem__, 10**9, kind="train")
+    assert tr.mode is TraceMode.COMPLETE and tr.plan.order == tuple(train) and tr.invalidations == 0
+    assert dict(tr.parked)["eval_no_grad"].plan.order == tuple(evaluate)
+
+
+def test_invalidations_count_over_every_kind():
+    tr = complete()  # train: COMPLETE [0, 1, 2, 3]
+    tr, _ = run(tr, [0, 2])  # ended early: 1 when closed
+    tr = reset(tr, UNITS.__getitem__, NUMEL.__getitem__, 10**9, kind="eval")
+    tr, _ = run(tr, [0])
+    tr = reset(tr, UNITS.__getitem__, NUMEL.__getitem__, 10**9, kind="eval")  # eval COMPLETE [0]
+    tr, departed = run(tr, [1])
+    assert departed == [True]
+    tr = invalidated(tr)  # what fetch does on a departure: 2
+    assert tr.invalidations == 2
+    tr = reset(tr, UNITS.__getitem__, NUMEL.__getitem__, 10**9, kind="train")
+    assert tr.invalidations == 2 and tr.kind == "train"
+
+
+@pytest.mark.parametrize("mode_before", ["record", "complete"])
+def test_an_aborted_pass_is_forgotten(mode_before):
+    """A forward that raised after two fetches: RECORD stays RECORD (its partial log is not
+    frozen into a plan), COMPLETE keeps its plan; neither counts a departure."""
+    tr = new_pass(initial_trace()) if mode_before == "record" else complete()
+    tr, _ = run(tr, [0, 1])
+    tr = reset(tr, UNITS.__getitem__, NUMEL.__getitem__, 10**9, aborted=True)
+    expected = TraceMode.RECORD if mode_before == "record" else TraceMode.COMPLETE
+    assert (tr.mode, tr.invalidations, tr.step_id, len(tr.recording)) == (expected, 0, 0, 0)
+    if mode_before == "complete":
+        assert tr.plan.order == (0, 1, 2, 3)

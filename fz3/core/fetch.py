@@ -89,7 +89,8 @@ def prefetch(tx: Txn, step: int, *, forward: bool, config: Config) -> None:
             chosen[p] = t
             numel += n
         i += 1
-    tx.trace = TraceState(tr.mode, tr.step_id, tr.recording, tr.plan, i, tr.invalidations)
+    tx.trace = TraceState(tr.mode, tr.step_id, tr.recording, tr.plan, i, tr.invalidations, tr.kind,
+                          tr.parked)
     if chosen:
         pids = tuple(sorted(chosen))
         gather(tx, pids, prefetch=True, forward=forward, fetched_for=tuple(chosen[p] for p in pids))

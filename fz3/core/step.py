@@ -18,7 +18,7 @@ from fz3.core.ids import ParamId
 from fz3.core.state import (AVAILABLE, EXTERNAL, EXTERNALS, FETCHED_FOR, HANDLE, IDLE_ROW, STATUS,
                             USERS, Effects, ParamState, Txn, drain, free, gather, unit_params, wait)
 from fz3.core.pvec import Log
-from fz3.core.trace import invalidated, reset
+from fz3.core.trace import invalidated, pass_kind, reset
 
 
 def sweep(tx: Txn, *, force: bool) -> None:
@@ -62,13 +62,17 @@ def _idle_modules(tx: Txn) -> None:
             tx.put_module(m, IDLE_ROW[:EXTERNALS] + (ms[EXTERNALS],))
 
 
-def reset_step(st: ParamState, *, config: Config) -> tuple[ParamState, Effects]:
-    """Start of a forward pass (the root module's pre-forward). DeepSpeed: reset_step."""
+def reset_step(st: ParamState, *, config: Config, grad_enabled: bool = True, training: bool = True,
+               aborted: bool = False) -> tuple[ParamState, Effects]:
+    """Start of a forward pass (the root module's pre-forward): free what the last pass left,
+    close its trace and take up the trace of this pass's kind (`grad_enabled`: autograd
+    records; `training`: the root's train mode; fz3/core/trace.py, [Note: one trace per pass
+    kind]). `aborted`: the last pass raised before its end. DeepSpeed: reset_step."""
     tx = Txn(st)
     sweep(tx, force=True)
     _idle_modules(tx)
     tx.trace = reset(tx.trace, lambda m: unit_params(tx, m), lambda p: st.spec.params[p].numel,
-                     config.max_reuse_distance)
+                     config.max_reuse_distance, kind=pass_kind(grad_enabled, training), aborted=aborted)
     return tx.commit()
 
 

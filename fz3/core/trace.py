@@ -9,6 +9,18 @@ logs every fetch; the next reset freezes the log into a `TracePlan`: the module 
 queue prefetch walks, and, per step, which params are used again within `max_reuse_distance`.
 Building the plan costs O(trace) once; each fetch after that costs O(its params).
 
+[Note: one trace per pass kind] A training pass fetches every module in forward and again in
+backward; an evaluation pass under no_grad fetches them in forward only. With one trace, each
+switch between the two departs from the plan and records again, so a loop that evaluates every
+few steps never prefetches (DeepSpeed issue #5662). The trace is kept per *pass kind* (grad
+enabled or not, module.training or not, see `pass_kind`): a pass of another kind than the last
+parks the current trace (closed, as a reset would) and takes up its own kind's, so alternating
+train steps and evaluations keeps both plans COMPLETE. `invalidations` counts over all kinds.
+
+[Note: aborted passes] A forward that raised (a shape error in one block) ends mid-pass. Its
+partial log is not the model's order: `reset(..., aborted=True)` drops it (RECORD records again,
+a COMPLETE plan stays), so one exception neither freezes a wrong plan nor counts as a departure.
+
 Pure bookkeeping on TraceState only: draining gathers and freeing wrong prefetches when a trace
 is invalidated is done by `step.invalidate`, which owns the parameter state.
 """
@@ -38,11 +50,23 @@ class TraceState(NamedTuple):
     recording: Log[ModuleId]  # this pass's fetches, in order
     plan: Optional[TracePlan]  # set while COMPLETE
     cursor: int  # next queue index prefetch looks at
-    invalidations: int  # how many times a pass departed from its plan
+    invalidations: int  # how many times a pass departed from its plan (over every kind)
+    kind: str = "train"  # the pass kind this trace records (see `pass_kind`)
+    parked: tuple[tuple[str, "TraceState"], ...] = ()  # the other kinds' traces, by kind
 
 
-def initial_trace() -> TraceState:
-    return TraceState(TraceMode.INVALID, 0, Log(), None, 0, 0)
+TRAIN = "train"
+
+
+def pass_kind(grad_enabled: bool, training: bool) -> str:
+    """The kind of a pass, by what changes its module order: whether autograd records (a
+    backward follows, fetching every module again) and the root's train/eval mode (modules
+    may branch on self.training: dropout layers skipped, caches used)."""
+    return ("train" if training else "eval") + ("" if grad_enabled else "_no_grad")
+
+
+def initial_trace(kind: str = TRAIN) -> TraceState:
+    return TraceState(TraceMode.INVALID, 0, Log(), None, 0, 0, kind)
 
 
 def on_fetch(tr: TraceState, module: ModuleId) -> tuple[TraceState, bool]:
@@ -51,7 +75,7 @@ def on_fetch(tr: TraceState, module: ModuleId) -> tuple[TraceState, bool]:
     departed = tr.mode is TraceMode.COMPLETE and (
         tr.step_id >= len(tr.plan.order) or tr.plan.order[tr.step_id] != module)
     return TraceState(tr.mode, tr.step_id + 1, tr.recording.extend((module,)), tr.plan, tr.cursor,
-                      tr.invalidations), departed
+                      tr.invalidations, tr.kind, tr.parked), departed
 
 
 def invalidated(tr: TraceState) -> TraceState:
@@ -62,18 +86,38 @@ def invalidated(tr: TraceState) -> TraceState:
 
 
 def reset(tr: TraceState, unit: Callable[[ModuleId], tuple[ParamId, ...]],
-          numel: Callable[[ParamId], int], max_reuse_distance: int) -> TraceState:
-    """Start a new pass. INVALID -> RECORD; RECORD -> COMPLETE (freeze what was logged);
-    COMPLETE stays COMPLETE if the pass matched the plan, else it records again.
-    DeepSpeed: reset_step."""
+          numel: Callable[[ParamId], int], max_reuse_distance: int, *, kind: str = TRAIN,
+          aborted: bool = False) -> TraceState:
+    """Close the pass that ran and start a pass of `kind`. For the closed pass's trace:
+    INVALID -> RECORD; RECORD -> COMPLETE (freeze what was logged); COMPLETE stays COMPLETE if
+    the pass matched the plan, else it records again; an `aborted` pass is forgotten (see
+    [Note: aborted passes]). A new kind parks that trace and takes up its own
+    ([Note: one trace per pass kind]). DeepSpeed: reset_step."""
+    closed = _close(tr, unit, numel, max_reuse_distance, aborted)
+    if kind == tr.kind:
+        return closed
+    parked = dict(tr.parked)
+    parked[tr.kind] = closed._replace(parked=())
+    mine = parked.pop(kind, None) or initial_trace(kind)
+    mine = _close(mine, unit, numel, max_reuse_distance, False)  # INVALID -> RECORD; else as is
+    return mine._replace(invalidations=closed.invalidations, parked=tuple(sorted(parked.items())))
+
+
+def _close(tr: TraceState, unit: Callable[[ModuleId], tuple[ParamId, ...]],
+           numel: Callable[[ParamId], int], max_reuse_distance: int, aborted: bool) -> TraceState:
+    """The same trace, its pass closed: mode advanced, step 0, empty log. Closing a trace whose
+    pass is already closed (step 0, nothing logged) changes only INVALID to RECORD."""
     mode, plan, invalidations = tr.mode, tr.plan, tr.invalidations
+    if aborted:
+        return TraceState(TraceMode.RECORD if mode is TraceMode.INVALID else mode, 0, Log(), plan, 0,
+                          invalidations, tr.kind, tr.parked)
     if mode is TraceMode.COMPLETE and tr.step_id not in (0, len(plan.order)):
         mode, plan, invalidations = TraceMode.INVALID, None, invalidations + 1  # ended early
     if mode is TraceMode.INVALID:
         mode = TraceMode.RECORD
     elif mode is TraceMode.RECORD and len(tr.recording):
         mode, plan = TraceMode.COMPLETE, build_plan(tuple(tr.recording), unit, numel, max_reuse_distance)
-    return TraceState(mode, 0, Log(), plan, 0, invalidations)
+    return TraceState(mode, 0, Log(), plan, 0, invalidations, tr.kind, tr.parked)
 
 
 def build_plan(order: tuple[ModuleId, ...], unit: Callable[[ModuleId], tuple[ParamId, ...]],

@@ -91,6 +91,16 @@ class DistInterpreter:
         self.buffers_pool = BufferPool(store.device, limit_bytes=limit)
 
     def run(self, effects: Iterable[object]) -> None:
+        if torch.is_inference_mode_enabled():
+            # [Note: forward-only passes] Under torch.inference_mode every new tensor is an
+            # inference tensor: a pooled buffer or a persistent param's full value made there
+            # could never be written in place or saved for backward again. What the effects
+            # allocate outlives the pass, so it is made outside inference mode.
+            with torch.inference_mode(False):
+                return self._run(effects)
+        return self._run(effects)
+
+    def _run(self, effects: Iterable[object]) -> None:
         for e in effects:
             match e:
                 case AllGather(handle=h, params=ps, prefetch=pre):
@@ -271,7 +281,7 @@ class DistInterpreter:
         if self.reduce_stream is not None:
             self.device.wait_stream(self.device.current_stream(), self.reduce_stream)
         self.reduced[bucket] = pending.finish()
-        self.run(pending.deferred)
+        self._run(pending.deferred)
 
     def _write(self, bucket: BucketId, p: int, mode: str) -> None:
         part = self.store.partitions[p]

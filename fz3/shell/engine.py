@@ -15,7 +15,6 @@ handles (in the interpreter) and the forward stack.
 """
 from __future__ import annotations
 
-import optree
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,7 +29,7 @@ from fz3.core.release import release
 from fz3.core.state import GRADS_REMAINING, STATUS, initial_state
 from fz3.core.step import end_of_step, finish_backward, reset_step
 from fz3.interpreters.dist import DistInterpreter
-from fz3.shell import checks
+from fz3.shell import checks, pytree
 from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, wrap_leaves, wrap_tensors
 from fz3.shell.optim import bind_optimizer, clip_grad_norm
 from fz3.shell.store import DTYPES, TensorStore
@@ -117,9 +116,8 @@ class Engine:
 
     def _pre_forward(self, module, args, kwargs):
         m = self.module_ids[id(module)]
-        if m == 0:  # the root: a new pass (a pass that raised left its stack behind)
-            self.stack.clear()
-            self._params(reset_step(self.params_state, config=self.config))
+        if m == 0 and torch._C._current_graph_task_id() == -1:  # the root, not recomputed in backward
+            self._new_pass(module)
             if self.store.dtype != torch.float32:
                 args, kwargs = _cast_floating((args, kwargs), self.store.dtype)
         if self.inert[m]:
@@ -136,6 +134,20 @@ class Engine:
             self.leaves_pending.add(m)
         self.stack.append(m)
         return args, kwargs
+
+    def _new_pass(self, root: nn.Module) -> None:
+        """The root's pre-forward: a new pass, of the kind grad mode and train mode say. A pass
+        that raised left its stack behind: its open calls are forgotten with it."""
+        aborted = bool(self.stack)
+        if aborted:
+            self.stack.clear()
+            self.calls_awaiting_grads.clear()
+            self.grads_awaited.clear()
+            self.leaves_pending.clear()
+        if [p.requires_grad for p in self.tables.params] != self.store.trainable:
+            checks.requires_grad_unchanged(self.tables, self.store.trainable)
+        self._params(reset_step(self.params_state, config=self.config, grad_enabled=torch.is_grad_enabled(),
+                                training=root.training, aborted=aborted))
 
     def _post_forward(self, module, args, kwargs, output):
         m = self.stack.pop()
@@ -208,7 +220,8 @@ class Engine:
     def _grad_ready(self, p: int) -> None:
         grad = self.tables.params[p].grad
         dtype = str(grad.dtype).removeprefix("torch.")
-        self._grads(bucket_add(self.grads_state, p, config=self.config, dtype=dtype))
+        self._grads(bucket_add(self.grads_state, p, config=self.config, dtype=dtype,
+                               graph_task=torch._C._current_graph_task_id()))
 
     def _queue_end_of_backward(self) -> None:
         if not self.callback_queued:
@@ -285,5 +298,6 @@ def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _cast_floating(tree, dtype: torch.dtype):
-    return optree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
-                           else x, tree, none_is_leaf=True)
+    leaves, spec = flatten(tree)
+    return pytree.unflatten(spec, [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                                   else x for x in leaves])

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import optree
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
+
+from fz3.shell import pytree
 
 
 class PreBackward(torch.autograd.Function):
@@ -57,8 +58,11 @@ class PostBackward(PreBackward):
 
 
 def flatten(tree: Any) -> tuple[list, Any]:
-    """A pytree's leaves (tuple, list, dict, namedtuple; None kept as a leaf) and its structure."""
-    return optree.tree_flatten(tree, none_is_leaf=True)
+    """A structure's leaves and its spec: tuple, list, dict, namedtuple, dataclass, ModelOutput,
+    any type registered with torch.utils._pytree, nested (fz3/shell/pytree.py)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree], None  # the common case, without the walk
+    return pytree.flatten(tree)
 
 
 def wrap_tensors(tree: Any, fn: type[torch.autograd.Function], on_backward: Callable[[], None]
@@ -84,7 +88,7 @@ def wrap_leaves(tree: Any, leaves: list, treedef: Any, fn: type[torch.autograd.F
     out = fn.apply(on_backward, *distinct)
     for i in idx:
         leaves[i] = out[slot[id(leaves[i])]]
-    return optree.tree_unflatten(treedef, leaves), True
+    return pytree.unflatten(treedef, leaves), True
 
 
 class ParamDict(dict):

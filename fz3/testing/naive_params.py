@@ -47,7 +47,11 @@ class NaiveTrace:
         if self.mode is TraceMode.COMPLETE:
             self._invalidate()
 
-    def reset(self) -> None:
+    def reset(self, aborted: bool = False) -> None:
+        if aborted:  # a pass that raised is forgotten: neither recorded nor a departure
+            self.mode = TraceMode.RECORD if self.mode is TraceMode.INVALID else self.mode
+            self.this_pass = []
+            return
         if self.mode is TraceMode.COMPLETE and len(self.this_pass) not in (0, len(self.plan)):
             self._invalidate()  # the pass ended before its plan did
         if self.mode is TraceMode.INVALID:
@@ -72,7 +76,9 @@ class NaiveParams:
         self.externals: dict[int, set[int]] = {m: set() for m in range(len(self.own))}
         self.pre = [0] * len(self.own)
         self.grads = [0] * len(self.own)
-        self.trace = NaiveTrace()
+        self.trace = NaiveTrace()  # the trace of the current pass kind
+        self.kind = "train"
+        self.traces = {"train": self.trace}  # one per pass kind: grad enabled or not
         self.computed: list[tuple[int, frozenset[int]]] = []  # (module, its AVAILABLE params)
         self.pass_gathered: set[int] = set()
         self.pass_freed: set[int] = set()
@@ -146,7 +152,13 @@ class NaiveParams:
         if kind == "external":
             self.externals[m] |= new
         if kind == "reset":
-            self.trace.reset()
+            grad, aborted = (ev[1], ev[2]) if len(ev) > 1 else (True, False)
+            self.trace.reset(aborted)
+            self.kind = "train" if grad else "train_no_grad"
+            if self.kind not in self.traces:
+                self.traces[self.kind] = NaiveTrace()
+                self.traces[self.kind].reset()
+            self.trace = self.traces[self.kind]
             self.pass_gathered, self.pass_freed = set(), set()
         self._after(kind, m, fetching, effects)
 
@@ -267,8 +279,10 @@ class NaiveParams:
             assert ms.externals == tuple(sorted(self.externals[m])), f"m{m} externals {ms.externals}"
             assert ms.active == self.active[m], f"m{m}: core has {ms.active} open calls, model {self.active[m]}"
         tr, nt = st.trace, self.trace
-        assert (tr.mode, tr.invalidations, tr.step_id) == (nt.mode, nt.invalidations, len(nt.this_pass)), (
+        total = sum(t.invalidations for t in self.traces.values())
+        assert (tr.mode, tr.invalidations, tr.step_id) == (nt.mode, total, len(nt.this_pass)), (
             f"trace: core {tr.mode.name}/{tr.invalidations}/{tr.step_id}, "
-            f"model {nt.mode.name}/{nt.invalidations}/{len(nt.this_pass)}")
+            f"model {nt.mode.name}/{total}/{len(nt.this_pass)}")
+        assert tr.kind == self.kind, f"trace kind: core {tr.kind}, model {self.kind}"
         if nt.mode is TraceMode.COMPLETE:
             assert list(tr.plan.order) == nt.plan, f"plan: core {tr.plan.order}, model {nt.plan}"

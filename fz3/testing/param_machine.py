@@ -4,7 +4,9 @@
     one_pass     reset_step, a forward (nested calls), then a backward that is complete, partial
                  (some calls' outputs get no grad), absent (eval under no_grad) or abandoned
                  (forward with grad, no backward), then finish_backward when there was one; or
-                 a forward that raises midway (modules left active for the next reset_step)
+                 a forward that raises midway (modules left active for the next reset_step).
+                 reset_step says whether grad is enabled (a no_grad pass has its own trace)
+                 and whether the last pass raised (its partial recording is dropped)
     step         end_of_step after a finished backward (gradient accumulation: sometimes not)
     gathered_parameters   enter or leave one around any of the above (nested at most twice)
 
@@ -60,8 +62,10 @@ def apply_event(st: ParamState, ev: tuple, config: Config) -> tuple[ParamState, 
         return _backward.pre_backward(st, ev[1], config=config)
     if kind == "post_backward":
         return _backward.post_backward(st, ev[1], config=config)
-    if kind == "reset":
-        return _step.reset_step(st, config=config)
+    if kind == "reset":  # ("reset",) or ("reset", grad_enabled, aborted)
+        if len(ev) == 1:
+            return _step.reset_step(st, config=config)
+        return _step.reset_step(st, config=config, grad_enabled=ev[1], aborted=ev[2])
     if kind == "finish":
         return _step.finish_backward(st, config=config)
     if kind == "end_of_step":
@@ -120,6 +124,7 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
         self.twin = initial_state(case.model.spec(Config(**vars(case.config))))  # another rank
         self.model = NaiveParams(self.state.spec, case.config)
         self.passes, self.last = 0, None
+        self.raised = False  # the last pass raised midway
         self.holding: list[tuple[int, ...]] = []  # open gathered_parameters contexts, nested
 
     def event(self, ev: tuple, log: list[str]) -> tuple:
@@ -204,6 +209,10 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
         log = [] if log is None else log
         self.last = which, backward, detail, merged
         events = pass_events(self.case.programs[which], backward, detail, merged=merged)
+        # the shell's root pre-forward: a no_grad pass has its own trace; a pass after one that
+        # raised (its stack left behind) is told so
+        events[0] = ("reset", backward != "none", self.raised)
+        self.raised = backward == "raise"
         log.append(f"pass {self.passes}: program {which}, {backward} backward ({detail}), "
                    f"{'merged' if merged else 'split'} wrapping, trace {self.state.trace.mode.name}")
         self.passes += 1
