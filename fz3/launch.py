@@ -1,10 +1,13 @@
-"""Run a function on N local ranks (gloo on 127.0.0.1), without torchrun.
+"""Run a function on N local ranks (127.0.0.1, the device's backend), without torchrun.
 
     results = fz3.launch.run(fn, world_size=2, args=(...,), timeout=300)
     # fn(rank, world_size, *args) runs in N fresh processes with the default process group
     # initialised; results[r] is what rank r returned (picklable)
 
-Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR set) use `init_from_env()` instead. Every rank
+Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR set) use `init_from_env()` instead. Both pick
+each rank's device as fz3.initialize will (`pick_device`: FZ3_DEVICE, LOCAL_RANK, what is
+present), make it current, and init the group with its backend: gloo on CPU, nccl on CUDA, hccl
+on Ascend; an explicit `backend` must fit that device (fz3/shell/pick.py). Every rank
 ends with barrier, destroy_process_group, flush, os._exit(0): on torch 2.13 a gloo worker
 thread can abort a rank during interpreter shutdown after all its work is done (DESIGN.md §5).
 A rank that raises or a run that exceeds `timeout` fails the whole run with every rank's error.
@@ -24,6 +27,8 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
+from fz3.shell.pick import backend_for, pick_device
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -31,23 +36,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_from_env(timeout_s: float = 300) -> tuple[int, int]:
-    """Join the process group torchrun describes; -> (rank, world_size)."""
+def init_from_env(timeout_s: float = 300, backend: str | None = None) -> tuple[int, int]:
+    """Join the process group torchrun describes; -> (rank, world_size).
+
+    `backend` None means the device's (gloo / nccl / hccl); an explicit one that does not fit
+    the device is a ValueError, so the group always suits what fz3.initialize will check.
+    A group already initialised is left as it is."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        _init_group(backend, timeout_s)
     return dist.get_rank(), dist.get_world_size()
 
 
+def _init_group(backend: str | None, timeout_s: float, **rendezvous: int) -> None:
+    """Pick this rank's device, make it current, then init the group on its backend: NCCL
+    binds a rank to the device that is current when the group is made."""
+    device = pick_device()
+    backend = backend_for(device, backend)
+    device.set_device()
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **rendezvous)
+
+
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any],
-           results: "mp.Queue", timeout_s: float, threads: int) -> None:
+           results: "mp.Queue", timeout_s: float, threads: int, backend: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
     torch.set_num_threads(threads)
     code = 0
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        _init_group(backend, timeout_s, rank=rank, world_size=world_size)
         # plain pickle: tensors travel by value, not as shared-memory handles that die with us
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         dist.barrier()
@@ -73,15 +90,19 @@ def _died_silently(procs: list, out: dict) -> list[str]:
 
 
 def run(fn: Callable, *, world_size: int = 2, args: Sequence[Any] = (), timeout: float = 300,
-        threads: int = 1) -> list[Any]:
-    """fn(rank, world_size, *args) on `world_size` spawned ranks; -> per-rank results."""
+        threads: int = 1, backend: str | None = None) -> list[Any]:
+    """fn(rank, world_size, *args) on `world_size` spawned ranks; -> per-rank results.
+
+    Rank r is local rank r, so on accelerators it needs device r (FZ3_DEVICE=cpu runs any
+    number of ranks on gloo); `backend` as in `init_from_env`."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, timeout, threads),
-                         daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, daemon=True,
+                         args=(r, world_size, port, fn, args, results, timeout, threads, backend))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

@@ -7,7 +7,7 @@ from torch import nn
 
 from fz3.core.config import Config
 from fz3.shell import registry
-from fz3.shell.pick import pick_device
+from fz3.shell.pick import check_group_backend, pick_device
 from fz3.shell.engine import Engine
 
 
@@ -35,6 +35,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
                            f"param {name!r} is sharded by it); keep using that engine, or build a "
                            "fresh model for a new one")
     device = pick_device()
+    check_group_backend(device, group)
     device.set_device()
     model.to(device.torch_device)
     engine = Engine(model, optimizer, config, device=device, group=group, lr_scheduler=lr_scheduler)

@@ -1,7 +1,22 @@
-"""Choosing this rank's device: FZ3_DEVICE if set, else NPU, then CUDA, then CPU.
+"""Choosing this rank's device (FZ3_DEVICE if set, else NPU, then CUDA, then CPU) and its backend.
 
 The machine is asked through a small `Probe`, so tests simulate CUDA or an Ascend NPU with a
 fake (tests/test_device.py); `TorchProbe` is the real one, importing torch_npu only when asked.
+
+The process-group backend follows the device, never the other way round:
+
+    FZ3_DEVICE, LOCAL_RANK, what is present --pick_device--------> device
+    device, backend=None                     --backend_for--------> device.backend (gloo/nccl/hccl)
+    device, backend='gloo' (explicit)        --backend_for--------> 'gloo' if it fits, else ValueError
+    device, the process group (initialize)   --check_group_backend-> fits, else RuntimeError
+
+[Note: the backend must fit the device] cpu needs gloo, cuda nccl, npu hccl (device.BACKENDS).
+The shell picks its collectives from `device.backend` (gloo carriers on gloo, native ones
+otherwise, fz3/interpreters/dist.py), so a group on another backend would fail at the first
+collective (nccl with CPU tensors) or run through a path never meant for it (gloo with GPU
+tensors); both are refused up front, naming the group's backend and the device.
+A group with several backends (torch's 'cpu:gloo,cuda:nccl') fits when its entry for this
+device type is the right one.
 """
 from __future__ import annotations
 
@@ -14,8 +29,9 @@ from types import ModuleType
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
-from fz3.shell.device import KINDS, AcceleratorDevice, CpuDevice, Device
+from fz3.shell.device import BACKENDS, KINDS, AcceleratorDevice, CpuDevice, Device
 
 
 class Probe(Protocol):
@@ -101,3 +117,45 @@ def _absent(kind: str, probe: Probe) -> str | None:
     if found != kind:
         return f"torch.accelerator reports {found or 'no accelerator'}, not {kind}"
     return None
+
+
+def backend_in(spec: str, device_type: str) -> str | None:
+    """The backend a torch backend spec uses for `device_type`, None when it names none.
+
+    `spec` is what `init_process_group` takes or `dist.get_backend_config` returns: a bare name
+    ('gloo', which then stands for every device type) or 'cpu:gloo,cuda:nccl' pairs.
+    """
+    spec = spec.strip().lower()
+    if ":" not in spec:
+        return spec or None
+    pairs = (pair.partition(":") for pair in spec.split(","))
+    return {kind.strip(): backend.strip() for kind, _, backend in pairs}.get(device_type)
+
+
+def backend_for(device: Device, backend: str | None = None) -> str:
+    """The backend to init the process group with on `device`: its own when `backend` is None,
+    else `backend` itself if it fits; see [Note: the backend must fit the device]."""
+    if backend is None:
+        return device.backend
+    if backend_in(backend, device.type) != device.backend:
+        raise ValueError(f"backend={backend!r} does not fit this rank's device {device.torch_device}, "
+                         f"which needs {device.backend!r} ({_PAIRS}): pass backend=None (the "
+                         f"device's) or {device.backend!r}, or choose another device with FZ3_DEVICE")
+    return backend
+
+
+def check_group_backend(device: Device, group: dist.ProcessGroup | None = None) -> None:
+    """Raise unless `group` (None: the default group) uses `device.backend` for this device type;
+    see [Note: the backend must fit the device]. Called by fz3.initialize, before any collective."""
+    config = dist.get_backend_config(group)
+    used = backend_in(config, device.type)
+    if used != device.backend:
+        raise RuntimeError(
+            f"fz3.initialize: the process group's backend is {config!r} ({used or 'nothing'} for "
+            f"{device.type}), but this rank's device is {device.torch_device}, which needs "
+            f"{device.backend!r} ({_PAIRS}): init the group with backend={device.backend!r}, or "
+            "with fz3.launch.init_from_env() / fz3.launch.run(), which pick it from the device "
+            "(FZ3_DEVICE chooses the device)")
+
+
+_PAIRS = "fz3 pairs " + ", ".join(f"{kind} with {backend}" for kind, backend in BACKENDS.items())
