@@ -157,3 +157,190 @@ def test_shape_errors():
         Config.from_deepspeed([("zero_optimization", ZERO3)])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="zero_optimization"):
         Config.from_deepspeed({"zero_optimization": 3})
+
+
+# ---- keys that change DeepSpeed's training: translated, or rejected naming key and value ------
+
+def test_new_defaults_are_deepspeeds():
+    import sys
+
+    from fz3.core.config import DEFAULT_LEAF_MODULE_CLASSES
+    c = Config()
+    assert (c.communication_data_type, c.prescale_gradients, c.gradient_predivide_factor) == (
+        None, False, 1.0)
+    assert c.model_persistence_threshold == sys.maxsize
+    assert c.leaf_module_classes == DEFAULT_LEAF_MODULE_CLASSES  # DeepSpeed 0.19's HF MoE blocks
+    assert (c.leaf_module_names, c.leaf_module_name_suffixes) == ((), ())
+
+
+NEW_INVALID = [
+    (dict(communication_data_type="fp64"), ValueError),
+    (dict(communication_data_type="FP32"), ValueError),  # from_deepspeed lowercases; Config is exact
+    (dict(prescale_gradients=1), TypeError),
+    (dict(gradient_predivide_factor=0), ValueError),
+    (dict(gradient_predivide_factor=-2.0), ValueError),
+    (dict(gradient_predivide_factor=float("inf")), ValueError),
+    (dict(gradient_predivide_factor=True), ValueError),
+    (dict(model_persistence_threshold=-1), ValueError),
+    (dict(leaf_module_classes="Block"), TypeError),  # a bare string is not a list of names
+    (dict(leaf_module_names=[1]), TypeError),
+    (dict(leaf_module_name_suffixes=("",)), TypeError),
+]
+
+
+@pytest.mark.parametrize("fields,error", NEW_INVALID, ids=[str(f) for f, _ in NEW_INVALID])
+def test_new_invalid_fields_name_field_and_value(fields, error):
+    (name, value), = fields.items()
+    with pytest.raises(error, match=name) as err:
+        Config(**fields)
+    assert repr(value) in str(err.value)
+
+
+def test_leaf_lists_become_tuples_and_config_hashes():
+    c = Config(leaf_module_classes=["Block"], leaf_module_names=["h.0", "h.1"])
+    assert c.leaf_module_classes == ("Block",) and c.leaf_module_names == ("h.0", "h.1")
+    assert hash(c) == hash(Config(leaf_module_classes=("Block",), leaf_module_names=("h.0", "h.1")))
+
+
+TRANSLATED = [  # DeepSpeed dict -> the Config fields it sets (the rest at their defaults)
+    (ds(communication_data_type="fp32"), dict(communication_data_type="fp32")),
+    (ds(communication_data_type="BF16"), dict(communication_data_type="bf16")),  # DeepSpeed lowercases
+    (ds(communication_data_type="fp16"), dict(communication_data_type="fp16")),
+    (ds(communication_data_type=None), dict(communication_data_type=None)),
+    (ds(prescale_gradients=True), dict(prescale_gradients=True)),
+    (ds(prescale_gradients=False, gradient_predivide_factor=8), dict(gradient_predivide_factor=8)),
+    (ds({"stage3_model_persistence_threshold": 1e5}), dict(model_persistence_threshold=100_000)),
+    (ds({"model_persistence_threshold": 7}), dict(model_persistence_threshold=7)),  # the alias
+    (ds({"leaf_module": {"classes": ["Block", "Block"], "names": "h.0", "name_suffixes": ["mlp"]}}),
+     dict(leaf_module_classes=("Block",), leaf_module_names=("h.0",),
+          leaf_module_name_suffixes=("mlp",))),  # a string is a list of one, duplicates drop
+    (ds({"leaf_module": {"classes": []}}), dict(leaf_module_classes=())),  # the default replaced
+    (ds({"leaf_module": {"names": ["moe"]}}), dict(leaf_module_names=("moe",))),  # classes: default
+    (ds({"leaf_module": {}}), {}),
+    # check_grad_overflow: stage 3 checks overflow in fp16 only; immediate_grad_update: bf16
+    # optimizer of stage 0/1 only
+    (ds(bf16={"enabled": True, "check_grad_overflow": True, "immediate_grad_update": True}),
+     dict(compute_dtype="bf16")),
+]
+
+
+@pytest.mark.parametrize("config,fields", TRANSLATED, ids=[str(f) for _, f in TRANSLATED])
+def test_translated(config, fields):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a translated key is not "accepted but unused"
+        assert Config.from_deepspeed(config) == Config(gradient_clipping=1.0, **fields)
+
+
+REJECTED = [  # DeepSpeed dict, the key the message must name, the value it must show
+    (ds(optimizer={"type": "AdamW", "params": {"lr": 1e-3}}), "optimizer", "AdamW"),
+    (ds(scheduler={"type": "WarmupLR"}), "scheduler", "WarmupLR"),
+    (ds(torch_autocast={"enabled": True, "dtype": "bfloat16"}), "torch_autocast", "True"),
+    (ds(managed_gradient_accumulation=False), "managed_gradient_accumulation", "False"),
+    (ds(checkpoint={"load_universal": True}), "checkpoint", "load_universal"),
+    (ds(checkpoint={"use_node_local_storage": True}), "checkpoint", "use_node_local_storage"),
+    (ds(nebula={"enabled": True}), "nebula", "True"),
+    (ds(elasticity={"enabled": True, "max_train_batch_size": 64}), "elasticity", "64"),
+    (ds(autotuning={"enabled": True}), "autotuning", "True"),
+    (ds(compression_training={"weight_quantization": {"shared_parameters": {"enabled": True}}}),
+     "compression_training", "shared_parameters"),
+    (ds(data_efficiency={"enabled": True}), "data_efficiency", "True"),
+    (ds(curriculum_learning={"enabled": True}), "curriculum_learning", "True"),
+    (ds(progressive_layer_drop={"enabled": True, "theta": 0.5}), "progressive_layer_drop", "0.5"),
+    (ds(eigenvalue={"enabled": True}), "eigenvalue", "True"),
+    (ds(hybrid_engine={"enabled": True}), "hybrid_engine", "True"),
+    (ds(compile={"deepcompile": True}), "compile", "deepcompile"),
+    (ds(weight_quantization={"quantized_initialization": {"num_bits": 8}}), "weight_quantization",
+     "num_bits"),
+    (ds(bf16={"enabled": True, "bf16_master_weights_and_grads": True}),
+     "bf16.bf16_master_weights_and_grads", "True"),
+    (ds(bf16={"enabled": True, "bf16_optimizer_states": True}), "bf16.bf16_optimizer_states", "True"),
+    (ds(data_types={"grad_accum_dtype": "bf16"}), "data_types.grad_accum_dtype", "'bf16'"),
+    (ds(data_types={"param_dtype": "fp32"}, bf16={"enabled": True}), "data_types.param_dtype", "'fp32'"),
+    (ds(data_types={"buffer_dtype": "bf16"}), "data_types.buffer_dtype", "'bf16'"),
+    (ds(data_types={"grad_dtype": "fp32"}), "grad_dtype", "grad_accum_dtype"),
+    (ds(communication_data_type="fp64"), "communication_data_type", "'fp64'"),
+    (ds(gradient_predivide_factor=0.0), "gradient_predivide_factor", "0.0"),
+    (ds(prescale_gradients="yes"), "prescale_gradients", "'yes'"),
+    (ds({"stage3_model_persistence_threshold": -1}), "model_persistence_threshold", "-1"),
+    (ds({"cpu_offload": True}), "zero_optimization.cpu_offload", "True"),
+    (ds({"cpu_offload_param": True}), "zero_optimization.cpu_offload_param", "True"),
+    (ds({"load_from_fp32_weights": False}), "zero_optimization.load_from_fp32_weights", "False"),
+    (ds({"pipeline_loading_checkpoint": True}), "zero_optimization.pipeline_loading_checkpoint", "True"),
+    (ds({"stage3_module_granularity_threshold": 100}),
+     "zero_optimization.stage3_module_granularity_threshold", "100"),
+    (ds({"module_granularity_threshold": 100}), "zero_optimization.module_granularity_threshold",
+     "100"),  # DeepSpeed's field name for the same key
+    (ds({"leaf_module": {"class": ["Block"]}}), "leaf_module", "'class'"),
+    (ds({"leaf_module": ["Block"]}), "leaf_module", "Block"),
+    (ds(train_batch_size=32, train_micro_batch_size_per_gpu=4), "gradient_accumulation_steps", "32"),
+]
+
+
+@pytest.mark.parametrize("config,key,value", REJECTED, ids=[k for _, k, _ in REJECTED])
+def test_rejected_naming_key_and_value(config, key, value):
+    with pytest.raises((ValueError, TypeError)) as err:
+        Config.from_deepspeed(config)
+    message = str(err.value)
+    assert key in message and value in message, message
+
+
+ACCEPTED = [  # keys that change nothing in fz3 (or are switched off): accepted and reported
+    ("sparse_gradients", True),  # stage 3 never reduces CSR grads (engine.allreduce_gradients)
+    ("gradient_allreduce_op", "sum"),  # stage 1/2 only
+    ("graph_harvesting", True),  # the stage 0/1 bf16 optimizer only
+    ("disable_allgather", True),
+    ("log_level", "info"),
+    ("wandb", {"enabled": True}),
+    ("comms_logger", {"enabled": True}),
+    ("activation_checkpointing", {"partition_activations": True}),
+    ("dataloader_drop_last", True),
+    ("use_data_before_expert_parallelism", True),
+    ("checkpoint", {"tag_validation": "Fail"}),
+    ("data_types", {"grad_accum_dtype": "fp32", "param_dtype": None}),
+    ("compile", {"deepcompile": False}),
+    ("managed_gradient_accumulation", True),
+    ("optimizer", None),
+    ("elasticity", {"enabled": False}),
+    ("torch_autocast", {"enabled": False}),
+]
+ZERO_ACCEPTED = [
+    ("stage3_gather_16bit_weights_on_model_save", True), ("gather_16bit_weights_on_model_save", True),
+    ("stage3_gather_fp16_weights_on_model_save", True), ("sub_group_size", 1e9),
+    ("memory_efficient_linear", False), ("stage3_use_all_reduce_for_fetch_params", True),
+    ("allgather_sequential", True), ("cpu_offload", False), ("cpu_offload_use_pin_memory", True),
+    ("load_from_fp32_weights", True), ("module_granularity_threshold", 0),
+]
+
+
+@pytest.mark.parametrize("key,value", ACCEPTED + [(f"zero_optimization.{k}", v) for k, v in ZERO_ACCEPTED],
+                         ids=[k for k, _ in ACCEPTED] + [k for k, _ in ZERO_ACCEPTED])
+def test_accepted_and_reported(key, value):
+    config = ds({key.split(".")[1]: value}) if key.startswith("zero_optimization.") else ds(**{key: value})
+    with pytest.warns(UserWarning) as record:
+        got = Config.from_deepspeed(config)
+    assert got == Config(gradient_clipping=1.0)
+    assert key in str(record[0].message)
+
+
+@pytest.mark.parametrize("key", ["gradient_accumulation_dtype", "monitor_config",
+                                 "use_data_before_expert_parallel_"])
+def test_names_deepspeed_does_not_read_are_unknown(key):
+    """Not DeepSpeed 0.19 JSON keys (an attribute name, a mis-transcription): DeepSpeed would drop
+    them silently, so they are reported as possible typos."""
+    with pytest.raises(ValueError, match=f"unknown DeepSpeed config key '{key}'"):
+        Config.from_deepspeed(ds(**{key: True}))
+
+
+def test_every_table_key_is_handled():
+    """Each key of the tables is accepted with some value (none falls through as unknown)."""
+    from fz3.core import _deepspeed_keys as keys
+    off = {"managed_gradient_accumulation": True, "load_from_fp32_weights": True}
+    for key in sorted(keys.TOP_UNUSED) + sorted(keys.TOP_LACKING):
+        with pytest.warns(UserWarning, match=key):
+            Config.from_deepspeed(ds(**{key: off.get(key)}))
+    for key in sorted(keys.ZERO_UNUSED) + sorted(keys.ZERO_LACKING) + sorted(keys.ZERO_ALIASES):
+        value = off.get(key)
+        if keys.ZERO_ALIASES.get(key, key) in keys.ZERO_FIELDS:
+            continue  # translated: test_translated
+        with pytest.warns(UserWarning, match=key):
+            Config.from_deepspeed(ds({key: value}))

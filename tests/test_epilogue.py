@@ -80,3 +80,26 @@ def test_epilogue_flushes_every_dtype_in_order():
     assert [e.dtype for e in eff if isinstance(e, ReduceBucket)] == ["bfloat16", "float32"]
     assert state.buckets == ()
     assert eff.index(WaitReduce()) > max(i for i, e in enumerate(eff) if isinstance(e, ReduceBucket))
+
+
+@pytest.mark.parametrize("w, gas, cfg, divisor", [
+    (4, 2, {}, 8),  # sums over ranks and micro-steps, divided once
+    (4, 2, dict(prescale_gradients=True), 2.0),  # each grad was / W before its reduce: / gas
+    (3, 1, dict(prescale_gradients=True), 1.0),
+    (2, 2, dict(gradient_predivide_factor=8.0), 0.5),  # / f before, W * gas / f at the boundary
+    (3, 3, dict(gradient_predivide_factor=2.0), 4.5),
+])
+def test_boundary_divisor_undoes_the_predivide(w, gas, cfg, divisor):
+    config = Config(gradient_accumulation_steps=gas, **cfg)
+    state = init_grad_state(grad_spec([3, 4], w))
+    for _ in range(gas):
+        state, _ = bucket_add(state, 0, config=config)
+        state, eff = epilogue(state, config=config)
+    assert eff[-1] == AverageGrads(divisor)
+    assert isinstance(eff[-1].divisor, int) == (divisor == w * gas)  # an int unless pre-divided
+
+
+@pytest.mark.parametrize("w, gas, predivide, divisor", [
+    (2, 3, 1.0, 6), (4, 2, 4.0, 2.0), (2, 1, 0.5, 4.0), (3, 2, 3.0, 2.0)])
+def test_grad_divisor_with_predivide(w, gas, predivide, divisor):
+    assert grad_divisor(w, gas, predivide) == divisor

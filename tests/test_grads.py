@@ -138,3 +138,47 @@ def test_transitions_do_not_touch_their_input():
     bucket_add(state, 1, config=config)
     flush(state, config=config)
     assert (state.buckets, list(state.params), state.next_bucket) == before
+
+
+# ---- the comm dtype and the pre-division (fz3/core/grads.py, [Note: pre-division]) ---------
+
+@pytest.mark.parametrize("comm, grad_dtypes, buckets", [
+    (None, ["bfloat16", "float32"], ["bfloat16", "float32"]),  # each grad's own dtype
+    ("fp32", ["bfloat16", "bfloat16"], ["float32", "float32"]),  # bf16 grads reduced in fp32
+    ("bf16", ["float32", "bfloat16"], ["bfloat16", "bfloat16"]),  # one bucket for both
+    ("fp16", ["float32", "float32"], ["float16", "float16"]),
+])
+def test_bucket_dtype_is_the_comm_dtype(comm, grad_dtypes, buckets):
+    config = Config(reduce_bucket_size=100, communication_data_type=comm, **AR)
+    state = init_grad_state(grad_spec([3, 4], 2))
+    copies = []
+    for p, dt in enumerate(grad_dtypes):
+        state, eff = bucket_add(state, p, config=config, dtype=dt)
+        copies += [e.dtype for e in eff if isinstance(e, CopyToBucket)]
+    assert copies == buckets
+    assert [b.dtype for b in state.buckets] == sorted(set(buckets))
+    _, eff = flush(state, config=config)
+    assert [e.dtype for e in eff if isinstance(e, ReduceBucket)] == sorted(set(buckets))
+
+
+def test_oversized_grad_is_reduced_in_the_comm_dtype():
+    config = Config(reduce_bucket_size=4, communication_data_type="fp32", **RS)
+    _, eff = bucket_add(init_grad_state(grad_spec([9], 2)), 0, config=config, dtype="bfloat16")
+    assert eff[0] == ReduceBucket(0, "float32", "reduce_scatter", (Slot(0, 0, 9),), False)
+
+
+@pytest.mark.parametrize("world_size, cfg, predivide", [
+    (4, {}, 1.0),  # DeepSpeed's defaults: fz3 divides once, at the boundary
+    (4, dict(prescale_gradients=True), 4.0),  # each grad / W before the reduce
+    (1, dict(prescale_gradients=True), 1.0),
+    (3, dict(gradient_predivide_factor=2.5), 2.5),  # postscale: / f before, undone after
+    (3, dict(prescale_gradients=True, gradient_predivide_factor=2.5), 3.0),  # f ignored, as in DS
+])
+def test_reduce_carries_the_predivide(world_size, cfg, predivide):
+    for path in (AR, RS, LOOSE):
+        config = Config(reduce_bucket_size=4, **path, **cfg)
+        state = init_grad_state(grad_spec([3, 9], world_size))
+        state, _ = bucket_add(state, 0, config=config)
+        state, alone = bucket_add(state, 1, config=config)  # flushes p0, then p1 alone
+        reduces = [e for e in alone if isinstance(e, ReduceBucket)]
+        assert [e.predivide for e in reduces] == [predivide, predivide], (path, reduces)

@@ -5,8 +5,11 @@ import torch
 from fz3.core.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, ReduceBucket,
                               Slot, Wait, WaitReduce, WritePartition, ZeroPartitions)
+from fz3.core import grads as grads_core
+from fz3.core.epilogue import epilogue
 from fz3.core.spec import build_spec
 from fz3.interpreters.simulated import SimulatedWorld, SimulationError
+from fz3.testing.grad_naive import PATHS, grad_spec
 
 SPEC = build_spec([("a", 5), ("b", 2), ("c", 0)], [("root", [0, 1, 2], False)], world_size=3,
                   persistence_threshold=0)
@@ -82,3 +85,56 @@ def test_loose_bucket_reads_param_grads_and_drops_them():
            WritePartition(0, 0, "copy"), DropGrads(0, (0,), False)])
     assert [w.partitions[r][0].tolist() for r in range(3)] == [[6, 6], [6, 6], [6, 0]]
     assert w.grads == [{}, {}, {}]
+
+
+def test_reduce_casts_to_the_comm_dtype_and_predivides():
+    """float64 grads reduced in fp32, each divided by 3 first; partitions stay float64."""
+    w = SimulatedWorld(SPEC, config=Config(communication_data_type="fp32"),
+                       grad_dtypes=[torch.float64] * 3)
+    w.accumulate_grad(0, [torch.arange(5.0, dtype=torch.float64) * 3] * 3)
+    w.run([CopyToBucket(0, "float32", 0, 0, 5),
+           ReduceBucket(0, "float32", "allreduce", (Slot(0, 0, 5),), True, predivide=3.0),
+           WritePartition(0, 0, "copy")])
+    assert w.partitions[0][0].dtype == torch.float64
+    assert [w.partitions[r][0].tolist() for r in range(3)] == [[0, 3], [6, 9], [12, 0]]
+
+
+def test_effect_in_another_dtype_than_the_config_says_is_rejected():
+    w = world(communication_data_type="bf16")
+    w.accumulate_grad(0, [torch.ones(5)] * 3)
+    with pytest.raises(SimulationError, match="communication_data_type is 'bf16'"):
+        w.run([CopyToBucket(0, "float32", 0, 0, 5)])
+
+
+SCALINGS = [dict(prescale_gradients=True), dict(gradient_predivide_factor=3.0),
+            dict(gradient_predivide_factor=0.25), dict(communication_data_type="fp32")]
+
+
+@pytest.mark.parametrize("cfg", SCALINGS, ids=[str(c) for c in SCALINGS])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_scaled_reduce_gives_the_same_mean(cfg, path):
+    """Random (not integer) float64 grads, 3 ranks, 2 micro-steps, a bucket smaller than some
+    grads: with a pre-division or a comm dtype the partitions are the plain mean gradient, up
+    to rounding (fp32 comm: fp32 rounding)."""
+    numels, w, gas = [5, 11, 2, 7], 3, 2
+    spec = grad_spec(numels, w)
+    gen = torch.Generator().manual_seed(0)
+    grads = [[[torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(w)] for n in numels]
+             for _ in range(gas)]  # [micro-step][param][rank]
+    config = Config(reduce_bucket_size=8, gradient_accumulation_steps=gas, **PATHS[path], **cfg)
+    world_ = SimulatedWorld(spec, config=config, grad_dtypes=[torch.float64] * len(numels))
+    state = grads_core.init_grad_state(spec)
+    for step in grads:
+        for p in reversed(range(len(numels))):
+            world_.accumulate_grad(p, step[p])
+            state, eff = grads_core.bucket_add(state, p, config=config, dtype="float64")
+            world_.run(eff)
+        state, eff = epilogue(state, config=config)
+        world_.run(eff)
+    tol = dict(rtol=1e-6, atol=1e-6) if config.communication_data_type else dict(rtol=1e-12, atol=1e-12)
+    for p, n in enumerate(numels):
+        mean = sum(g for step in grads for g in step[p]) / (w * gas)
+        s = -(-n // w)
+        padded = torch.cat([mean, mean.new_zeros(s * w - n)])
+        for r in range(w):
+            torch.testing.assert_close(world_.partitions[r][p], padded[r * s:(r + 1) * s], **tol)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from fz3.core.spec import build_spec, padding, shard_numel
+from fz3.core.spec import build_spec, padding, persistent_flags, shard_numel
 
 # (numel, world size) -> (shard numel, padding)
 LAYOUT = [(0, 1, 0, 0), (0, 4, 0, 0), (1, 4, 1, 3), (3, 4, 1, 1), (4, 4, 1, 0), (5, 4, 2, 3),
@@ -39,3 +39,19 @@ def test_build_spec_tables():
 def test_build_spec_rejects(params, modules, world):
     with pytest.raises(ValueError):
         build_spec(params, modules, world_size=world, persistence_threshold=0)
+
+
+@pytest.mark.parametrize("numels, param_threshold, model_threshold, flags", [
+    ([3, 5, 2], 4, None, (True, False, True)),  # no cap: numel <= param threshold
+    ([3, 3, 3], 4, 6, (True, True, False)),  # the cap fills in param order
+    ([3, 4, 1, 2], 10, 5, (True, False, True, False)),  # 4 would overflow; later 1 still fits
+    ([2, 2], 4, 0, (False, False)),
+    ([0, 3], 0, 0, (True, False)),  # an empty param persists at no cost
+])
+def test_persistent_flags_mirror_deepspeed(numels, param_threshold, model_threshold, flags):
+    """DeepSpeed: DeepSpeedZeRoOffload.mark_persistent_parameters."""
+    assert persistent_flags(numels, param_threshold, model_threshold) == flags
+    spec = build_spec([(f"p{i}", n) for i, n in enumerate(numels)], [("root", range(len(numels)), False)],
+                      world_size=2, persistence_threshold=param_threshold,
+                      model_persistence_threshold=model_threshold)
+    assert tuple(p.persistent for p in spec.params) == flags

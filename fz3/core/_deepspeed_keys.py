@@ -1,75 +1,200 @@
 """Translate a DeepSpeed JSON config dict into fz3 Config fields.
 
-Tables, not logic: which DeepSpeed keys map to which Config field, which are known but unused
-(accepted and reported), and which name features fz3 lacks (error unless switched off).
-Key names and defaults follow DeepSpeed 0.19 (`deepspeed/runtime/zero/config.py`).
+Tables, not logic: which DeepSpeed keys map to which Config field; which are known but change
+nothing in fz3 (accepted and reported, each with the reason); which turn on behaviour fz3 does
+not implement (an error naming the key, its value and what to do instead, only when switched
+on). Key names, defaults and semantics follow DeepSpeed 0.19 (read at 0.19.6:
+`deepspeed/runtime/config.py`, `runtime/constants.py`, `runtime/zero/config.py`,
+`runtime/zero/leaf_module_config.py`, `runtime/engine.py`, `runtime/zero/stage3.py`).
+
+    key in *_FIELDS      -> a Config field (Config validates the value, naming it)
+    key in *_LACKING     -> error if its predicate says the feature is on, else reported
+    key in *_UNUSED      -> reported (one warning from Config.from_deepspeed)
+    anything else        -> error: unknown key (misspelt?)
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
+# top-level key -> Config field
+TOP_FIELDS = {
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "gradient_clipping",
+    "communication_data_type": "communication_data_type",  # DeepSpeed lowercases it; None = default
+    "prescale_gradients": "prescale_gradients",
+    "gradient_predivide_factor": "gradient_predivide_factor",
+}
 # zero_optimization key -> Config field
 ZERO_FIELDS = {
     "stage3_prefetch_bucket_size": "prefetch_bucket_size",
     "stage3_max_live_parameters": "max_live_parameters",
     "stage3_max_reuse_distance": "max_reuse_distance",
     "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "stage3_model_persistence_threshold": "model_persistence_threshold",
     "reduce_bucket_size": "reduce_bucket_size",
     "contiguous_gradients": "contiguous_gradients",
     "reduce_scatter": "reduce_scatter",
     "overlap_comm": "overlap_comm",
 }
-# DeepSpeed's aliases (pydantic `alias=`) for the same fields
+# DeepSpeed's other spellings (pydantic field name vs `alias=`, deprecated names) -> the key
+# the tables below use
 ZERO_ALIASES = {
     "prefetch_bucket_size": "stage3_prefetch_bucket_size",
     "max_live_parameters": "stage3_max_live_parameters",
     "max_reuse_distance": "stage3_max_reuse_distance",
     "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential": "stage3_allgather_sequential",
 }
 DEEPSPEED_GRADIENT_CLIPPING = 1.0  # DeepSpeed 0.19's default when the key is absent
 INT_FIELDS = {"prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
-              "param_persistence_threshold", "reduce_bucket_size", "gradient_accumulation_steps"}
+              "param_persistence_threshold", "model_persistence_threshold", "reduce_bucket_size",
+              "gradient_accumulation_steps"}
+# zero_optimization.leaf_module sub-key -> Config field (DeepSpeedZeroLeafModuleConfig)
+LEAF_KEYS = {"classes": "leaf_module_classes", "names": "leaf_module_names",
+             "name_suffixes": "leaf_module_name_suffixes"}
 
-ZERO_UNUSED = {
-    "stage3_model_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
-    "gather_16bit_weights_on_model_save", "sub_group_size", "allgather_partitions",
-    "allgather_bucket_size", "use_multi_rank_bucket_allreduce", "round_robin_gradients",
-    "ignore_unused_parameters", "elastic_checkpoint", "memory_efficient_linear",
-    "override_module_apply", "load_from_fp32_weights", "pipeline_loading_checkpoint",
-    "log_trace_cache_warnings", "enable_sanity_checks", "leaf_module", "cpu_offload",
-    "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
-    "save_muon_momentum_buffer_in_memory", "legacy_stage1", "mics_hierarchical_params_gather",
+
+def _enabled(section: object) -> bool:
+    if isinstance(section, Mapping):
+        return bool(section.get("enabled", False))
+    return bool(section)
+
+
+def _any_enabled(section: object) -> bool:
+    """Some `enabled: true` anywhere in a nested section (compression_training's techniques)."""
+    if isinstance(section, Mapping):
+        return section.get("enabled") is True or any(_any_enabled(v) for v in section.values())
+    return False
+
+
+def _offload_on(section: object) -> bool:
+    if section is None:
+        return False
+    if isinstance(section, Mapping):
+        return section.get("device", "none") not in ("none", None)
+    return True
+
+
+def _any_true(*keys: str) -> Callable[[object], bool]:
+    return lambda section: isinstance(section, Mapping) and any(bool(section.get(k)) for k in keys)
+
+
+_FP32_ONLY = "fz3 keeps fp32 master weights, grad partitions and optimizer states"
+_NO_OFFLOAD = "fz3 keeps params and optimizer states on the device (no offload)"
+
+# top-level features fz3 lacks: key -> (predicate "switched on", what to do instead)
+TOP_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
+    "fp16": (_enabled, "fz3 has no fp16 loss scaling; use bf16 ({'enabled': true}) or fp32"),
+    "amp": (_enabled, "fz3 has no Apex AMP; use bf16 or fp32"),
+    "optimizer": (lambda v: v is not None, "fz3 builds no optimizer from the JSON: build it "
+                  "yourself (e.g. torch.optim.AdamW(model.parameters(), lr=...)) and pass it to "
+                  "fz3.initialize"),
+    "scheduler": (lambda v: v is not None, "fz3 builds no LR scheduler from the JSON: build it on "
+                  "your optimizer and pass it as fz3.initialize(..., lr_scheduler=...)"),
+    "torch_autocast": (_enabled, "fz3 computes in one dtype (bf16.enabled, with fp32 master "
+                       "shards) and has no autocast mode: use bf16 or fp32"),
+    "managed_gradient_accumulation": (lambda v: not v, "fz3 always steps the optimizer once per "
+                                      "gradient_accumulation_steps backwards: remove the key"),
+    "checkpoint": (_any_true("load_universal", "use_node_local_storage"),
+                   "fz3 saves and loads its own sharded checkpoints (engine.save_checkpoint / "
+                   "load_checkpoint, any world size): remove load_universal / use_node_local_storage"),
+    "nebula": (_enabled, "fz3 writes checkpoints with engine.save_checkpoint only: disable nebula"),
+    "elasticity": (_enabled, "fz3 has no elastic batch sizing: set the batch size and "
+                   "gradient_accumulation_steps yourself"),
+    "autotuning": (_enabled, "fz3 has no autotuner: set the zero_optimization sizes yourself"),
+    "compression_training": (_any_enabled, "fz3 runs no compression schedule (quantization, "
+                             "pruning, layer reduction) during training: disable it"),
+    "data_efficiency": (_enabled, "fz3 runs no data sampling or random-LTD routing: disable it"),
+    "curriculum_learning": (_enabled, "fz3 passes no curriculum_seqlen to the model: drive the "
+                            "curriculum in your own data loop"),
+    "progressive_layer_drop": (_enabled, "fz3 passes no progressive_layer_drop / pld_theta to "
+                               "the model: disable it"),
+    "eigenvalue": (_enabled, "fz3 computes no Hessian eigenvalues during training: disable it"),
+    "hybrid_engine": (_enabled, "fz3 has no hybrid (generate + train) engine: disable it"),
+    "compile": (_any_true("deepcompile", "passes"), "fz3 has no DeepCompile: remove deepcompile "
+                "and passes"),
+    "weight_quantization": (lambda v: bool(v), "fz3 does not quantize weights: remove it"),
 }
-# zero_optimization features fz3 lacks: key -> predicate "the feature is switched on"
-ZERO_LACKING = {
-    "offload_param": lambda v: _offload_on(v),
-    "offload_optimizer": lambda v: _offload_on(v),
-    "zero_hpz_partition_size": lambda v: v not in (None, 1),
-    "zero_quantized_weights": bool,
-    "zero_quantized_nontrainable_weights": bool,
-    "zero_quantized_gradients": bool,
-    "zeropp_loco_param": lambda v: v is not None,
-    "mics_shard_size": lambda v: v not in (None, -1),
-    "zenflow": lambda v: v is not None,
-    "stage3_module_granularity_threshold": lambda v: bool(v),
+# bf16 / bfloat16 sub-keys beyond `enabled` that change training (precision_config.py)
+BF16_LACKING = {
+    "bf16_master_weights_and_grads": _FP32_ONLY,
+    "bf16_optimizer_states": _FP32_ONLY,
+}
+# data_types (DeepSpeed 0.19 runtime/config.py; DtypeEnum spellings): what fz3 does is fixed
+DTYPE_NAMES = {"fp32": ("fp32", "float32", "float", "torch.float32"),
+               "bf16": ("bf16", "bfloat16", "torch.bfloat16")}
+
+# zero_optimization features fz3 lacks: key -> (predicate "switched on", what to do instead)
+ZERO_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
+    "offload_param": (_offload_on, _NO_OFFLOAD + ": remove it or set device: none"),
+    "offload_optimizer": (_offload_on, _NO_OFFLOAD + ": remove it or set device: none"),
+    "cpu_offload": (bool, "the old spelling of offload_optimizer; " + _NO_OFFLOAD + ": remove it"),
+    "cpu_offload_param": (bool, "the old spelling of offload_param; " + _NO_OFFLOAD + ": remove it"),
+    "zero_hpz_partition_size": (lambda v: v not in (None, 1), "fz3 has no hierarchical (hpZ) "
+                                "partitioning; use 1"),
+    "zero_quantized_weights": (bool, "fz3 gathers weights unquantized: set false"),
+    "zero_quantized_nontrainable_weights": (bool, "fz3 keeps weights unquantized: set false"),
+    "zero_quantized_gradients": (bool, "fz3 reduces grads unquantized (communication_data_type "
+                                 "picks their dtype): set false"),
+    "zeropp_loco_param": (lambda v: v is not None, "fz3 has no LoCo-ZeRO++: remove it"),
+    "mics_shard_size": (lambda v: v not in (None, -1), "fz3 has no MiCS sub-groups; use -1"),
+    "zenflow": (lambda v: v is not None, "fz3 has no ZenFlow: remove it"),
+    "stage3_module_granularity_threshold": (bool, "fz3 forms fetch units from modules only: mark "
+                                            "fine-grained blocks as leaf modules (leaf_module)"),
+    "load_from_fp32_weights": (lambda v: not v, "fz3 always loads the fp32 master weights from its "
+                               "checkpoints: remove the key"),
+    "pipeline_loading_checkpoint": (bool, "fz3 has no pipeline checkpoints: set false"),
 }
 
+# DeepSpeed keys that change nothing in fz3: key -> why (shown to readers, not to users)
 TOP_UNUSED = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_print",
-    "wall_clock_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
-    "sparse_gradients", "communication_data_type", "optimizer", "scheduler",
-    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "activation_checkpointing",
-    "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
-    "checkpoint", "data_types", "memory_breakdown", "aio", "elasticity", "autotuning",
-    "compression_training", "data_efficiency", "curriculum_learning", "pipeline",
-    "seq_parallel_communication_data_type", "torch_autocast", "timers", "monitor_config",
-    "disable_allgather", "sparse_attention", "eigenvalue", "progressive_layer_drop",
-    "gradient_accumulation_dtype", "graph_harvesting", "use_data_before_expert_parallel_",
-    "compile", "nebula", "weight_quantization", "hybrid_engine", "dataloader_drop_last",
+    "train_batch_size": "batch-size bookkeeping: fz3 never sees the batch (see _batch_sizes)",
+    "train_micro_batch_size_per_gpu": "batch-size bookkeeping",
+    "dataloader_drop_last": "only engine.deepspeed_io's dataloader; fz3 leaves data to you",
+    "steps_per_print": "logging",
+    "wall_clock_breakdown": "timing logs",
+    "dump_state": "logging",
+    "memory_breakdown": "logging",
+    "log_level": "logging",
+    "timers": "throughput logging",
+    "flops_profiler": "profiling logs",
+    "tensorboard": "monitoring", "wandb": "monitoring", "csv_monitor": "monitoring",
+    "comet": "monitoring", "comms_logger": "logging",
+    "zero_allow_untested_optimizer": "fz3 takes any torch optimizer",
+    "zero_force_ds_cpu_optimizer": "only with offload, which fz3 rejects",
+    "aio": "NVMe offload I/O, which fz3 rejects",
+    "activation_checkpointing": "configures deepspeed.checkpointing, which only user code calls",
+    "sparse_attention": "read by sparse-attention modules that user code builds",
+    "pipeline": "PipelineModule only",
+    "seq_parallel_communication_data_type": "sequence parallelism only",
+    "use_data_before_expert_parallelism": "expert-parallel groups of deepspeed.moe only",
+    # read at stage 3 but unused there (engine.py: a stage-3 engine reduces through the ZeRO
+    # optimizer, never through allreduce_bucket / buffered_allreduce_fallback)
+    "sparse_gradients": "CSR grads only outside ZeRO's partitioned grads",
+    "gradient_allreduce_op": "stage 1/2 and non-ZeRO reductions only",
+    "graph_harvesting": "the stage 0/1 bf16 optimizer only",
+    "disable_allgather": "read but used nowhere in DeepSpeed 0.19",
 }
-TOP_LACKING = {
-    "fp16": lambda v: _enabled(v),
-    "amp": lambda v: _enabled(v),
+ZERO_UNUSED = {
+    "stage3_gather_16bit_weights_on_model_save": "only engine.save_16bit_model, which user code "
+                                                 "calls (fz3: engine.full_state_dict)",
+    "sub_group_size": "tiles the optimizer step; elementwise optimizers give the same numbers",
+    "memory_efficient_linear": "a memory-saving F.linear with the same numbers",
+    "override_module_apply": "deepspeed.zero.Init only",
+    "stage3_use_all_reduce_for_fetch_params": "how a gather is carried; same values",
+    "stage3_allgather_sequential": "how gathers are batched; same values",
+    "log_trace_cache_warnings": "logging", "enable_sanity_checks": "debug checks",
+    "allgather_partitions": "stage 1/2 only", "allgather_bucket_size": "stage 1/2 only",
+    "use_multi_rank_bucket_allreduce": "stage 1/2 only", "round_robin_gradients": "stage 1/2 only",
+    "ignore_unused_parameters": "stage 2 only", "elastic_checkpoint": "stage 1/2 only",
+    "legacy_stage1": "stage 1 only", "cpu_offload_use_pin_memory": "offload only",
+    "save_muon_momentum_buffer_in_memory": "NVMe offload only",
+    "mics_hierarchical_params_gather": "MiCS only (mics_shard_size is rejected)",
 }
 
 
@@ -86,26 +211,25 @@ def translate(ds: Mapping[str, object]) -> tuple[dict[str, object], list[str]]:
         if key == "zero_optimization":
             _zero(value, fields, ignored)
         elif key in ("bf16", "bfloat16"):
-            if _enabled(value):
-                fields["compute_dtype"] = "bf16"
-        elif key == "gradient_accumulation_steps":
-            fields[key] = _as_int(key, value)
-        elif key == "gradient_clipping":
-            fields[key] = value
+            _bf16(key, value, fields)
+        elif key in TOP_FIELDS:
+            fields[TOP_FIELDS[key]] = _value(key, TOP_FIELDS[key], value)
+        elif key == "data_types":
+            ignored.append(key)  # checked below, once bf16 is known
         elif key in TOP_LACKING:
-            if TOP_LACKING[key](value):
-                raise ValueError(f"DeepSpeed key {key!r} = {value!r}: fz3 has no {key} (loss "
-                                 "scaling); use bf16 or fp32 compute")
+            _lacking(key, value, TOP_LACKING[key])
             ignored.append(key)
         elif key in TOP_UNUSED:
             ignored.append(key)
         else:
             raise ValueError(f"unknown DeepSpeed config key {key!r} (misspelt?); fz3 knows "
-                             f"zero_optimization, bf16, gradient_accumulation_steps, "
-                             f"gradient_clipping and DeepSpeed's other top-level keys")
+                             f"zero_optimization, bf16, {', '.join(TOP_FIELDS)} and DeepSpeed "
+                             f"0.19's other top-level keys")
     if "zero_optimization" not in ds:
         raise ValueError("DeepSpeed config has no 'zero_optimization' section; fz3 is stage 3 "
                          "only: add {'zero_optimization': {'stage': 3}}")
+    _data_types(ds.get("data_types"), str(fields.get("compute_dtype", "fp32")))
+    _batch_sizes(ds)
     return fields, ignored
 
 
@@ -125,16 +249,98 @@ def _zero(zero: object, fields: dict[str, object], ignored: list[str]) -> None:
             if value is None and field == "overlap_comm":  # DeepSpeed: None means True at stage 3
                 value = True
             fields[field] = _as_int(key, value) if field in INT_FIELDS else value
-        elif key in ZERO_LACKING:
-            if ZERO_LACKING[key](value):
-                raise ValueError(f"zero_optimization.{key} = {value!r}: fz3 does not implement "
-                                 "this feature; remove the key or switch it off")
+        elif key == "leaf_module":
+            fields.update(_leaf_module(value))
+        elif canonical in ZERO_LACKING:
+            _lacking(f"zero_optimization.{key}", value, ZERO_LACKING[canonical])
             ignored.append(f"zero_optimization.{key}")
-        elif key in ZERO_UNUSED:
+        elif canonical in ZERO_UNUSED:
             ignored.append(f"zero_optimization.{key}")
         else:
             raise ValueError(f"unknown zero_optimization key {key!r} (misspelt?); fz3 uses "
-                             f"{sorted(ZERO_FIELDS)} and stage")
+                             f"{sorted(ZERO_FIELDS)}, leaf_module and stage")
+
+
+def _value(key: str, field: str, value: object) -> object:
+    if field in INT_FIELDS:
+        return _as_int(key, value)
+    if field == "communication_data_type" and isinstance(value, str):
+        return value.lower()  # DeepSpeed: get_communication_data_type lowercases
+    return value
+
+
+def _lacking(key: str, value: object, entry: tuple[Callable[[object], bool], str]) -> None:
+    on, advice = entry
+    if on(value):
+        raise ValueError(f"DeepSpeed key {key!r} = {value!r} turns on what fz3 does not "
+                         f"implement: {advice}")
+
+
+def _bf16(key: str, value: object, fields: dict[str, object]) -> None:
+    """bf16.enabled -> compute_dtype; the sub-keys that would change the master dtype raise."""
+    if _enabled(value):
+        fields["compute_dtype"] = "bf16"
+    if isinstance(value, Mapping):
+        for sub, advice in BF16_LACKING.items():
+            if value.get(sub):
+                raise ValueError(f"DeepSpeed key '{key}.{sub}' = {value[sub]!r}: {advice}; "
+                                 "remove it")
+
+
+def _leaf_module(value: object) -> dict[str, tuple[str, ...]]:
+    """zero_optimization.leaf_module -> the three leaf_module_* fields.
+
+    A single string is a one-entry list and duplicates drop, as DeepSpeed's
+    DeepSpeedZeroLeafModuleConfig validators do; an absent sub-key keeps its default.
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"zero_optimization.leaf_module must be a dict with keys {sorted(LEAF_KEYS)}, "
+                        f"got {value!r}")
+    out: dict[str, tuple[str, ...]] = {}
+    for sub, entries in value.items():
+        if sub not in LEAF_KEYS:
+            raise ValueError(f"unknown zero_optimization.leaf_module key {sub!r}; DeepSpeed's are "
+                             f"{sorted(LEAF_KEYS)}")
+        if isinstance(entries, str):
+            entries = [entries]
+        if not isinstance(entries, (list, tuple)) or not all(isinstance(e, str) for e in entries):
+            raise TypeError(f"zero_optimization.leaf_module.{sub} must be a list of strings, "
+                            f"got {entries!r}")
+        out[LEAF_KEYS[sub]] = tuple(dict.fromkeys(entries))
+    return out
+
+
+def _data_types(section: object, compute_dtype: str) -> None:
+    """data_types: grads accumulate in fp32 in fz3, params and buffers are cast to the compute
+    dtype; any other request raises. DeepSpeed: engine.get_data_types, _mixed_precision_dtypes."""
+    if section is None:
+        return
+    if not isinstance(section, Mapping):
+        raise TypeError(f"data_types must be a dict, got {section!r}")
+    allowed = {"grad_accum_dtype": "fp32", "param_dtype": compute_dtype, "buffer_dtype": compute_dtype}
+    for key, value in section.items():
+        if key not in allowed:
+            raise ValueError(f"unknown data_types key {key!r}; DeepSpeed's are {sorted(allowed)}")
+        want = allowed[key]
+        if value is not None and value not in DTYPE_NAMES[want]:
+            raise ValueError(f"DeepSpeed key 'data_types.{key}' = {value!r}: fz3 uses {want} here "
+                             f"(compute dtype {compute_dtype}, fp32 grad accumulation); allowed: "
+                             f"None or {DTYPE_NAMES[want]}")
+
+
+def _batch_sizes(ds: Mapping[str, object]) -> None:
+    """DeepSpeed derives gradient_accumulation_steps = train_batch_size / (micro batch x world
+    size) when only the two batch sizes are given (DeepSpeedConfig._set_batch_related_parameters).
+    fz3 reads the config before it knows the world size, so that case must say the steps."""
+    if ("gradient_accumulation_steps" not in ds and "train_batch_size" in ds
+            and "train_micro_batch_size_per_gpu" in ds):
+        raise ValueError(f"train_batch_size = {ds['train_batch_size']!r} and "
+                         f"train_micro_batch_size_per_gpu = {ds['train_micro_batch_size_per_gpu']!r} "
+                         "without gradient_accumulation_steps: DeepSpeed derives the steps from the "
+                         "world size, which fz3 does not know when it reads the config; add "
+                         "gradient_accumulation_steps = train_batch_size / (micro batch x world size)")
 
 
 def _as_int(key: str, value: object) -> int:
@@ -150,17 +356,3 @@ def _no_auto(key: str, value: object) -> None:
     if value == "auto":
         raise ValueError(f"DeepSpeed key {key!r} is 'auto': resolve it to a number first "
                          "(HF Trainer does this when it builds the engine)")
-
-
-def _enabled(section: object) -> bool:
-    if isinstance(section, Mapping):
-        return bool(section.get("enabled", False))
-    return bool(section)
-
-
-def _offload_on(section: object) -> bool:
-    if section is None:
-        return False
-    if isinstance(section, Mapping):
-        return section.get("device", "none") not in ("none", None)
-    return True

@@ -78,7 +78,8 @@ class Slot(NamedTuple):
 
 @record
 class CopyToBucket(NamedTuple):
-    """Copy `param`'s full grad into the flat IPG bucket of `dtype` at [offset, offset + numel).
+    """Copy `param`'s full grad into the flat IPG bucket of `dtype` at [offset, offset + numel),
+    cast to `dtype` (the comm dtype, fz3.core.grads.bucket_dtype) if it is another.
 
     Only with contiguous_gradients; the bucket holds the grad until `DropGrads(bucket)`, and
     param.grad is released (None) after the copy, so a later accumulation into it (a new graph
@@ -96,22 +97,26 @@ class CopyToBucket(NamedTuple):
 
 @record
 class ReduceBucket(NamedTuple):
-    """SUM-reduce the bucket's grads across ranks on `path`; each rank keeps its partitions.
+    """SUM-reduce the bucket's grads across ranks on `path`, in `dtype`; each rank keeps its
+    partitions.
 
     allreduce: all-reduce the flat bucket, then each slot's [r*s, (r+1)*s) clipped to numel and
     zero-padded to s. reduce_scatter: one reduce-scatter of the padded grads, interleaved per
     rank in ParamId order. Both give the same partitions (I3). `contiguous`: the grads sit in
-    the flat bucket (CopyToBucket); False: read from each param's own grad (contiguous_gradients
-    off, or one grad bigger than the whole bucket). Runs on the reduce stream with overlap_comm.
-    DeepSpeed: `__reduce_and_partition_ipg_grads` (without its pre-division: fz3 sums, then
-    divides once in AverageGrads).
+    the flat bucket (CopyToBucket); False: read from each param's own grad, cast to `dtype`
+    (contiguous_gradients off, or one grad bigger than the whole bucket). Each grad is divided
+    by `predivide` first (1.0: nothing to do); AverageGrads' divisor accounts for it (see
+    [Note: pre-division] in fz3/core/grads.py). Runs on the reduce stream with overlap_comm.
+    DeepSpeed: `__reduce_and_partition_ipg_grads` -> `__avg_scatter_grads` /
+    `__avg_scatter_contiguous_grads`.
     """
 
     bucket: BucketId
-    dtype: str
+    dtype: str  # the comm dtype (fz3.core.grads.bucket_dtype)
     path: ReducePath
     slots: tuple[Slot, ...]  # in bucket (offset) order
     contiguous: bool
+    predivide: float = 1.0  # each grad / this before the SUM (fz3.core.grads.grad_predivide)
 
 
 @record
@@ -157,14 +162,15 @@ class ZeroPartitions(NamedTuple):
 
 @record
 class AverageGrads(NamedTuple):
-    """Divide every grad partition by `divisor` (= world size x gradient_accumulation_steps).
+    """Divide every grad partition by `divisor` (= world size x gradient_accumulation_steps /
+    the reduces' predivide: fz3.core.epilogue.grad_divisor).
 
     Partitions then hold the mean gradient; the optimizer reads them in place (views, no copy).
     One division of the exact sum, never the backend's AVG (gloo's is wrong, HCCL emulates it).
     DeepSpeed: `averaged_gradients` in `independent_gradient_partition_epilogue`.
     """
 
-    divisor: int
+    divisor: float  # an int (W x gas) unless the grads were pre-divided
 
 
 GradEffect = Union[CopyToBucket, ReduceBucket, WritePartition, DropGrads, WaitReduce,

@@ -9,18 +9,21 @@
                                 -> micro_step += 1
     ... and at the boundary (micro_step reaches gradient_accumulation_steps):
                                 ZeroPartitions(params never written in the window)
-                                -> AverageGrads(world_size * gradient_accumulation_steps)
+                                -> AverageGrads(world_size * gradient_accumulation_steps
+                                                / predivide)
 
-Partitions hold SUMs over ranks and micro-steps until the boundary, where one division turns
-them into the mean gradient, exposed to the optimizer in place. DeepSpeed instead pre-divides by
-the world size before each reduce and scales the loss by 1/gas; summing first keeps the integer
-test data exact and never relies on a backend's AVG.
+Partitions hold SUMs over ranks and micro-steps (of grads each divided by `predivide` before its
+reduce: 1 unless prescale_gradients or gradient_predivide_factor say otherwise) until the
+boundary, where one division turns them into the mean gradient, exposed to the optimizer in
+place. DeepSpeed instead pre-divides by the world size before each reduce and scales the loss
+by 1/gas; summing first keeps the integer test data exact and never relies on a backend's AVG
+(fz3/core/grads.py, [Note: pre-division]).
 """
 from __future__ import annotations
 
 from fz3.core.config import Config
 from fz3.core.effects import AverageGrads, GradEffect, WaitReduce, ZeroPartitions
-from fz3.core.grads import GradError, GradState, flush
+from fz3.core.grads import GradError, GradState, flush, grad_predivide
 from fz3.core.ids import ParamId
 
 
@@ -46,7 +49,8 @@ def epilogue(state: GradState, *, config: Config) -> tuple[GradState, tuple[Grad
         unwritten = never_written(state)
         if unwritten:
             effects.append(ZeroPartitions(unwritten))
-        effects.append(AverageGrads(grad_divisor(state.spec.world_size, gas)))
+        w = state.spec.world_size
+        effects.append(AverageGrads(grad_divisor(w, gas, grad_predivide(w, config))))
     return state, tuple(effects)
 
 
@@ -66,9 +70,12 @@ def optimizer_step(state: GradState, *, config: Config) -> tuple[GradState, tupl
     return state._replace(micro_step=0, window=state.window + 1), ()
 
 
-def grad_divisor(world_size: int, gradient_accumulation_steps: int) -> int:
-    """Sum -> mean over ranks and micro-steps: W x gas (each micro-step's loss is one term)."""
-    return world_size * gradient_accumulation_steps
+def grad_divisor(world_size: int, gradient_accumulation_steps: int, predivide: float = 1.0
+                 ) -> float:
+    """Sum -> mean over ranks and micro-steps: W x gas (each micro-step's loss is one term),
+    over `predivide`, what each grad was already divided by before its reduce (an int when 1)."""
+    divisor = world_size * gradient_accumulation_steps
+    return divisor if predivide == 1 else divisor / predivide
 
 
 def never_written(state: GradState) -> tuple[ParamId, ...]:

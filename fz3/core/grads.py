@@ -3,11 +3,12 @@
     grad of p ready (its AccumulateGrad hook fired)
         |  bucket_add(p, dtype)
         v
-    open IPG bucket of `dtype`: slots (param, offset, numel), fill <= reduce_bucket_size
+    open IPG bucket of the comm dtype (communication_data_type, else the grad's `dtype`):
+    slots (param, offset, numel), fill <= reduce_bucket_size
         |  (next grad would overflow: flush first;  grad > whole bucket: reduced on its own)
         |  flush / epilogue
         v
-    ReduceBucket(path) --> WritePartition(p, copy | add) per slot --> DropGrads (bucket free)
+    ReduceBucket(path, predivide) --> WritePartition(p, copy | add) per slot --> DropGrads
                                copy: first write of p in this accumulation window; add: later
 
 Per-param flags cost O(1) to reset: a param records the backward (and graph task) of its last
@@ -18,6 +19,16 @@ backward counter (the epilogue, fz3/core/epilogue.py) clears every flag at once.
 grad in micro-step 0 but does later adds onto the previous window's stale partition. fz3 copies
 on the param's *first write in the window* (it records the window of its last write), and the
 epilogue zeroes the partitions never written in a window.
+
+[Note: pre-division] Partitions hold sums over ranks and micro-steps; the epilogue divides once,
+by W x gas / predivide, where each grad was divided by `grad_predivide` before the reduce: 1
+(nothing) by default, W with prescale_gradients, gradient_predivide_factor otherwise. Either way
+the partitions end as the mean gradient. Pre-dividing keeps the sum of W grads inside the range
+of a narrow comm dtype (fp16). DeepSpeed stage 3 divides every grad by W before each reduce
+(`reduce_scatter_coalesced`, `__avg_scatter_contiguous_grads`), with a predivide factor f also by
+f before and times f after, and scales the loss by 1/gas; it refuses prescale_gradients and f != 1
+with reduce_scatter on (an assert in `DeepSpeedZeroOptimizer_Stage3.__init__`), while fz3 runs
+them on both reduce paths: the same arithmetic, in another order.
 
 [Note: reentrant checkpointing] A param used inside and outside a reentrant-checkpointed region
 fires its grad hook once per graph task. The shell passes the graph task; a second report in a
@@ -31,7 +42,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from fz3.core.config import Config
+from fz3.core.config import COMM_DTYPES, Config
 from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, GradEffect, ReduceBucket, Slot,
                               WriteMode, WritePartition)
 from fz3.core.ids import BucketId, ParamId
@@ -101,7 +112,8 @@ def init_grad_state(spec: ModelSpec) -> GradState:
 
 def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str = "float32",
                graph_task: int = 0) -> tuple[GradState, tuple[GradEffect, ...]]:
-    """Place `param`'s ready grad (a `dtype` tensor) in the IPG bucket of `dtype`.
+    """Place `param`'s ready grad (a `dtype` tensor) in the IPG bucket of its comm dtype
+    (`bucket_dtype`: communication_data_type, else `dtype`); the bucket holds it cast to that.
 
     Flushes that bucket first if the grad would overflow it; a grad larger than the whole bucket
     is reduced on its own, straight from param.grad. Raises GradError, naming the param, if it
@@ -109,6 +121,7 @@ def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str =
     DeepSpeed: `reduce_ready_partitions_and_remove_grads` -> `__add_grad_to_ipg_bucket`.
     """
     _check_report(state, param, graph_task, config)
+    comm = bucket_dtype(dtype, config=config)
     pg = state.params[param]
     effects: list[GradEffect] = []
     stale = _open(state, pg.bucket) if pg.reported == state.backward else None
@@ -119,16 +132,16 @@ def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str =
         state, eff = flush(state, config=config, dtype=stale.dtype)
         effects += eff
     numel = state.spec.params[param].numel
-    bucket = _bucket_of(state, dtype)
+    bucket = _bucket_of(state, comm)
     if bucket is not None and not fits(bucket.fill, numel, config.reduce_bucket_size):
-        state, eff = flush(state, config=config, dtype=dtype)
+        state, eff = flush(state, config=config, dtype=comm)
         effects += eff
     state = state._replace(params=state.params.set(param, state.params[param]._replace(
         reported=state.backward, task=graph_task)))
     if numel > config.reduce_bucket_size:
-        state, eff = _reduce_alone(state, param, dtype, config)
+        state, eff = _reduce_alone(state, param, comm, config)
     else:
-        state, eff = _place(state, param, dtype, config)
+        state, eff = _place(state, param, comm, config)
     return state, tuple(effects) + eff
 
 
@@ -149,6 +162,28 @@ def flush(state: GradState, *, config: Config, dtype: Optional[str] = None
     return state, tuple(effects)
 
 
+def bucket_dtype(grad_dtype: str, *, config: Config) -> str:
+    """The dtype a grad of `grad_dtype` is reduced in: communication_data_type if set, else its own.
+
+    One IPG bucket per such dtype. DeepSpeed: `engine.communication_data_type` (unset: the model
+    dtype, which is the grads' dtype here) and the per-dtype `ipg_buckets` of stage 3.
+    """
+    if config.communication_data_type is None:
+        return grad_dtype
+    return COMM_DTYPES[config.communication_data_type]
+
+
+def grad_predivide(world_size: int, config: Config) -> float:
+    """What every grad is divided by before the reduce (see [Note: pre-division]): the world size
+    with prescale_gradients, else gradient_predivide_factor; 1.0 = nothing.
+    DeepSpeed: `postscale_gradients` / `gradient_predivide_factor` in stage 3's
+    `__avg_scatter_grads`, which ignores the factor under prescale_gradients, as here.
+    """
+    if config.prescale_gradients:
+        return float(world_size)
+    return float(config.gradient_predivide_factor)
+
+
 def fits(fill: int, numel: int, capacity: int) -> bool:
     """A grad of `numel` still fits in a bucket holding `fill` of `capacity` elements."""
     return fill + numel <= capacity
@@ -161,7 +196,8 @@ def write_mode(pg: ParamGrad, window: int) -> WriteMode:
 
 def _reduce(state: GradState, bucket: BucketId, dtype: str, slots: tuple[Slot, ...],
             contiguous: bool, config: Config) -> tuple[GradState, tuple[GradEffect, ...]]:
-    effects: list[GradEffect] = [ReduceBucket(bucket, dtype, config.reduce_path, slots, contiguous)]
+    effects: list[GradEffect] = [ReduceBucket(bucket, dtype, config.reduce_path, slots, contiguous,
+                                              grad_predivide(state.spec.world_size, config))]
     params = state.params
     for slot in slots:
         pg = params[slot.param]

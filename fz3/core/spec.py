@@ -9,7 +9,7 @@ r owns [r * shard, (r + 1) * shard). A rank may own padding only; numel 0 gives 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from fz3.core.ids import ModuleId, ParamId
 
@@ -29,7 +29,7 @@ class ParamSpec(NamedTuple):
     name: str  # qualified name, display only
     numel: int
     shard_numel: int
-    persistent: bool  # numel <= param_persistence_threshold: stays gathered for the whole step
+    persistent: bool  # stays gathered for the whole step (persistent_flags)
 
 
 class ModuleSpec(NamedTuple):
@@ -53,20 +53,41 @@ class ModelSpec:
         raise KeyError(f"no module named {name!r}")
 
 
+def persistent_flags(numels: Sequence[int], persistence_threshold: int,
+                     model_persistence_threshold: Optional[int] = None) -> tuple[bool, ...]:
+    """Which params stay gathered all step: numel <= persistence_threshold, taken greedily in
+    param order while their total stays <= model_persistence_threshold (None: no cap).
+
+    A param that would overflow the cap is skipped and a later, smaller one may still fit.
+    DeepSpeed: `DeepSpeedZeRoOffload.mark_persistent_parameters` (named_parameters order, which
+    is ParamId order).
+    """
+    flags, total = [], 0
+    for numel in numels:
+        fits = model_persistence_threshold is None or total + numel <= model_persistence_threshold
+        keep = fits and numel <= persistence_threshold
+        total += numel if keep else 0
+        flags.append(keep)
+    return tuple(flags)
+
+
 def build_spec(params: Sequence[tuple[str, int]], modules: Sequence[tuple[str, Sequence[int], bool]],
-               *, world_size: int, persistence_threshold: int) -> ModelSpec:
+               *, world_size: int, persistence_threshold: int,
+               model_persistence_threshold: Optional[int] = None) -> ModelSpec:
     """params: (name, numel) per ParamId; modules: (name, param ids, is_leaf) per ModuleId.
 
-    A param may belong to several modules (tied weights appear once, with one id).
+    A param may belong to several modules (tied weights appear once, with one id). Persistence:
+    `persistent_flags`.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    pspecs = []
-    for i, (name, numel) in enumerate(params):
+    for name, numel in params:
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"param {name!r} has numel {numel!r}; expected an int >= 0")
-        pspecs.append(ParamSpec(ParamId(i), name, numel, shard_numel(numel, world_size),
-                                numel <= persistence_threshold))
+    persistent = persistent_flags([n for _, n in params], persistence_threshold,
+                                  model_persistence_threshold)
+    pspecs = [ParamSpec(ParamId(i), name, numel, shard_numel(numel, world_size), keep)
+              for i, ((name, numel), keep) in enumerate(zip(params, persistent))]
     mspecs = []
     for i, (name, pids, is_leaf) in enumerate(modules):
         ids = tuple(sorted(set(pids)))

@@ -6,14 +6,18 @@
     Wait(h)           wait that work, copy the output out into the params' full values (p2p:
                       the peers' shards were received in place)
     Free              params back to empty .data
-    CopyToBucket      param.grad -> slice of a flat IPG bucket buffer; param.grad = None (a p2p
-                      reduce-scatter holds the grad itself instead: its sends read it in place)
+    CopyToBucket      param.grad -> slice of a flat IPG bucket buffer of the effect's (comm)
+                      dtype; param.grad = None (a p2p reduce-scatter holds the grad itself
+                      instead, cast to that dtype: its sends read it in place)
     ReduceBucket      SUM all_reduce of the flat bucket, or one reduce_scatter_tensor of the
-                      padded rank-interleaved grads; async with overlap_comm. On gloo the
-                      reduce_scatter path runs by Config.gloo_reduce_scatter: point-to-point
-                      sends, the all-reduce path's data plane (same partitions) or gloo's own
+                      padded rank-interleaved grads; async with overlap_comm. Grads read from
+                      param.grad are cast to the effect's dtype; all are divided by its
+                      predivide first. On gloo the reduce_scatter path runs by
+                      Config.gloo_reduce_scatter: point-to-point sends, the all-reduce path's
+                      data plane (same partitions) or gloo's own
     WritePartition    this rank's reduced slice -> its fp32 partition (copy | add)
-    DropGrads         the bucket buffer goes back to the pool (or param.grad = None)
+    DropGrads         the bucket buffer goes back to the pool (not contiguous: the reduce took
+                      param.grad already)
     WaitReduce        wait every reduce in flight and run the writes that waited for it
     ZeroPartitions, AverageGrads   on the flat partition buffer (one division, never AVG)
 
@@ -118,8 +122,8 @@ class DistInterpreter:
                     self._pending(b).deferred.append(e)
                 case WritePartition(bucket=b, param=p, mode=mode):
                     self._write(b, p, mode)
-                case DropGrads(bucket=b, params=ps, contiguous=c):
-                    self._drop(b, ps, c)
+                case DropGrads(bucket=b):
+                    self._drop(b)
                 case WaitReduce():
                     while self.reduces:
                         self._complete_oldest()
@@ -188,7 +192,8 @@ class DistInterpreter:
     def _copy_to_bucket(self, e: CopyToBucket) -> None:
         param = self.store.params[e.param]
         if self.hold_grads:  # the bucket would only stage what p2p sends straight from the grad
-            self.held.setdefault(e.bucket, {})[e.offset] = param.grad.reshape(-1)
+            grad = param.grad.reshape(-1).to(getattr(torch, e.dtype))
+            self.held.setdefault(e.bucket, {})[e.offset] = grad
         else:
             if e.bucket not in self.buffers:
                 self.buffers[e.bucket] = self._acquire(e.dtype)
@@ -203,15 +208,32 @@ class DistInterpreter:
             return free.pop()
         return torch.empty(self.bucket_capacity, dtype=getattr(torch, dtype), device=self.store.device)
 
+    def _reduce_inputs(self, e: ReduceBucket) -> tuple[list[torch.Tensor], Optional[torch.Tensor]]:
+        """The grads `e` reduces, flat, in its dtype and divided by its predivide, and the bucket
+        buffer they are views of (None when they are not: held grads or param.grad)."""
+        d = e.predivide
+        if e.contiguous and e.bucket in self.held:  # ours alone since param.grad was released
+            grads = [self.held[e.bucket][s.offset] for s in e.slots]
+            return [g.div_(d) for g in grads] if d != 1 else grads, None
+        if e.contiguous:
+            buf = self.buffers[e.bucket]
+            if d != 1:
+                buf[:max(s.offset + s.numel for s in e.slots)].div_(d)
+            return [buf[s.offset:s.offset + s.numel] for s in e.slots], buf
+        dtype = getattr(torch, e.dtype)
+        grads = [self.store.params[s.param].grad.reshape(-1).to(dtype) for s in e.slots]
+        for s in e.slots:
+            # [Note: grads taken at the reduce] Not contiguous: the reduce reads param.grad and
+            # releases it now. A later partial grad of the same param (a reentrant-checkpointed
+            # region, another graph task) then starts from None instead of adding onto a grad
+            # already on its way (reduced twice), and a DropGrads that completes late cannot
+            # wipe it.
+            self.store.params[s.param].grad = None
+        return [g.div_(d) for g in grads] if d != 1 else grads, None  # released: ours alone
+
     def _reduce(self, e: ReduceBucket) -> None:
         W, r = self.world_size, self.rank
-        if e.contiguous and e.bucket in self.held:
-            grads = [self.held[e.bucket][s.offset] for s in e.slots]
-        elif e.contiguous:
-            buf = self.buffers[e.bucket]
-            grads = [buf[s.offset:s.offset + s.numel] for s in e.slots]
-        else:
-            grads = [self.store.params[s.param].grad.reshape(-1) for s in e.slots]
+        grads, buf = self._reduce_inputs(e)
         if e.path == "allreduce" or self.reduce_scatter_by == "all_reduce":
             if e.contiguous:
                 flat = buf[:max(s.offset + s.numel for s in e.slots)]
@@ -291,15 +313,13 @@ class DistInterpreter:
         else:
             part.add_(reduced)
 
-    def _drop(self, bucket: BucketId, ps: tuple[int, ...], contiguous: bool) -> None:
+    def _drop(self, bucket: BucketId) -> None:
         self.reduced.pop(bucket, None)
         self.held.pop(bucket, None)
         buf = self.buffers.pop(bucket, None)
         if buf is not None:
             self.pool.setdefault(str(buf.dtype).removeprefix("torch."), []).append(buf)
-        if not contiguous:
-            for p in ps:
-                self.store.params[p].grad = None
+        # not contiguous: the reduce released param.grad already ([Note: grads taken at the reduce])
 
     def _on(self, stream):
         """Issue on a side stream that first waits for what compute queued (e.g. shard writes)."""

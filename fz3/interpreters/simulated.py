@@ -14,7 +14,10 @@ capacity) raises SimulationError, which is how tests catch a core that emits non
 Per rank:  shards[p] (s,)  full[p] (n,) while AVAILABLE  grads[p] = param.grad not yet in a bucket
            bucket buffer per BucketId (flat, capacity reduce_bucket_size)  partitions[p] (s,)
 Grad partitions start as NaN, like DeepSpeed's uninitialised flat buffer: a core that adds where
-it should copy poisons them, and the comparison with the naive model fails.
+it should copy poisons them, and the comparison with the naive model fails. Grads are reduced
+in the effect's dtype, which must be the config's communication_data_type (else the grad's own:
+checked here with a table of this file's own, so a core that ignores the config is caught), and
+divided by the effect's predivide first; partitions keep their dtype (a write casts into it).
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, 
 from fz3.core.ids import BucketId, Handle, ParamId
 from fz3.core.spec import ModelSpec
 from fz3.data import collectives, layout, partition
+
+
+COMM = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # Config names
 
 
 class SimulationError(RuntimeError):
@@ -155,10 +161,11 @@ class SimulatedWorld:
     def _reduce(self, e: ReduceBucket) -> None:
         if e.bucket in self.reduced:
             raise SimulationError(f"bucket {e.bucket} reduced twice")
-        inputs = [self._slot_grads(r, e) for r in range(self.world_size)]  # [rank][slot]
+        inputs = [[g / e.predivide for g in self._slot_grads(r, e)]
+                  for r in range(self.world_size)]  # [rank][slot]
         if e.path == "allreduce":
             end = max((s.offset + s.numel for s in e.slots), default=0)
-            flats = [self.buckets[e.bucket][r][:end] if e.contiguous else
+            flats = [self.buckets[e.bucket][r][:end] / e.predivide if e.contiguous else
                      collectives.pack_bucket(inputs[r]) for r in range(self.world_size)]
             outs = collectives.sim_all_reduce(flats)
             spans = [(s.offset, s.numel) for s in e.slots]
@@ -185,12 +192,16 @@ class SimulatedWorld:
         return [buf[s.offset:s.offset + s.numel] for s in e.slots]
 
     def _grad(self, rank: int, param: ParamId, dtype: str) -> torch.Tensor:
+        """param.grad on `rank`, cast to the comm dtype `dtype` the effect names (checked)."""
         grad = self.grads[rank].get(param)
         if grad is None:
             raise SimulationError(f"rank {rank}: param {param} has no grad (never put, or dropped)")
-        if grad.dtype != getattr(torch, dtype):
-            raise SimulationError(f"param {param}: grad is {grad.dtype}, effect says {dtype}")
-        return grad
+        comm = self.config.communication_data_type
+        want = grad.dtype if comm is None else COMM[comm]
+        if want != getattr(torch, dtype):
+            raise SimulationError(f"param {param}: grad is {grad.dtype}, communication_data_type is "
+                                  f"{comm!r}, so it is reduced in {want}; the effect says {dtype}")
+        return grad.to(want)
 
     def _write(self, bucket: BucketId, param: ParamId, mode: WriteMode) -> None:
         slices = self.reduced.get(bucket, {}).get(param)
@@ -198,7 +209,7 @@ class SimulatedWorld:
             raise SimulationError(f"WritePartition of param {param}: bucket {bucket} has no "
                                   "reduced grad for it")
         for part, sl in zip(self.partitions, slices):
-            part[param] = partition.write_partition(part[param], sl, mode)
+            part[param] = partition.write_partition(part[param], sl.to(part[param].dtype), mode)
 
     def _drop(self, bucket: BucketId, params: tuple[ParamId, ...], contiguous: bool) -> None:
         if self.reduced.pop(bucket, None) is None:

@@ -7,9 +7,11 @@
              (DeepSpeed: _register_deepspeed_module, z3_leaf_module) -> ModuleId
 
 Leaf modules are marked with `set_leaf_modules(model_or_submodule, [Class, ...])` before
-`initialize` (the module objects themselves are marked), as DeepSpeed's `set_z3_leaf_modules`:
+`initialize` (the module objects themselves are marked), as DeepSpeed's `set_z3_leaf_modules`,
+or named by the config (`Config.leaf_module_*`, DeepSpeed's zero_optimization.leaf_module):
 a mixture-of-experts block whose experts are chosen by the data is one fetch unit and one
-reduction trigger, so every rank runs the same collectives.
+reduction trigger, so every rank runs the same collectives. A module is a leaf if either says
+so; the config's choice holds for the tables read with that config only (nothing is marked).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Iterable
 
 from torch import nn
 
-from fz3.core.config import Config
+from fz3.core.config import DEFAULT_LEAF_MODULE_CLASSES, Config
 from fz3.core.spec import ModelSpec, build_spec
 from fz3.shell import registry
 
@@ -62,6 +64,39 @@ def marked_leaf(module: nn.Module) -> bool:
     return module in _LEAF_MODULES
 
 
+def config_leaves(model: nn.Module, config: Config) -> list[nn.Module]:
+    """The modules of `model` that the config's leaf_module_* fields name, in named_modules()
+    order: a class name (bare `type(m).__name__` or `module.qualname`), a module name as
+    named_modules() gives it, or a suffix of one. Raises ValueError, naming the entry and what
+    the model has, for an entry that matches nothing, except DeepSpeed's default classes (HF
+    MoE blocks most models lack). DeepSpeed: apply_zero_leaf_module_config (which only warns).
+    """
+    named = list(model.named_modules())
+    by_class = {m: (type(m).__name__, f"{type(m).__module__}.{type(m).__qualname__}") for _, m in named}
+    rules = [("classes", lambda e, n, m: e in by_class[m]),  # DeepSpeed's sub-key, match
+             ("names", lambda e, n, m: n == e),
+             ("name_suffixes", lambda e, n, m: n.endswith(e))]
+    found: dict[int, nn.Module] = {}
+    for sub, match in rules:
+        for entry in getattr(config, f"leaf_module_{sub}"):
+            hits = [m for n, m in named if match(entry, n, m)]
+            if not hits and not (sub == "classes" and entry in DEFAULT_LEAF_MODULE_CLASSES):
+                raise ValueError(f"Config.leaf_module_{sub} (zero_optimization.leaf_module.{sub}) "
+                                 f"entry {entry!r} matches no module of {type(model).__name__}; "
+                                 f"it has {_what_it_has(sub, named)}")
+            found.update((id(m), m) for m in hits)
+    return [m for _, m in named if id(m) in found]
+
+
+def _what_it_has(sub: str, named: list[tuple[str, nn.Module]]) -> str:
+    if sub == "classes":
+        return f"module classes {sorted({type(m).__name__ for _, m in named})}"
+    names = [n for n, _ in named if n]
+    shown = ", ".join(repr(n) for n in names[:30])
+    more = f", ... ({len(names)} in all)" if len(names) > 30 else ""
+    return f"modules named [{shown}{more}]"
+
+
 @dataclass
 class Tables:
     spec: ModelSpec
@@ -82,12 +117,13 @@ def read_tables(model: nn.Module, *, world_size: int, config: Config) -> Tables:
     module_names: list[str] = []
     units: list[tuple[str, list[int], bool]] = []
     seen: set[int] = set()
+    leaves = {id(m) for m in config_leaves(model, config)}
 
     def visit(module: nn.Module, name: str) -> None:
         if id(module) in seen:
             return  # a submodule shared under two names is one unit
         seen.add(id(module))
-        leaf = module is not model and marked_leaf(module)
+        leaf = module is not model and (marked_leaf(module) or id(module) in leaves)
         own = module.parameters() if leaf else module.parameters(recurse=False)
         modules.append(module)
         module_names.append(name)
@@ -98,5 +134,6 @@ def read_tables(model: nn.Module, *, world_size: int, config: Config) -> Tables:
 
     visit(model, "")
     spec = build_spec([(n, p.numel()) for n, p in zip(names, params)], units,
-                      world_size=world_size, persistence_threshold=config.param_persistence_threshold)
+                      world_size=world_size, persistence_threshold=config.param_persistence_threshold,
+                      model_persistence_threshold=config.model_persistence_threshold)
     return Tables(spec, params, names, modules, module_names)

@@ -2,7 +2,8 @@
 
     initialize: world size 1-4, params of numel 0-40 (float32 / float64 grads), a bucket of
                 1-64 elements (often the fill of a run of grads, +-1), a reduce path, 1-4
-                accumulation steps, overlap_comm on or off
+                accumulation steps, overlap_comm on or off, a comm dtype (or none),
+                prescale_gradients on or off, a gradient_predivide_factor
     rules:      report, report_all, report_backward (grad ready -> bucket_add)
                 report_twice (must raise, naming the param)
                 new_graph_task (reentrant checkpointing)   flush   end_backward (epilogue)
@@ -27,8 +28,8 @@ from fz3.core.grads import GradError
 from fz3.core.ids import ParamId
 from fz3.core.invariants_grad import check_drained, check_grad_state, check_reduce_log
 from fz3.interpreters.simulated import SimulatedWorld
-from fz3.testing.grad_naive import (DTYPES, PATHS, NaiveGrads, bucket_sizes, grad_spec,
-                                    small_int_grads)
+from fz3.testing.grad_naive import (COMMS, DTYPES, PATHS, PREDIVIDES, NaiveGrads, bucket_sizes,
+                                    grad_multiple, grad_spec, small_int_grads)
 
 
 class GradMachine(RuleBasedStateMachine):
@@ -38,12 +39,17 @@ class GradMachine(RuleBasedStateMachine):
                                 min_size=1, max_size=6),
                 world_size=st.integers(1, 4), path=st.sampled_from(sorted(PATHS)),
                 gas=st.integers(1, 4), overlap=st.booleans(), seed=st.integers(0, 2**32 - 1),
-                data=st.data())
+                comm=st.sampled_from(COMMS), prescale=st.booleans(),
+                predivide=st.sampled_from(PREDIVIDES), data=st.data())
     def setup(self, params: list[tuple[int, str]], world_size: int, path: str, gas: int,
-              overlap: bool, seed: int, data: st.DataObject) -> None:
+              overlap: bool, seed: int, comm: str | None, prescale: bool, predivide: float,
+              data: st.DataObject) -> None:
         bucket = data.draw(bucket_sizes([n for n, _ in params]), label="reduce_bucket_size")
         self.config = Config(reduce_bucket_size=bucket, gradient_accumulation_steps=gas,
-                             overlap_comm=overlap, **PATHS[path])
+                             overlap_comm=overlap, communication_data_type=comm,
+                             prescale_gradients=prescale, gradient_predivide_factor=predivide,
+                             **PATHS[path])
+        self.multiple = grad_multiple(self.config, world_size)
         self.dtypes = [d for _, d in params]
         tdtypes = [DTYPES[d] for d in self.dtypes]
         spec = grad_spec([n for n, _ in params], world_size)
@@ -84,7 +90,7 @@ class GradMachine(RuleBasedStateMachine):
         if p in self.seen:
             return  # reporting it again in this graph task is report_twice's business
         g = small_int_grads(self.gen, self.state.spec.params[p].numel, len(self.world.shards),
-                            DTYPES[self.dtypes[p]])
+                            DTYPES[self.dtypes[p]], self.multiple)
         note(f"report p{p} (task {self.task}) grads {[t.tolist() for t in g]}")
         self.naive.add(p, g)
         self.world.accumulate_grad(p, g)
@@ -113,7 +119,7 @@ class GradMachine(RuleBasedStateMachine):
         self.seen = set()
         note(f"new graph task {self.task} (reentrant checkpoint)")
 
-    @rule(which=st.sampled_from([None, *sorted(DTYPES)]))
+    @rule(which=st.sampled_from([None, *sorted(DTYPES), "bfloat16", "float16"]))
     def flush(self, which: str | None) -> None:
         note(f"flush({which})")
         self.state, eff = grads.flush(self.state, config=self.config, dtype=which)

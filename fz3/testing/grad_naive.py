@@ -6,11 +6,14 @@
 
 The naive side slices with its own index arithmetic, never with fz3.data, so a bug in the data
 plane cannot hide by being on both sides. Grads are small integers, so every sum is exact in
-fp32 and results are compared with torch.equal.
+fp32 and results are compared with torch.equal. The naive model knows nothing of the comm dtype
+or the pre-division: whatever they are, the partitions must end as the plain mean. To keep that
+exact, grads are multiples of W under prescale_gradients (g / W is an integer again), the
+predivide factors are powers of two, and every sum stays within bf16's exact integers (256).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from hypothesis import strategies as st
@@ -30,6 +33,8 @@ PATHS = {  # name -> Config fields
     "reduce_scatter": dict(contiguous_gradients=True, reduce_scatter=True),
     "reduce_scatter_loose": dict(contiguous_gradients=False, reduce_scatter=True),
 }
+COMMS = (None, "fp32", "bf16", "fp16")  # Config.communication_data_type
+PREDIVIDES = (1.0, 0.5, 2.0, 4.0)  # Config.gradient_predivide_factor: exact scalings
 Action = tuple  # ("report", p) | ("flush",) | ("task",)
 
 
@@ -40,10 +45,16 @@ def grad_spec(numels: Sequence[int], world_size: int) -> ModelSpec:
                       world_size=world_size, persistence_threshold=0)
 
 
-def small_int_grads(gen: torch.Generator, numel: int, world_size: int, dtype: torch.dtype
-                    ) -> list[torch.Tensor]:
-    """One grad per rank, integer-valued in [-4, 4]: every sum of them is exact."""
-    return [torch.randint(-4, 5, (numel,), generator=gen).to(dtype) for _ in range(world_size)]
+def small_int_grads(gen: torch.Generator, numel: int, world_size: int, dtype: torch.dtype,
+                    multiple: int = 1) -> list[torch.Tensor]:
+    """One grad per rank, `multiple` x an integer in [-4, 4]: every sum of them is exact."""
+    return [(torch.randint(-4, 5, (numel,), generator=gen) * multiple).to(dtype)
+            for _ in range(world_size)]
+
+
+def grad_multiple(config: Config, world_size: int) -> int:
+    """W under prescale_gradients (each grad is divided by W before the reduce), else 1."""
+    return world_size if config.prescale_gradients else 1
 
 
 class NaiveGrads:
@@ -86,17 +97,22 @@ class Scenario(NamedTuple):
     overlap_comm: bool
     seed: int
     micro_steps: tuple[tuple[Action, ...], ...]  # len = gradient_accumulation_steps
+    comm: Optional[str] = None  # communication_data_type
+    prescale: bool = False  # prescale_gradients
+    predivide: float = 1.0  # gradient_predivide_factor
 
     def config(self, path: str) -> Config:
         return Config(reduce_bucket_size=self.bucket_size, overlap_comm=self.overlap_comm,
-                      gradient_accumulation_steps=len(self.micro_steps), **PATHS[path])
+                      gradient_accumulation_steps=len(self.micro_steps),
+                      communication_data_type=self.comm, prescale_gradients=self.prescale,
+                      gradient_predivide_factor=self.predivide, **PATHS[path])
 
 
 @st.composite
 def scenarios(draw: st.DrawFn, max_params: int = 6) -> Scenario:
     """World sizes 1-4, numels 0-40, buckets from 1 element (often at an edge), 1-4 micro-steps,
     each a whole backward (in reverse param order or shuffled) or any run of reports, flushes
-    and new graph tasks."""
+    and new graph tasks; any comm dtype, prescale on or off, a predivide factor."""
     params = draw(st.lists(st.tuples(st.integers(0, 40), st.sampled_from(sorted(DTYPES))),
                            min_size=1, max_size=max_params))
     n = len(params)
@@ -108,7 +124,8 @@ def scenarios(draw: st.DrawFn, max_params: int = 6) -> Scenario:
     steps = draw(st.lists(step, min_size=1, max_size=4))
     bucket = draw(bucket_sizes([p[0] for p in params]))
     return Scenario(draw(st.integers(1, 4)), tuple(params), bucket, draw(st.booleans()),
-                    draw(st.integers(0, 2**32 - 1)), tuple(steps))
+                    draw(st.integers(0, 2**32 - 1)), tuple(steps), draw(st.sampled_from(COMMS)),
+                    draw(st.booleans()), draw(st.sampled_from(PREDIVIDES)))
 
 
 def bucket_sizes(numels: Sequence[int]) -> st.SearchStrategy[int]:
@@ -145,7 +162,8 @@ def run_scenario(sc: Scenario, path: str) -> tuple[SimulatedWorld, GradState, Na
                     continue
                 seen.add(p)
                 reported.append(p)
-                g = small_int_grads(gen, sc.params[p][0], sc.world_size, dtypes[p])
+                g = small_int_grads(gen, sc.params[p][0], sc.world_size, dtypes[p],
+                                    grad_multiple(config, sc.world_size))
                 naive.add(p, g)
                 world.accumulate_grad(p, g)
                 state, eff = grads.bucket_add(state, p, config=config, dtype=sc.params[p][1],
@@ -174,4 +192,10 @@ EDGES = [  # permanent examples: shrunk failures and edges the search reaches on
     # two micro-steps; a bucket of one element: every grad bigger than 1 is reduced alone
     Scenario(3, ((5, "float32"), (1, "float32"), (0, "float32")), 1, False, 3,
              (_BACKWARD, (("report", 0),))),
+    # prescale on 3 ranks, two micro-steps, mixed grad dtypes reduced in one bf16 bucket
+    Scenario(3, ((4, "float32"), (3, "float64"), (2, "float32")), 5, True, 4,
+             (_BACKWARD, _BACKWARD), "bf16", True),
+    # a predivide factor, fp16 comm, a grad bigger than the bucket (reduced from param.grad)
+    Scenario(2, ((6, "float64"), (1, "float32")), 4, False, 5, (_BACKWARD[1:], _BACKWARD[1:]),
+             "fp16", False, 4.0),
 ]
