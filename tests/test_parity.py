@@ -77,6 +77,9 @@ def reference(model: str, world_size: int, optimizer: str, clip: float):
         torch.set_num_threads(threads)
 
 
+DYNAMIC_ORDER = ("branch",)  # models whose module order changes between passes
+
+
 def _max_dev(got: torch.Tensor, exp: torch.Tensor) -> tuple[float, float]:
     """(max abs deviation, max relative deviation where |exp| > 1e-3)."""
     d = (got - exp).abs()
@@ -95,14 +98,26 @@ def check_model(model: str, world_size: int) -> None:
         assert not errors, f"{where}: a rank raised\n" + errors[0]
         cfg = parity.config_named(cname)
         r = res[key]
-        ref_losses, ref_state = reference(model, world_size, parity.optimizer_for(cname),
-                                          cfg.gradient_clipping)
+        ref = reference(model, world_size, parity.optimizer_for(cname), cfg.gradient_clipping)
+        ref_losses, ref_state = ref.losses, ref.state
         loss_tol, param_tol = (FP32, FP32) if cfg.compute_dtype == "fp32" else (BF16_LOSS, BF16_PARAM)
 
         got = torch.tensor(res["rank_losses"][key], dtype=torch.float64).T  # (micro-step, rank)
         exp = torch.tensor(ref_losses, dtype=torch.float64)
         torch.testing.assert_close(got, exp, **loss_tol, msg=lambda m: f"{where}: losses\n{m}")
         loss_dev = _max_dev(got, exp)
+
+        # forward-only passes (inference_mode, no_grad + eval(), eval() with grad) before, between
+        # and after steps: their losses match, and training around them is unchanged (above)
+        got = torch.tensor(res["rank_eval_losses"][key], dtype=torch.float64).T  # (pass, rank)
+        torch.testing.assert_close(got, torch.tensor(ref.eval_losses, dtype=torch.float64), **loss_tol,
+                                   msg=lambda m: f"{where}: forward-only losses\n{m}")
+        # the global grad norm before clipping, and the lr scheduler stepped once per boundary
+        # with each param group's own lr
+        torch.testing.assert_close(torch.tensor(r.grad_norms, dtype=torch.float64),
+                                   torch.tensor(ref.grad_norms, dtype=torch.float64), **loss_tol,
+                                   msg=lambda m: f"{where}: get_global_grad_norm()\n{m}")
+        assert r.lrs == ref.lrs, (where, r.lrs, ref.lrs)
 
         assert list(r.state) == list(ref_state), f"{where}: state_dict keys differ"
         param_abs, param_rel = 0.0, 0.0
@@ -123,7 +138,9 @@ def check_model(model: str, world_size: int) -> None:
         if cfg.prefetch_bucket_size == 0:
             assert r.stats["all_gather_prefetch"] == 0, where
         if cname == "base":
-            assert r.stats["all_gather_prefetch"] > 0, f"{where}: prefetch never ran"
+            assert r.train_prefetch > 0, f"{where}: prefetch never ran in a training pass"
+        if model not in DYNAMIC_ORDER:  # the same module order every pass: the trace completes
+            assert r.train_trace == "COMPLETE", f"{where}: training trace {r.train_trace}"
         # the collective each reduce and gather ran: the one its config names
         rs_by = {"p2p": "reduce_p2p", "native": "reduce_reduce_scatter", "all_reduce": "reduce_all_reduce"}
         want = rs_by[cfg.gloo_reduce_scatter] if cfg.reduce_scatter else "reduce_all_reduce"
@@ -137,9 +154,10 @@ def check_model(model: str, world_size: int) -> None:
         assert used == ({f"all_gather_via_{cfg.gloo_all_gather}": n} if n else {}), (where, used)
         if cfg.max_live_parameters < 10**6:
             chain = cfg.max_live_parameters + max(r.chains)
-            assert peak <= chain, f"{where}: peak {peak} > max_live + deepest chain {chain}: {r.peak_detail}"
+            assert peak <= chain or model in CHAIN_EXCEPTIONS, (
+                f"{where}: peak {peak} > max_live + deepest chain {chain}: {r.peak_detail}")
             bound = cfg.max_live_parameters + max(r.units)
-            assert peak <= bound or model in PEAK_EXCEPTIONS, (
+            assert peak <= bound or model in PEAK_EXCEPTIONS + CHAIN_EXCEPTIONS, (
                 f"{where}: peak {peak} > max_live + largest unit {bound}: {r.peak_detail}")
         summary.append(f"  {cname:15s} loss abs {loss_dev[0]:.1e} rel {loss_dev[1]:.1e} | params abs "
                        f"{param_abs:.1e} rel {param_rel:.1e} | peak {peak}, unpinned max "
@@ -155,6 +173,11 @@ def check_model(model: str, world_size: int) -> None:
 # the excess is printed. (`albert`, a block applied K times, was the other exception until
 # post-backward released per call: 283 -> 139 against a bound of 154, W=2.)
 PEAK_EXCEPTIONS = ("external",)
+# Activation checkpointing recomputes a region's forward inside backward: the recomputed modules
+# are fetched while the calls whose backward asked for them are still open, so two chains of
+# units are live at once (seen: 162 against a chain bound of 144, tiny config, W=2: `other`'s
+# region recomputed while `shared` and its norm were open). I1 (the budget check above) holds.
+CHAIN_EXCEPTIONS = ("checkpoint",)
 
 
 def _bounds(cfg, r, peak: int) -> str:
@@ -210,6 +233,16 @@ def test_odd_numels(world_size):
 
 
 @WORLDS
+def test_containers_dataclass_and_pytree_outputs(world_size):
+    check_model("containers", world_size)
+
+
+@WORLDS
+def test_activation_checkpointing(world_size):
+    check_model("checkpoint", world_size)
+
+
+@WORLDS
 def test_moe_leaf_module(world_size):
     check_model("moe", world_size)
     if world_size > 1:  # the data made the ranks run different experts
@@ -237,7 +270,8 @@ def test_api(world_size):
     _edit(net)
     edited = net.state_dict()
     assert not torch.equal(edited["blocks.0.qkv.weight"], MODELS["gpt"].build().blocks[0].qkv.weight)
-    ref_losses, ref_state = parity.reference("gpt", world_size, "adamw", edit=_edit, steps=1)
+    ref = parity.reference("gpt", world_size, "adamw", edit=_edit, steps=1, evals=False)
+    ref_losses, ref_state = ref.losses, ref.state
     for rank, probe in enumerate(res["rank_probes"]):
         assert "error" not in probe, probe.get("error")
         assert probe["full_keys"] == probe["state_dict_keys"]  # order too; tied: both names
@@ -255,3 +289,14 @@ def test_api(world_size):
                                    torch.tensor([losses[rank] for losses in ref_losses]), **FP32)
         for name, value in ref_state.items():
             torch.testing.assert_close(probe["state_after_edit_step"][name], value, **FP32)
+
+
+@WORLDS
+def test_communication_data_type_fp32_with_bf16_compute(world_size):
+    """communication_data_type="fp32" under bf16 compute: the same reduces as the bf16 config,
+    each moving fp32, twice the bytes (its parity with single-process training: check_model,
+    run by test_gpt_tied_embeddings, with prescale_gradients and gradient_predivide_factor)."""
+    res = world(world_size)
+    bf16, fp32 = (res[("gpt", c)].stats for c in ("bf16", "bf16_comm_fp32"))
+    assert fp32["reduce"] == bf16["reduce"] > 0
+    assert fp32["reduced_bytes"] == 2 * bf16["reduced_bytes"], (fp32["reduced_bytes"], bf16["reduced_bytes"])

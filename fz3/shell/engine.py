@@ -15,6 +15,8 @@ handles (in the interpreter) and the forward stack.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,7 +33,7 @@ from fz3.core.step import end_of_step, finish_backward, reset_step
 from fz3.interpreters.dist import DistInterpreter
 from fz3.shell import checks, pytree
 from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, wrap_leaves, wrap_tensors
-from fz3.shell.optim import bind_optimizer, clip_grad_norm
+from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, global_grad_norm
 from fz3.shell.store import DTYPES, TensorStore
 from fz3.shell.tables import read_tables
 
@@ -48,7 +50,8 @@ class Engine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, *,
                  device, group=None, lr_scheduler=None) -> None:
         self.module, self.optimizer, self.config, self.device = model, optimizer, config, device
-        self.lr_scheduler = lr_scheduler
+        self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)
+        self.grad_norm: torch.Tensor | None = None  # at the last boundary, before clipping
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         _sync_from_rank0(model, group)
@@ -64,6 +67,7 @@ class Engine:
         self.units = [set(m.params) for m in self.spec.modules]
         self.leaf_params = {p for m in self.spec.modules if m.is_leaf for p in m.params}
         self.stack: list[int] = []
+        self.aborted = False  # a forward of this pass raised (see _raised)
         self.leaves_pending: set[int] = set()  # leaf modules run in forward, not yet reduced
         # [Note: inert modules] A module whose own params are all persistent (or that has none: a
         # container) never gathers nor frees, and its externals are pinned to the step's end: its
@@ -107,7 +111,7 @@ class Engine:
     def _install(self) -> None:
         for m, module in enumerate(self.tables.modules):
             module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True)
-            module.register_forward_hook(self._post_forward, with_kwargs=True)
+            module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
             if not self.spec.modules[m].is_leaf:
                 module._parameters = ParamDict(module._parameters, m, self._on_param_read)
         for p, param in enumerate(self.tables.params):
@@ -138,18 +142,19 @@ class Engine:
     def _new_pass(self, root: nn.Module) -> None:
         """The root's pre-forward: a new pass, of the kind grad mode and train mode say. A pass
         that raised left its stack behind: its open calls are forgotten with it."""
-        aborted = bool(self.stack)
-        if aborted:
-            self.stack.clear()
-            self.calls_awaiting_grads.clear()
-            self.grads_awaited.clear()
-            self.leaves_pending.clear()
+        aborted, self.aborted = self.aborted or bool(self.stack), False
+        self.stack.clear()
+        self.calls_awaiting_grads.clear()  # a pass with grad but no backward left these
+        self.grads_awaited.clear()
+        self.leaves_pending.clear()
         if [p.requires_grad for p in self.tables.params] != self.store.trainable:
             checks.requires_grad_unchanged(self.tables, self.store.trainable)
         self._params(reset_step(self.params_state, config=self.config, grad_enabled=torch.is_grad_enabled(),
                                 training=root.training, aborted=aborted))
 
     def _post_forward(self, module, args, kwargs, output):
+        if output is None and sys.exc_info()[1] is not None:
+            return self._raised(module)
         m = self.stack.pop()
         leaves, treedef = flatten(output)  # once: for returned params and for wrapping
         found = [self.param_ids[id(t)] for t in leaves if id(t) in self.param_ids]
@@ -161,6 +166,22 @@ class Engine:
             output, wrapped = wrap_leaves(output, leaves, treedef, PreBackward, lambda: self._pre_backward(m))
         self._params(release(self.params_state, m, config=self.config, grad_outputs=wrapped))
         return output
+
+    def _raised(self, module: nn.Module) -> None:
+        """[Note: a forward that raised] The post-forward hook is registered with always_call,
+        so torch calls it (with no output) while an exception leaves the module's forward: a
+        shape error in one block, or torch.utils.checkpoint's non-reentrant recompute, which
+        stops early by raising once it has recomputed what backward needs. The call is closed
+        and its params released as after a normal forward, so nothing stays gathered and the
+        forward stack stays true. Outside backward the pass itself is cut short: the next pass
+        tells the core (reset_step(aborted=True)) to forget its partial trace."""
+        m = self.module_ids[id(module)]
+        if not self.stack or self.stack[-1] != m:
+            return  # raised in a pre-forward hook before ours pushed this call
+        self.stack.pop()
+        if torch._C._current_graph_task_id() == -1:
+            self.aborted = True
+        self._params(release(self.params_state, m, config=self.config))
 
     def _on_param_read(self, owner: int, param: nn.Parameter) -> None:
         if not self.stack or self.stack[-1] == owner:
@@ -245,25 +266,41 @@ class Engine:
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """loss.backward(); the grads are summed over ranks and micro-steps and divided once
-        by world_size * gradient_accumulation_steps at the boundary (no loss scaling here)."""
+        """loss.backward(); the grads are summed over ranks and micro-steps and divided once at
+        the boundary, by world_size * gradient_accumulation_steps over what each was divided by
+        before its reduce (fz3/core/epilogue.py; no loss scaling here)."""
         loss.backward(**kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return at_boundary(self.grads_state, config=self.config)
 
-    def step(self) -> None:
-        """Optimizer step at the accumulation boundary; a no-op between (as DeepSpeed's)."""
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """At the accumulation boundary: the global grad norm, clipping, the optimizer step on
+        the fp32 master shards, then the lr scheduler (`lr_scheduler.step(**lr_kwargs)`). A
+        no-op between boundaries, as DeepSpeed's."""
         if not self.is_gradient_accumulation_boundary():
             return
         self.store.bind_grads()
+        norm = global_grad_norm(self.store, self.group)
         if self.config.gradient_clipping > 0:
-            clip_grad_norm(self.store, self.config.gradient_clipping, self.group)
+            clip_grad_norm(self.store, self.config.gradient_clipping, norm)
         self.optimizer.step()
         self.store.refresh_shards()
         self._grads(optimizer_step(self.grads_state, config=self.config))
         self._params(end_of_step(self.params_state, config=self.config))
         self.optimizer_steps += 1
+        self.grad_norm = norm
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global L2 norm of the averaged gradient at the last accumulation boundary, before
+        clipping; None before the first optimizer step. DeepSpeed: get_global_grad_norm."""
+        return None if self.grad_norm is None else float(self.grad_norm)
+
+    def get_lr(self) -> list[float]:
+        """Each param group's current learning rate. DeepSpeed: get_lr."""
+        return [group["lr"] for group in self.optimizer.param_groups]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 params (and buffers), keys as the model's state_dict."""

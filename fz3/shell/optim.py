@@ -1,4 +1,4 @@
-"""The user's optimizer on fp32 master shards, and global-norm gradient clipping over partitions.
+"""The user's optimizer on fp32 master shards, the global grad norm and clipping over partitions.
 
 `bind_optimizer` rewrites each param group's "params" list in place: the model's Parameter is
 replaced by its fp32 master shard (an nn.Parameter of shape (s,)), every other group setting is
@@ -36,17 +36,38 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
         group["params"] = rebound
 
 
-def clip_grad_norm(store: TensorStore, max_norm: float, group=None) -> torch.Tensor:
-    """Scale every grad partition so the global L2 norm is at most `max_norm`; -> the norm.
+def check_scheduler(lr_scheduler, optimizer: torch.optim.Optimizer):
+    """`lr_scheduler` if it can be stepped and drives `optimizer` (None passes). A scheduler
+    built on another optimizer would step learning rates nobody uses, silently."""
+    if lr_scheduler is None:
+        return None
+    if not callable(getattr(lr_scheduler, "step", None)):
+        raise TypeError(f"fz3.initialize: lr_scheduler must have a step() method (a torch.optim."
+                        f"lr_scheduler.LRScheduler), got {type(lr_scheduler).__name__}")
+    own = getattr(lr_scheduler, "optimizer", optimizer)
+    if own is not optimizer:
+        raise ValueError(f"fz3.initialize: lr_scheduler {type(lr_scheduler).__name__} drives another "
+                         "optimizer than the one passed; build it on that optimizer")
+    return lr_scheduler
 
-    Each rank sums the squares of its partitions (padding holds zeros), one all-reduce makes
-    the global sum. Same coefficient as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6),
-    capped at 1. DeepSpeed: get_grad_norm_direct + unscale_and_clip_grads.
+
+def global_grad_norm(store: TensorStore, group=None) -> torch.Tensor:
+    """The L2 norm of the whole averaged gradient, () fp32, the same on every rank.
+
+    Each rank sums the squares of its partitions (padding holds zeros) in fp64, one all-reduce
+    makes the global sum. DeepSpeed: get_grad_norm_direct / _global_grad_norm.
     """
     flat = store.grad_flat
     sq = (flat.double() * flat.double()).sum().reshape(1)
     dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
-    norm = sq.sqrt().to(torch.float32)
+    return sq.sqrt().to(torch.float32)[0]
+
+
+def clip_grad_norm(store: TensorStore, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale every grad partition so the global L2 norm `norm` becomes at most `max_norm`.
+
+    Same coefficient as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), capped at 1.
+    DeepSpeed: unscale_and_clip_grads.
+    """
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    flat.mul_(coef)
-    return norm[0]
+    store.grad_flat.mul_(coef)

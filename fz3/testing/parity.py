@@ -25,9 +25,10 @@ it (moment decay, weight decay); torch skips a param whose grad is None.
 """
 from __future__ import annotations
 
+import math
 import traceback
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ DS_CONFIG = {  # a real DeepSpeed dict: stage 3, DeepSpeed defaults, clipping on
     "zero_optimization": {"stage": 3},
 }
 
-# Named configs; every model runs each of CONFIGS, "gpt" also "ds_defaults". Together they cover,
+# Named configs; every model runs each of CONFIGS, "gpt" also those EXTRA names. Together they cover,
 # for every model: prefetch on (base, tiny, bf16) and off (sync_allreduce), tiny prefetch (tiny),
 # overlap on / off, both reduce paths, each gloo carrier of the reduce_scatter path (fz3's p2p in
 # base and ds_defaults, the all-reduce one with grads not contiguous in tiny, gloo's own in bf16)
@@ -68,7 +69,20 @@ CONFIGS: dict[str, Config] = {
     "bf16": Config(param_persistence_threshold=0, compute_dtype="bf16", prefetch_bucket_size=40,
                    reduce_bucket_size=64, gloo_all_gather="all_reduce", gloo_reduce_scatter="native", **_C),
 }
-EXTRA = {"gpt": ("ds_defaults",)}  # DeepSpeed defaults (everything persistent), from_deepspeed
+EXTRA = {"gpt": ("ds_defaults", "bf16_comm_fp32", "prescale")}
+# ds_defaults: DeepSpeed defaults (everything persistent), from_deepspeed. The other two, gpt
+# only, check the grad scalings DeepSpeed keys ask for, on each way a grad reaches a reduce.
+# bf16_comm_fp32: the bf16 config reducing in fp32 (communication_data_type: the same reduces
+# moving twice the bytes, tests/test_parity.py) with a gradient_predivide_factor, on the p2p
+# carrier (grads held, cast and divided in place) and from param.grad (grads bigger than the
+# bucket). prescale: prescale_gradients on the all-reduce path (the flat bucket divided in place)
+# and from param.grad.
+EXTRA_CONFIGS: dict[str, Config] = {
+    "bf16_comm_fp32": CONFIGS["bf16"].replace(communication_data_type="fp32", gloo_reduce_scatter="p2p",
+                                              gradient_predivide_factor=3.0),
+    "prescale": Config(param_persistence_threshold=0, prescale_gradients=True, reduce_scatter=False,
+                       reduce_bucket_size=64, **_C),
+}
 
 
 def config_named(name: str) -> Config:
@@ -77,14 +91,15 @@ def config_named(name: str) -> Config:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "accepts but does not use: steps_per_print, ..."
             return Config.from_deepspeed(DS_CONFIG)
-    return CONFIGS[name]
+    return CONFIGS[name] if name in CONFIGS else EXTRA_CONFIGS[name]
 
 
 def configs_for(model: str) -> tuple[str, ...]:
     return tuple(CONFIGS) + EXTRA.get(model, ())
 
 
-OPTIMIZERS = {"sync_allreduce": "sgd", "bf16": "sgd"}  # the others: "adamw"
+OPTIMIZERS = {"sync_allreduce": "sgd", "bf16": "sgd", "bf16_comm_fp32": "sgd",
+              "prescale": "sgd"}  # the others: "adamw"
 
 
 def optimizer_for(config_name: str) -> str:
@@ -94,10 +109,72 @@ def optimizer_for(config_name: str) -> str:
     return OPTIMIZERS.get(config_name, "adamw")
 
 
-def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    """Two param groups, as training scripts make them: matrices, and 1-D / 0-D params (biases,
+    norms) with their own options (AdamW: no weight decay; SGD: half the lr). fz3 must keep each
+    group's options on its shards."""
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
     if kind == "adamw":
-        return torch.optim.AdamW(params, lr=5e-3, eps=1e-6, weight_decay=0.01)
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        groups = [{"params": matrices}, {"params": vectors, "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=5e-3, eps=1e-6, weight_decay=0.01)
+    groups = [{"params": matrices}, {"params": vectors, "lr": 0.025}]
+    return torch.optim.SGD([g for g in groups if g["params"]], lr=0.05, momentum=0.9)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning rate decays at every optimizer step: a scheduler stepped at the wrong time
+    (every micro-step, or never) changes the params."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.3 * step))
+
+
+# Forward-only passes inserted before the training forward of these micro-steps (and after the
+# last step): before any step, between two micro-steps of one window, between windows, after
+# training. Each is compared with the reference's loss on the same weights, and training must go
+# on unchanged (issue #10).
+EVALS = {0: "inference_mode", 3: "no_grad_eval", 4: "eval_with_grad", STEPS * GAS: "inference_mode"}
+RAISE_AT = 5  # before this micro-step's training forward, a forward that raises midway
+
+
+class InjectedError(RuntimeError):
+    """The error a forward pre-hook raises in the second submodule call of a pass."""
+
+
+def evaluate(m, net: nn.Module, spec, batch: tuple, i: int, how: str) -> float:
+    """One forward-only pass of `m` (an engine or a plain model whose module is `net`)."""
+    if how == "inference_mode":
+        with torch.inference_mode():
+            return spec.loss(m, batch, i).item()
+    net.eval()
+    try:
+        if how == "no_grad_eval":
+            with torch.no_grad():
+                return spec.loss(m, batch, i).item()
+        return spec.loss(m, batch, i).item()  # eval_with_grad: a graph no backward will use
+    finally:
+        net.train()
+
+
+def raise_midway(engine, net: nn.Module, spec, batch: tuple, i: int) -> None:
+    """A forward that raises on every rank inside the pass (a shape error in one block): the
+    second submodule call raises after fz3's pre-forward fetched its params."""
+    calls: list[nn.Module] = []
+
+    def hook(module, args):
+        calls.append(module)
+        if len(calls) == 2:
+            raise InjectedError("injected error in the second submodule call")
+
+    handles = [m.register_forward_pre_hook(hook) for m in net.modules() if m is not net]
+    try:
+        spec.loss(engine, batch, i)
+    except InjectedError:
+        pass
+    else:
+        raise AssertionError("the injected error was never raised (fewer than 2 submodule calls)")
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @dataclass
@@ -114,6 +191,11 @@ class Result:
     observed_peak: int = 0  # most live numel seen after any parameter event
     peak_detail: str = ""  # what was live at the observed peak
     experts: list[tuple] = field(default_factory=list)  # moe: experts used per micro-step
+    eval_losses: list[float] = field(default_factory=list)  # this rank's, at EVALS, in order
+    grad_norms: list[float] = field(default_factory=list)  # get_global_grad_norm() per step
+    lrs: list[list[float]] = field(default_factory=list)  # get_lr() after each step
+    train_prefetch: int = 0  # params prefetched in training passes (not in forward-only ones)
+    train_trace: str = ""  # trace mode after the last training step
     error: Optional[str] = None
 
 
@@ -143,8 +225,8 @@ def _engine(model: str, config: Config, optimizer: str):
     net = spec.build()
     if spec.leaf_classes:
         fz3.set_leaf_modules(net, spec.leaf_classes)
-    opt = make_optimizer(optimizer, net.parameters())
-    return net, fz3.initialize(net, opt, config)
+    opt = make_optimizer(optimizer, net)
+    return net, fz3.initialize(net, opt, config, make_scheduler(opt))
 
 
 def train(model: str, config_name: str, rank: int, world_size: int) -> Result:
@@ -152,13 +234,25 @@ def train(model: str, config_name: str, rank: int, world_size: int) -> Result:
     net, engine = _engine(model, config_named(config_name), optimizer_for(config_name))
     res = Result()
     watch = LiveWatch(engine)
-    for i in range(STEPS * GAS):
+    for i in range(STEPS * GAS + 1):
         b = rank_slice(spec.batch(i), rank, world_size)
+        if i in EVALS:
+            res.eval_losses.append(evaluate(engine, net, spec, b, i, EVALS[i]))
+        if i == STEPS * GAS:
+            res.train_trace = engine.stats()["trace"]  # the training passes' trace, before the last eval
+            break
+        if i == RAISE_AT:
+            raise_midway(engine, net, spec, b, i)
+        before = engine.stats()["all_gather_prefetch"]
         loss = spec.loss(engine, b, i)
         engine.backward(loss)
         engine.step()
+        res.train_prefetch += engine.stats()["all_gather_prefetch"] - before
         res.losses.append(loss.item())
         res.not_available += _check_released(engine, i)
+        if (i + 1) % GAS == 0:  # step() stepped
+            res.grad_norms.append(engine.get_global_grad_norm())
+            res.lrs.append(engine.get_lr())
         if model == "moe":
             res.experts.append(net.moe.last_used)
     res.state = {k: v.float() for k, v in engine.full_state_dict().items()}
@@ -226,6 +320,7 @@ def run_world(world_size: int, models: tuple[str, ...], *, probes: bool = True,
                                  for k in out if isinstance(k, tuple)}
     out["rank_experts"] = {k: [r[k].experts for r in per_rank] for k in out if isinstance(k, tuple)}
     out["rank_errors"] = {k: [r[k].error for r in per_rank if r[k].error] for k in out if isinstance(k, tuple)}
+    out["rank_eval_losses"] = {k: [r[k].eval_losses for r in per_rank] for k in out if isinstance(k, tuple)}
     if probes:
         out["rank_probes"] = [r["probes"] for r in per_rank]
     return out
@@ -233,29 +328,49 @@ def run_world(world_size: int, models: tuple[str, ...], *, probes: bool = True,
 
 # ---- the reference -------------------------------------------------------------------------------
 
+class Reference(NamedTuple):
+    losses: list[list[float]]  # per micro-step, each rank's loss
+    state: dict  # state_dict after the last step
+    eval_losses: list[list[float]]  # per entry of EVALS (in order), each rank's loss
+    grad_norms: list[float]  # per optimizer step, the norm before clipping
+    lrs: list[list[float]]  # per optimizer step, each group's lr after it
+
+
 def reference(model: str, world_size: int, optimizer: str, *, clip: float = 0.0,
-              edit=None, steps: int = STEPS) -> tuple[list[list[float]], dict]:
-    """Single-process training with the same arithmetic; -> (per micro-step, each rank's loss),
-    final state_dict. See [Note: the reference]. `edit(net)` changes weights before training."""
+              edit=None, steps: int = STEPS, evals: bool = True) -> Reference:
+    """Single-process training with the same arithmetic, the same forward-only passes (`evals`)
+    and the same param groups and lr scheduler. See [Note: the reference]. `edit(net)` changes
+    weights before training."""
     spec = MODELS[model]
     net = spec.build()
     if edit is not None:
         edit(net)
-    opt = make_optimizer(optimizer, net.parameters())
+    opt = make_optimizer(optimizer, net)
+    sched = make_scheduler(opt)
     trainable = [p for p in net.parameters() if p.requires_grad]
-    losses = []
+    out = Reference([], {}, [], [], [])
+
+    def forward_only(i: int) -> None:
+        if evals and i in EVALS:
+            out.eval_losses.append([evaluate(net, net, spec, rank_slice(spec.batch(i), r, world_size), i,
+                                             EVALS[i]) for r in range(world_size)])
+
     for step in range(steps):
         for p in trainable:
             p.grad = torch.zeros_like(p)
         for i in range(step * GAS, (step + 1) * GAS):
+            forward_only(i)
             batch = spec.batch(i)
             per_rank = []
             for r in range(world_size):
                 loss = spec.loss(net, rank_slice(batch, r, world_size), i)
                 (loss / (world_size * GAS)).backward()
                 per_rank.append(loss.item())
-            losses.append(per_rank)
-        if clip > 0:
-            nn.utils.clip_grad_norm_(trainable, clip)
+            out.losses.append(per_rank)
+        out.grad_norms.append(nn.utils.clip_grad_norm_(trainable, clip if clip > 0 else math.inf).item())
         opt.step()
-    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
+        sched.step()
+        out.lrs.append([g["lr"] for g in opt.param_groups])
+    forward_only(steps * GAS)
+    out.state.update({k: v.detach().clone() for k, v in net.state_dict().items()})
+    return out

@@ -27,6 +27,13 @@ some params are smaller than the world size. What each model is there to exercis
     moe        mixture of experts picked per sample by argmax of a router on the data, declared a
                leaf module: ranks run different experts, the leaf reduces them all; applied
                twice per forward, it is reduced once, after its last call's backward
+    containers direct params returning a frozen dataclass, a torch-pytree-registered class, an
+               OrderedDict and a dataclass in a list; the root returns a dataclass
+    checkpoint torch.utils.checkpoint, reentrant and not, params used inside and outside the
+               regions, one block checkpointed twice (fz3/testing/parity_habits.py)
+
+Every model also runs forward-only passes (inference_mode, no_grad + eval(), eval() with grad)
+before, between and after its steps, and one forward that raises midway (fz3/testing/parity.py).
 
 [Note: no k-bias] Attention here has no q/k/v bias: the grad of the key bias is zero in exact
 arithmetic (softmax is shift invariant) but ~1e-9 noise in floating point, and Adam turns noise
@@ -44,6 +51,7 @@ from torch import nn
 
 from fz3.testing.parity_data import (GLOBAL_BATCH, ParityModel, _gen, _mse, _regression_batch,
                                      rank_slice)
+from fz3.testing.parity_habits import CheckpointNet, ContainersNet, _containers_loss
 from fz3.testing.parity_shapes import (MoEBlock, MoENet, OddNet, StructNet, _moe_batch, _moe_loss,
                                        _struct_loss)
 
@@ -229,4 +237,6 @@ MODELS: dict[str, ParityModel] = {m.name: m for m in (
     ParityModel("structured", _seeded(StructNet, 6), _regression_batch(6, 5, 2), _struct_loss),
     ParityModel("odd", _seeded(OddNet, 7), _regression_batch(7, 7, 3), _mse),
     ParityModel("moe", _seeded(MoENet, 8), _moe_batch, _moe_loss, (MoEBlock,)),
+    ParityModel("containers", _seeded(ContainersNet, 9), _regression_batch(9, 5, 2), _containers_loss),
+    ParityModel("checkpoint", _seeded(CheckpointNet, 10), _regression_batch(10, 5, 2), _mse),
 )}
