@@ -54,13 +54,24 @@ def check_scheduler(lr_scheduler, optimizer: torch.optim.Optimizer):
 def global_grad_norm(store: TensorStore, group=None) -> torch.Tensor:
     """The L2 norm of the whole averaged gradient, () fp32, the same on every rank.
 
-    Each rank sums the squares of its partitions (padding holds zeros) in fp64, one all-reduce
-    makes the global sum. DeepSpeed: get_grad_norm_direct / _global_grad_norm.
+    Each rank sums the squares of its partitions (padding holds zeros), one all-reduce makes the
+    global sum. [Note: norm in rows] fp32 rows of ROW elements, their squared norms summed in
+    fp64: 7 ms for the wide benchmark model's 14.7M-element partition, relative error ~1e-8.
+    Casting the whole partition to fp64 first cost 315 ms a step there (two fresh 118 MB
+    temporaries, page-faulted each time); one fp32 norm of it, 1e-3 relative error.
+    DeepSpeed: get_grad_norm_direct / _global_grad_norm.
     """
     flat = store.grad_flat
-    sq = (flat.double() * flat.double()).sum().reshape(1)
+    whole = flat.numel() // ROW * ROW
+    sq = torch.linalg.vector_norm(flat[:whole].view(-1, ROW), dim=1).double().square().sum()
+    if whole < flat.numel():
+        sq = sq + torch.linalg.vector_norm(flat[whole:]).double().square()
+    sq = sq.reshape(1)
     dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
     return sq.sqrt().to(torch.float32)[0]
+
+
+ROW = 4096  # elements per fp32 partial norm in global_grad_norm
 
 
 def clip_grad_norm(store: TensorStore, max_norm: float, norm: torch.Tensor) -> None:
