@@ -33,6 +33,7 @@ from fz3.core.step import end_of_step, finish_backward, reset_step
 from fz3.interpreters.dist import DistInterpreter
 from fz3.shell import checks, pytree
 from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, wrap_leaves, wrap_tensors
+from fz3.shell.memory import memory_stats
 from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, global_grad_norm
 from fz3.shell.store import DTYPES, TensorStore
 from fz3.shell.tables import read_tables
@@ -313,8 +314,7 @@ class Engine:
         out.update(live_numel=st.live_numel, peak_live_numel=st.peak_live_numel,
                    trace=TraceMode(st.trace.mode).name, trace_invalidations=st.trace.invalidations,
                    micro_step=self.grads_state.micro_step, optimizer_steps=self.optimizer_steps,
-                   reduce_buffer_bytes=self.interp.bucket_bytes(),
-                   **self.store.shard_bytes())
+                   **memory_stats(self))
         return out
 
     def param_status(self, param: nn.Parameter) -> str:
