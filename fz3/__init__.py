@@ -9,10 +9,10 @@ The shell's names load on first use, so `import fz3.core` stays free of torch.
 """
 from fz3.core.config import Config
 
-__all__ = ["Config", "initialize", "gathered_parameters", "set_leaf_modules"]
+__all__ = ["Config", "initialize", "gathered_parameters", "set_leaf_modules", "load_weights"]
 
 _LAZY = {"initialize": "fz3.shell.api", "gathered_parameters": "fz3.shell.consolidate",
-         "set_leaf_modules": "fz3.shell.tables"}
+         "set_leaf_modules": "fz3.shell.tables", "load_weights": "fz3.shell.weights"}
 
 
 def __getattr__(name: str):
