@@ -308,6 +308,18 @@ class Engine:
         from fz3.shell.consolidate import full_state_dict
         return full_state_dict(self)
 
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> bool:
+        """Sharded, atomic checkpoint under save_dir/<tag> (fz3/shell/checkpoint.py).
+        DeepSpeed: save_checkpoint."""
+        from fz3.shell.checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+        """-> (path, client_state); any saved world size (fz3/shell/checkpoint.py).
+        DeepSpeed: load_checkpoint."""
+        from fz3.shell.checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag)
+
     def stats(self) -> dict[str, object]:
         st = self.params_state
         out: dict[str, object] = {k: self.interp.counts[k] for k in COUNTERS}  # 0 if none yet
