@@ -42,11 +42,11 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
 
 from fz3.core.grads import init_grad_state
 from fz3.core.step import end_of_step
 from fz3.data import layout
+from fz3.shell.agree import failed_ranks
 
 FORMAT, VERSION = "fz3-zero3-checkpoint", 1
 META, CLIENT, LATEST = "fz3_meta.json", "client_state.pt", "latest"
@@ -403,10 +403,7 @@ def _check_weights_only(client_state) -> None:
 def _agree(engine, error: Exception | None, what: str) -> None:
     """Every rank learns whether any rank failed; each then raises (its own error, or which
     ranks failed). Replaces a barrier a failed rank would never reach."""
-    failed = torch.zeros(engine.world_size, dtype=torch.int32, device=engine.store.device)  # (W,)
-    failed[engine.rank] = error is not None
-    dist.all_reduce(failed, group=engine.group)
-    ranks = [r for r, f in enumerate(failed.tolist()) if f]
+    ranks = failed_ranks(engine, error is not None)
     if not ranks:
         return
     if error is not None:

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
 from fz3.core.spec import shard_numel
 from fz3.core.step import end_of_step
+from fz3.shell.agree import failed_ranks
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
@@ -73,7 +73,7 @@ def load_weights(engine, path: str | os.PathLike) -> None:
         slices = _read(engine, targets, chosen, files)
     except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
         error = e
-    failed = _failed_ranks(engine, error is not None)
+    failed = failed_ranks(engine, error is not None)
     if error is not None:
         raise error
     if failed:
@@ -214,14 +214,6 @@ def _pieces(shape: tuple[int, ...], lo: int, hi: int, prefix: tuple = ()) -> Ite
 
 
 # ---- agreeing and writing --------------------------------------------------------------------------
-
-def _failed_ranks(engine, failed: bool) -> list[int]:
-    """Every rank learns which ranks failed, so all raise or none writes (one all_reduce)."""
-    flags = torch.zeros(engine.world_size, dtype=torch.int32, device=engine.store.device)
-    flags[engine.rank] = int(failed)
-    dist.all_reduce(flags, group=engine.group)
-    return [r for r, f in enumerate(flags.tolist()) if f]
-
 
 @torch.no_grad()
 def _write(engine, targets: list[Target], parts: dict[int, torch.Tensor]) -> None:
