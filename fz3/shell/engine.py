@@ -141,8 +141,9 @@ class Engine:
         return args, kwargs
 
     def _new_pass(self, root: nn.Module) -> None:
-        """The root's pre-forward: a new pass, of the kind grad mode and train mode say. A pass
-        that raised left its stack behind: its open calls are forgotten with it."""
+        """The root's pre-forward: a new pass, of the kind grad mode and train mode say. The
+        last pass's leftovers are dropped; if it raised (see _raised; or it left its stack
+        behind), the core is told so and forgets its partial trace."""
         aborted, self.aborted = self.aborted or bool(self.stack), False
         self.stack.clear()
         self.calls_awaiting_grads.clear()  # a pass with grad but no backward left these
