@@ -25,7 +25,8 @@ import sys
 
 import torch
 
-from fz3.shell.checkpoint import CheckpointError, load_rank, read_meta, resolve_tag
+from fz3.shell.checkpoint import CheckpointError
+from fz3.shell.checkpoint_load import load_rank, read_meta, resolve_tag
 
 
 def fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:

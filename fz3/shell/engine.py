@@ -316,9 +316,9 @@ class Engine:
         return save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
-        """-> (path, client_state); any saved world size (fz3/shell/checkpoint.py).
+        """-> (path, client_state); any saved world size (fz3/shell/checkpoint_load.py).
         DeepSpeed: load_checkpoint."""
-        from fz3.shell.checkpoint import load_checkpoint
+        from fz3.shell.checkpoint_load import load_checkpoint
         return load_checkpoint(self, load_dir, tag)
 
     def stats(self) -> dict[str, object]:

@@ -1,0 +1,219 @@
+"""Loading a sharded checkpoint (format: fz3/shell/checkpoint.py): `engine.load_checkpoint`.
+
+    resolve tag (`latest`) --> read + check metadata, rank files, model, optimizer groups
+    (nothing is changed yet) --every rank agrees--> masters, optimizer, scheduler, buffers,
+    counters; stale full params gathered again
+
+At another world size each shard is rebuilt: the saved ranks' shards concatenated in rank order,
+padding dropped, re-sliced (fz3/data/layout.py); optimizer-state tensors shaped like a param's
+shard are resharded the same way, other state (`step`) is taken from saved rank 0.
+`fz3/consolidate.py` reads checkpoints through `resolve_tag`, `read_meta` and `load_rank`.
+DeepSpeed: DeepSpeedEngine.load_checkpoint (which needs the universal-checkpoint conversion for
+another world size).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+
+from fz3.core.grads import init_grad_state
+from fz3.core.step import end_of_step
+from fz3.data import layout
+from fz3.shell.checkpoint import (CLIENT, FORMAT, LATEST, META, VERSION, CheckpointError, agree,
+                                  check_quiescent, check_tag, fingerprint, group_param_ids,
+                                  list_tags, param_records, rank_file)
+
+def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+    """Load save_dir/<tag> (tag None: the one `latest` names) into this engine, at any world
+    size; every rank must call it. Returns (the tag's folder, client_state). Everything is read
+    and checked before anything changes; an error on any rank raises on every rank.
+    DeepSpeed: DeepSpeedEngine.load_checkpoint, which returns (None, None) when there is no
+    `latest`; fz3 raises instead (a mistyped folder would silently train from scratch)."""
+    check_quiescent(engine, "load_checkpoint")
+    error, loaded = None, None
+    try:
+        loaded = read_checkpoint(engine, load_dir, tag)
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        error = e
+    agree(engine, error, f"load_checkpoint({load_dir!r}, tag={tag!r})")
+    apply(engine, loaded)
+    return loaded["path"], loaded["client_state"]
+
+
+def resolve_tag(load_dir: str, tag: str | None) -> str:
+    if tag is not None:
+        return check_tag(tag)
+    latest = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(latest):
+        raise CheckpointError(f"load_checkpoint: no {latest} file (no checkpoint was completed in "
+                              f"{load_dir!r}); pass tag= to load a given one")
+    with open(latest) as f:
+        tag = f.read().strip()
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        raise CheckpointError(f"{latest} names tag {tag!r}, but {os.path.join(load_dir, tag)} does not "
+                              f"exist; tags present: {list_tags(load_dir)}")
+    return tag
+
+
+def read_meta(folder: str) -> dict:
+    """The metadata of a tag folder, checked against the rank files present (count, sizes)."""
+    path = os.path.join(folder, META)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+        missing = [k for k in ("format", "version", "world_size", "params", "fingerprint", "state_dict",
+                               "files", "optimizer_steps", "grads") if k not in meta]
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint metadata {path} is missing or corrupted: {e}") from e
+    if missing or meta["format"] != FORMAT or meta["version"] != VERSION:
+        raise CheckpointError(f"checkpoint metadata {path} is corrupted or not an {FORMAT} v{VERSION} "
+                              f"record (format {meta.get('format')!r}, version {meta.get('version')!r}, "
+                              f"missing keys {missing})")
+    world = meta["world_size"]
+    present = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "rank_*.pt")))
+    expected = [rank_file(r) for r in range(world)] if isinstance(world, int) and world >= 1 else None
+    if present != expected:
+        raise CheckpointError(f"{path} records world size {world!r}, but {folder} holds the rank files "
+                              f"{present}; expected {expected} (a missing rank file, or files of "
+                              "another save)")
+    for name, size in meta["files"].items():
+        file = os.path.join(folder, name)
+        actual = os.path.getsize(file) if os.path.isfile(file) else None
+        if actual != size:
+            raise CheckpointError(f"checkpoint file {file} is {'missing' if actual is None else f'{actual} bytes'}"
+                                  f", {path} records {size} bytes (truncated or overwritten)")
+    return meta
+
+
+def check_model(engine, meta: dict, path: str) -> None:
+    """The engine's model has the checkpoint's params: names, shapes, requires_grad."""
+    saved, ours = meta["params"], param_records(engine)
+    if len(saved) != len(ours):
+        raise CheckpointError(f"{path} is a checkpoint of a model with {len(saved)} params, this model "
+                              f"has {len(ours)} (first names: saved {[p['name'] for p in saved[:5]]}, "
+                              f"this {[p['name'] for p in ours[:5]]})")
+    for i, (a, b) in enumerate(zip(saved, ours)):
+        for key in ("name", "shape", "requires_grad"):
+            if a[key] != b[key]:
+                raise CheckpointError(f"{path}: param {i} has {key} {a[key]!r} in the checkpoint, "
+                                      f"{b[key]!r} in this model ({b['name']!r}); load it into the model "
+                                      "it was saved from")
+    if meta["fingerprint"] != fingerprint(ours):
+        raise CheckpointError(f"{path}: model fingerprint {meta['fingerprint'][:12]} does not match "
+                              f"this model's {fingerprint(ours)[:12]}")
+
+
+def load_rank(folder: str, rank: int, meta: dict) -> dict:
+    path = os.path.join(folder, rank_file(rank))
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - torch raises several kinds for a damaged zip
+        raise CheckpointError(f"checkpoint file {path} cannot be read (corrupted?): {e}") from e
+    want = (FORMAT, rank, meta["world_size"], meta["fingerprint"])
+    got = tuple(payload.get(k) for k in ("format", "rank", "world_size", "fingerprint"))
+    if got != want:
+        raise CheckpointError(f"checkpoint file {path} records (format, rank, world size, fingerprint) "
+                              f"{got[:3] + (str(got[3])[:12],)}; {os.path.join(folder, META)} expects "
+                              f"{want[:3] + (want[3][:12],)}")
+    return payload
+
+
+def read_checkpoint(engine, load_dir: str, tag: str | None) -> dict:
+    """Everything this rank will load, read and checked; the engine is not touched."""
+    tag = resolve_tag(load_dir, tag)
+    folder = os.path.join(load_dir, tag)
+    meta = read_meta(folder)
+    check_model(engine, meta, os.path.join(folder, META))
+    world = meta["world_size"]
+    same = world == engine.world_size
+    ranks = [engine.rank] if same else list(range(world))
+    files = {r: load_rank(folder, r, meta) for r in ranks}
+    if 0 not in files:
+        files[0] = load_rank(folder, 0, meta)  # buffers, and non-shard optimizer state
+    groups = group_param_ids(engine)
+    for r, payload in files.items():
+        if payload["group_param_ids"] != groups:
+            raise CheckpointError(f"{os.path.join(folder, rank_file(r))}: the optimizer's param groups "
+                                  f"hold params {payload['group_param_ids']} (ParamIds), this optimizer's "
+                                  f"hold {groups}; build the optimizer with the same groups")
+    if (files[0]["lr_scheduler"] is None) != (engine.lr_scheduler is None):
+        raise CheckpointError(f"{folder}: the checkpoint has {'no' if files[0]['lr_scheduler'] is None else 'an'}"
+                              f" lr scheduler state, this engine has "
+                              f"{'none' if engine.lr_scheduler is None else 'an lr_scheduler'}")
+    mine = files[engine.rank] if same else None
+    numels = [p["numel"] for p in meta["params"]]
+    masters = ([t.clone() for t in mine["masters"]] if same else
+               [reshard([files[r]["masters"][p] for r in range(world)], n, engine.rank, engine.world_size)
+                for p, n in enumerate(numels)])
+    optim = _clone(mine["optimizer"]) if same else reshard_optimizer(files, meta, engine, groups)
+    client_path = os.path.join(folder, CLIENT)
+    try:
+        client_state = torch.load(client_path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint file {client_path} cannot be read (corrupted?): {e}") from e
+    return {"path": folder, "meta": meta, "masters": masters, "optimizer": optim,
+            "lr_scheduler": (mine or files[0])["lr_scheduler"],
+            "buffers": _clone(files[0]["buffers"]), "client_state": client_state}
+
+
+def reshard(shards: list[torch.Tensor], numel: int, rank: int, world_size: int) -> torch.Tensor:
+    """Saved shards (s,) in rank order -> this rank's (s',) at the new world size."""
+    full = torch.cat([s.reshape(-1) for s in shards])[:numel]  # (numel,): padding dropped
+    return layout.rank_slice(full, rank, world_size).clone()
+
+
+def reshard_optimizer(files: dict, meta: dict, engine, groups: list[list[int]]) -> dict:
+    """optimizer.state_dict() for this rank at the new world size: every state tensor shaped
+    like its param's saved shard (s,) is resharded, the rest (`step`) is saved rank 0's."""
+    world = meta["world_size"]
+    base = files[0]["optimizer"]
+    pid_of_index = [p for g in groups for p in g]
+    state = {}
+    for index, entry in base["state"].items():
+        p = pid_of_index[index]
+        s, numel = meta["params"][p]["shard_numel"], meta["params"][p]["numel"]
+        state[index] = {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.ndim == 1 and value.shape[0] == s:
+                value = reshard([files[r]["optimizer"]["state"][index][key] for r in range(world)],
+                                numel, engine.rank, engine.world_size)
+            state[index][key] = _clone(value)
+    return {"state": state, "param_groups": _clone(base["param_groups"])}
+
+
+def apply(engine, loaded: dict) -> None:
+    """Install what read_checkpoint returned: masters (then the compute shards and every full
+    param, now stale), optimizer (state and group options), scheduler, buffers, counters."""
+    for master, value in zip(engine.store.masters, loaded["masters"]):
+        master.data.copy_(value)
+    engine.store.refresh_shards()
+    engine.optimizer.load_state_dict(loaded["optimizer"])
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
+    buffers = dict(engine.module.named_buffers())
+    for name, value in loaded["buffers"].items():
+        if name in buffers:
+            buffers[name].data.copy_(value)
+    meta = loaded["meta"]
+    engine.optimizer_steps = meta["optimizer_steps"]
+    # fresh per-param grad records: ones left by training before the load could equal the
+    # restored window / backward counters and turn a first write into an add (fz3/core/grads.py)
+    engine.grads_state = init_grad_state(engine.spec)._replace(window=meta["grads"]["window"],
+                                                               backward=meta["grads"]["backward"])
+    engine._params(end_of_step(engine.params_state, config=engine.config))  # re-gather persistent
+
+
+def _clone(obj):
+    """A deep copy with tensors cloned (off the mmap'd file)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return obj
