@@ -243,11 +243,11 @@ def train(model: str, config_name: str, rank: int, world_size: int) -> Result:
             break
         if i == RAISE_AT:
             raise_midway(engine, net, spec, b, i)
-        before = engine.stats()["all_gather_prefetch"]
+        before = engine.interp.counts["all_gather_prefetch"]
         loss = spec.loss(engine, b, i)
         engine.backward(loss)
         engine.step()
-        res.train_prefetch += engine.stats()["all_gather_prefetch"] - before
+        res.train_prefetch += engine.interp.counts["all_gather_prefetch"] - before
         res.losses.append(loss.item())
         res.not_available += _check_released(engine, i)
         if (i + 1) % GAS == 0:  # step() stepped
