@@ -2,6 +2,7 @@
 
     import fz3
     cfg = fz3.Config(...)  /  fz3.Config.from_deepspeed(ds_dict)
+    with fz3.Init(): model = build()           # optional: built already sharded
     engine = fz3.initialize(model, optimizer, cfg)
     loss = f(engine(batch)); engine.backward(loss); engine.step()
 
@@ -9,9 +10,9 @@ The shell's names load on first use, so `import fz3.core` stays free of torch.
 """
 from fz3.core.config import Config
 
-__all__ = ["Config", "initialize", "gathered_parameters", "set_leaf_modules", "load_weights"]
+__all__ = ["Config", "Init", "initialize", "gathered_parameters", "set_leaf_modules", "load_weights"]
 
-_LAZY = {"initialize": "fz3.shell.api", "gathered_parameters": "fz3.shell.consolidate",
+_LAZY = {"Init": "fz3.shell.init", "initialize": "fz3.shell.api", "gathered_parameters": "fz3.shell.consolidate",
          "set_leaf_modules": "fz3.shell.tables", "load_weights": "fz3.shell.weights"}
 
 

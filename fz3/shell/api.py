@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fz3.core.config import Config
-from fz3.shell import registry
+from fz3.shell import init, registry
 from fz3.shell.pick import check_group_backend, pick_device
 from fz3.shell.engine import Engine
 
@@ -37,7 +37,19 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     device = pick_device()
     check_group_backend(device, group)
     device.set_device()
-    model.to(device.torch_device)
+    _to_device(model, device.torch_device)
     engine = Engine(model, optimizer, config, device=device, group=group, lr_scheduler=lr_scheduler)
     registry.register(engine)
     return engine
+
+
+def _to_device(model: nn.Module, device: torch.device) -> None:
+    """model.to(device), except params built under fz3.Init: their shards go to the device when
+    the engine takes them, and their placeholders stay (moving one would make it whole)."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and init.shard_of(p) is None:
+                p.data = p.data.to(device)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = b.to(device)

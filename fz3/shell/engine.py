@@ -31,7 +31,7 @@ from fz3.core.release import release
 from fz3.core.state import GRADS_REMAINING, STATUS, initial_state
 from fz3.core.step import end_of_step, finish_backward, reset_step
 from fz3.interpreters.dist import DistInterpreter
-from fz3.shell import checks, pytree
+from fz3.shell import checks, init, pytree
 from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, wrap_leaves, wrap_tensors
 from fz3.shell.memory import memory_stats
 from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, global_grad_norm
@@ -335,8 +335,10 @@ class Engine:
 
 
 def _sync_from_rank0(model: nn.Module, group) -> None:
-    """Every rank starts from rank 0's values (DeepSpeed's zero.Init broadcasts them too)."""
-    for t in list(model.parameters()) + list(model.buffers()):
+    """Every rank starts from rank 0's values (DeepSpeed's zero.Init broadcasts them too); params
+    built under fz3.Init already hold shards of rank 0's values."""
+    whole = [p for p in model.parameters() if init.shard_of(p) is None]
+    for t in whole + list(model.buffers()):
         dist.broadcast(t.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
 
 

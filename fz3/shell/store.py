@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fz3.data import layout
+from fz3.shell import init
 from fz3.shell.tables import Tables
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -29,9 +30,11 @@ class TensorStore:
         self.shapes = [p.shape for p in self.params]
         self.trainable = [p.requires_grad for p in self.params]
         self.masters: list[nn.Parameter] = []
-        for p in self.params:
-            full = p.detach().to(device=device, dtype=torch.float32)
-            self.masters.append(nn.Parameter(layout.shard_of(full, rank, world_size).clone(),
+        for p, name in zip(self.params, tables.names):
+            shard = init.take_shard(p, name, rank=rank, world_size=world_size)  # built under fz3.Init
+            if shard is None:
+                shard = layout.shard_of(p.detach().to(device=device, dtype=torch.float32), rank, world_size)
+            self.masters.append(nn.Parameter(shard.to(device=device, dtype=torch.float32, copy=True),
                                              requires_grad=p.requires_grad))
         self.shards: list[torch.Tensor] = []
         self.refresh_shards()
