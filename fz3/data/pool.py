@@ -17,8 +17,12 @@ storage's use count says they are all gone. Nobody returns buffers by hand, so n
 returned too early: a param freed by the core whose old value autograd still holds keeps its
 buffer out of the pool until backward lets go.
 
-Bounded: at most `limit_bytes` are kept; past it the least recently used free buffers go, and a
-request that still does not fit gets a plain, untracked tensor.
+Bounded: at most `limit_bytes` are kept (the interpreter sizes it by what the live budget can
+need, not by the model); past it the least recently used free buffers go, and a request that
+still does not fit gets a plain, untracked tensor. Released: `trim()` at each accumulation
+boundary drops the free buffers the window did not take, and a miss first drops the free ones
+not taken since the last boundary, so the first step's per-module sizes (before the trace
+batches gathers) are gone before the traced step's sizes are made, not after its peak.
 """
 from __future__ import annotations
 
@@ -41,6 +45,27 @@ class BufferPool:
         self.buffers: "OrderedDict[Key, list[torch.Tensor]]" = OrderedDict()  # LRU key order
         self.bytes = 0
         self.hits = self.misses = 0
+        self.taken: set[int] = set()  # id of each buffer handed out since the last trim
+
+    def trim(self, stale_only: bool = False) -> int:
+        """Drop the free buffers nobody took since the last trim (the sizes of a step that will
+        not come again: the first step's per-module gathers before the trace). -> bytes dropped."""
+        dropped = 0
+        for key in list(self.buffers):
+            keep = []
+            for t in self.buffers[key]:
+                if id(t) not in self.taken and _users(t) == 0:
+                    dropped += t.numel() * t.element_size()
+                else:
+                    keep.append(t)
+            if keep:
+                self.buffers[key] = keep
+            else:
+                del self.buffers[key]
+        self.bytes -= dropped
+        if not stale_only:
+            self.taken.clear()
+        return dropped
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A (numel,) tensor of dtype, contents undefined, that nobody else is using."""
@@ -51,13 +76,16 @@ class BufferPool:
             for t in held:
                 if _users(t) == 0:
                     self.hits += 1
+                    self.taken.add(id(t))
                     return t.view(-1)
         self.misses += 1
+        self.trim(stale_only=True)
         t = torch.empty(numel, dtype=dtype, device=self.device)
         size = numel * t.element_size()
         if self._make_room(size):
             self.buffers.setdefault(key, []).append(t)
             self.bytes += size
+            self.taken.add(id(t))
         return t.view(-1)
 
     def _make_room(self, size: int) -> bool:
@@ -74,7 +102,7 @@ class BufferPool:
                 break
             held = self.buffers[key]
             for t in [t for t in held if _users(t) == 0]:
-                held.remove(t)
+                held[:] = [h for h in held if h is not t]  # by identity: a tensor's == is elementwise
                 self.bytes -= t.numel() * t.element_size()
                 if self.bytes + size <= self.limit:
                     break

@@ -86,12 +86,17 @@ class DistInterpreter:
         trainable = sum(s.numel for s, t in zip(self.spec.params, store.trainable) if t)
         self.bucket_capacity = max(1, min(config.reduce_bucket_size, trainable))
         self.counts: Counter[str] = Counter()
-        full_bytes = sum(s.numel for s in self.spec.params) * store.shards[0].element_size() \
-            if self.spec.params else 0
-        # CPU: room for every param's full value, a gather's input and output, and a reduce's.
-        # An accelerator's caching allocator reuses memory already; a pool there would only keep
-        # buffers from activations, so it holds nothing (every take allocates).
-        limit = 3 * full_bytes + (64 << 20) if store.device.type == "cpu" else 0
+        # CPU: room for what the live budget can need at once, and no more than the model could:
+        # the gathers' outputs and inputs (live full params, within max_live_parameters plus
+        # the unit fetched on demand past it, fz3/core/fetch.py) and a reduce's input and
+        # output (one bucket). An accelerator's caching allocator reuses memory already; a pool
+        # there would only keep buffers from activations, so it holds nothing.
+        elem = store.shards[0].element_size() if self.spec.params else 4
+        total = sum(s.numel for s in self.spec.params)
+        unit = max((sum(self.spec.params[p].numel for p in m.params) for m in self.spec.modules), default=0)
+        live = min(config.max_live_parameters + unit, total)
+        need = (live + -(-live // self.world_size) + 2 * self.bucket_capacity) * elem
+        limit = min(need, 3 * total * elem) + (64 << 20) if store.device.type == "cpu" else 0
         self.buffers_pool = BufferPool(store.device, limit_bytes=limit)
 
     def run(self, effects: Iterable[object]) -> None:

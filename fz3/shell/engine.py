@@ -290,6 +290,7 @@ class Engine:
         self.store.refresh_shards()
         self._grads(optimizer_step(self.grads_state, config=self.config))
         self._params(end_of_step(self.params_state, config=self.config))
+        self.interp.buffers_pool.trim()  # sizes this window did not use (fz3/data/pool.py)
         self.optimizer_steps += 1
         self.grad_norm = norm
         if self.lr_scheduler is not None:
