@@ -23,6 +23,18 @@ from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
 MODELS = {  # issue #5: same model, data, optimizer and global batch for every system
     "small": (GPTConfig(vocab=4096, d_model=256, n_head=4, n_layer=4, seq=128), 8),
     "wide": (GPTConfig(vocab=32768, d_model=512, n_head=8, n_layer=4, seq=64), 4),
+    # bench/memory.py: two sizes for the bytes-per-param fit, then a ladder for fz3.Init's largest
+    # run (d 2048); short sequences and 1 sequence per rank, so activations stay small
+    "m100": (GPTConfig(vocab=32768, d_model=768, n_head=12, n_layer=12, seq=64), 2),  # 110,270,976
+    "m300": (GPTConfig(vocab=32768, d_model=1024, n_head=16, n_layer=24, seq=64), 2),  # 335,931,392
+    "m600": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=11, seq=64), 2),  # 621,185,024
+    "m800": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=15, seq=64), 2),  # 822,618,112
+    "b1": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=19, seq=64), 2),  # 1,024,051,200
+    "b12": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=23, seq=64), 2),  # 1,225,484,288
+    # bench/memory.py --smoke: the same pipeline on tiny models
+    "s1": (GPTConfig(vocab=512, d_model=64, n_head=4, n_layer=2, seq=64), 2),  # 136,960
+    "s2": (GPTConfig(vocab=512, d_model=128, n_head=4, n_layer=4, seq=64), 2),  # 867,072
+    "s3": (GPTConfig(vocab=512, d_model=128, n_head=4, n_layer=6, seq=64), 2),  # 1,263,616
 }
 SEED = 0
 LR, WEIGHT_DECAY = 1e-3, 0.01

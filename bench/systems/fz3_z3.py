@@ -1,4 +1,6 @@
-"""fz3: fz3.initialize(model, AdamW, Config(**options["config"])); defaults when empty."""
+"""fz3: fz3.initialize(model, AdamW, Config(**options["config"])); defaults when empty.
+options["init"] True builds the model under fz3.Init() (each param partitioned as its module
+is built, DeepSpeed's zero.Init)."""
 from __future__ import annotations
 
 import fz3
@@ -7,7 +9,11 @@ from systems.common import loss_fn, make_model, make_optimizer, optimizer_state_
 
 class Fz3:
     def __init__(self, spec: dict) -> None:
-        self.model = make_model(spec["model"])
+        if spec.get("options", {}).get("init"):
+            with fz3.Init():
+                self.model = make_model(spec["model"])
+        else:
+            self.model = make_model(spec["model"])
         self.cfg = fz3.Config(**spec.get("options", {}).get("config", {}))
         self.engine = fz3.initialize(self.model, make_optimizer(self.model.parameters()), self.cfg)
         self.before: dict = {}
