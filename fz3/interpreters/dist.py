@@ -87,16 +87,20 @@ class DistInterpreter:
         self.bucket_capacity = max(1, min(config.reduce_bucket_size, trainable))
         self.counts: Counter[str] = Counter()
         # CPU: room for what the live budget can need at once, and no more than the model could:
-        # the gathers' outputs and inputs (live full params, within max_live_parameters plus
-        # the unit fetched on demand past it, fz3/core/fetch.py) and a reduce's input and
-        # output (one bucket). An accelerator's caching allocator reuses memory already; a pool
-        # there would only keep buffers from activations, so it holds nothing.
+        # the live full params (within max_live_parameters plus the unit fetched on demand past
+        # it, fz3/core/fetch.py), the gathers' packed inputs (not for p2p, which sends from the
+        # shards) and one reduce's buffers (p2p: the peers' partitions it receives; otherwise
+        # the packed input and the output). An accelerator's caching allocator reuses memory
+        # already; a pool there would only keep buffers from activations, so it holds nothing.
         elem = store.shards[0].element_size() if self.spec.params else 4
         total = sum(s.numel for s in self.spec.params)
         unit = max((sum(self.spec.params[p].numel for p in m.params) for m in self.spec.modules), default=0)
         live = min(config.max_live_parameters + unit, total)
-        need = (live + -(-live // self.world_size) + 2 * self.bucket_capacity) * elem
-        limit = min(need, 3 * total * elem) + (64 << 20) if store.device.type == "cpu" else 0
+        W, bucket = self.world_size, self.bucket_capacity
+        inputs = 0 if self.gather_by == "p2p" else -(-live // W)
+        reduce = bucket * (W - 1) // W if self.reduce_scatter_by == "p2p" else bucket + -(-bucket // W)
+        limit = min((live + inputs + reduce) * elem, 3 * total * elem) + (64 << 20) \
+            if store.device.type == "cpu" else 0
         self.buffers_pool = BufferPool(store.device, limit_bytes=limit)
 
     def run(self, effects: Iterable[object]) -> None:
@@ -151,9 +155,9 @@ class DistInterpreter:
         self.counts["all_gather_prefetch" if prefetch else "all_gather_on_demand"] += 1
         self.counts["gathered_bytes"] += S * W * shards[0].element_size()
         if self.gather_by == "p2p":
-            numels = [self.spec.params[p].numel for p in ps]
-            flat = self.buffers_pool.take(sum(numels), shards[0].dtype)
-            fulls = torch.split(flat, numels)
+            # a buffer per param: freeing one frees its memory (a flat buffer for the batch would
+            # live until the last of its params is freed)
+            fulls = [self.buffers_pool.take(self.spec.params[p].numel, shards[0].dtype) for p in ps]
             with self._on(self.gather_stream):
                 work = self._p2p(p2p.all_gather(fulls, shards, self.rank, W, group=self.group,
                                                 tag=next(self.tags)))

@@ -34,6 +34,7 @@ from fz3.interpreters.dist import DistInterpreter
 from fz3.shell import checks, init, pytree
 from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, wrap_leaves, wrap_tensors
 from fz3.shell.memory import memory_stats
+from fz3.shell.saved import SavedParams
 from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, global_grad_norm
 from fz3.shell.store import DTYPES, TensorStore
 from fz3.shell.tables import read_tables
@@ -88,6 +89,8 @@ class Engine:
         self.grads_awaited: dict[int, set[int]] = {}  # module -> its params' grads still due
         self.callback_queued = False
         self.optimizer_steps = 0
+        self.saved = SavedParams(self.store, self.tables.names)
+        self.saved_hooks = None  # entered for each root forward
         if config.compute_dtype != "fp32":
             _cast_buffers(model, DTYPES[config.compute_dtype])
         bind_optimizer(optimizer, self.tables.params, self.store.masters)
@@ -123,6 +126,9 @@ class Engine:
         m = self.module_ids[id(module)]
         if m == 0 and torch._C._current_graph_task_id() == -1:  # the root, not recomputed in backward
             self._new_pass(module)
+            if self.saved_hooks is None:  # [Note: saved views of gathered params] (saved.py)
+                self.saved_hooks = self.saved.context()
+                self.saved_hooks.__enter__()
             if self.store.dtype != torch.float32:
                 args, kwargs = _cast_floating((args, kwargs), self.store.dtype)
         if self.inert[m]:
@@ -167,7 +173,14 @@ class Engine:
         else:
             output, wrapped = wrap_leaves(output, leaves, treedef, PreBackward, lambda: self._pre_backward(m))
         self._params(release(self.params_state, m, config=self.config, grad_outputs=wrapped))
+        if m == 0:
+            self._end_saved_hooks()
         return output
+
+    def _end_saved_hooks(self) -> None:
+        if self.saved_hooks is not None and torch._C._current_graph_task_id() == -1:
+            self.saved_hooks.__exit__(None, None, None)
+            self.saved_hooks = None
 
     def _raised(self, module: nn.Module) -> None:
         """[Note: a forward that raised] The post-forward hook is registered with always_call,
@@ -184,6 +197,8 @@ class Engine:
         if torch._C._current_graph_task_id() == -1:
             self.aborted = True
         self._params(release(self.params_state, m, config=self.config))
+        if m == 0:
+            self._end_saved_hooks()
 
     def _on_param_read(self, owner: int, param: nn.Parameter) -> None:
         if not self.stack or self.stack[-1] == owner:

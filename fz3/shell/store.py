@@ -46,6 +46,8 @@ class TensorStore:
             self.partitions.append(self.grad_flat[offset:offset + n] if t else None)
             offset += n
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
+        self.full_spans: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (offset, numel, param)
+        self.full_key: dict[int, int] = {}  # param -> the storage its full value lies in
         for p in range(len(self.params)):
             self.free(p)
 
@@ -59,10 +61,34 @@ class TensorStore:
     def set_full(self, p: int, flat: torch.Tensor) -> None:
         """Param p becomes AVAILABLE: its .data is the gathered full value (numel,)."""
         self.params[p].data = flat.view(self.shapes[p])
+        self._forget(p)
+        key = flat.untyped_storage().data_ptr()
+        self.full_spans.setdefault(key, []).append((flat.storage_offset(), flat.numel(), p))
+        self.full_key[p] = key
 
     def free(self, p: int) -> None:
         """Param p becomes NOT_AVAILABLE: only the shard stays (DeepSpeed: partition())."""
         self.params[p].data = self._empty
+        self._forget(p)
+
+    def _forget(self, p: int) -> None:
+        key = self.full_key.pop(p, None)
+        if key is not None:
+            spans = [s for s in self.full_spans[key] if s[2] != p]
+            if spans:
+                self.full_spans[key] = spans
+            else:
+                del self.full_spans[key]
+
+    def full_of(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """(param, offset of t in its full value) if t lies in a gathered param's full value."""
+        spans = self.full_spans.get(t.untyped_storage().data_ptr())
+        if spans is not None:
+            off = t.storage_offset()
+            for start, n, p in spans:
+                if start <= off < start + n:
+                    return p, off - start
+        return None
 
     def bind_grads(self) -> None:
         """The optimizer reads masters[p].grad; re-bind after a user's zero_grad set it None."""

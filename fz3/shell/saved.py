@@ -1,0 +1,58 @@
+"""What autograd saves of a gathered param is a name, not its memory.
+
+[Note: saved views of gathered params] `F.linear(x, w)` records `mm(x, w.t())`, and autograd
+saves `w.t()` for the backward: a view that holds the gathered full value's memory. Freeing the
+param after its forward (`.data = empty`) then frees nothing: every Linear's full weight stayed
+alive from its forward to its backward, and the backward gathered it a second time beside the
+old copy. max_live_parameters bounded the core's count but not the memory (the 0.1 B GPT of
+bench/memory.py held 738 MiB of gathered buffers per rank for a 5e7-param budget).
+
+So, while a pass that records a graph runs, fz3 installs saved-tensor hooks: a saved tensor
+that lies in a gathered param's full value (not the Parameter itself, which autograd saves as
+the variable and which follows .data) is packed as (param, shape, stride, offset), and unpacked
+in the backward as the same view of the param's value then -- which the core has gathered again
+before the module's backward (DeepSpeed gets the same effect by replacing F.linear with an
+autograd Function that saves the weight Parameter; FSDP2 by resizing the storage to 0 and
+gathering into it again).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+
+class SavedView(NamedTuple):
+    param: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # in the param's full value
+
+
+class SavedParams:
+    """The pack / unpack pair for torch.autograd.graph.saved_tensors_hooks, over a tensor store."""
+
+    def __init__(self, store, names: list[str]) -> None:
+        self.store, self.names = store, names
+
+    def context(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor):
+        if isinstance(t, nn.Parameter) or not self.store.full_spans:
+            return t
+        found = self.store.full_of(t)
+        if found is None:
+            return t
+        return SavedView(found[0], t.shape, t.stride(), found[1])
+
+    def unpack(self, x):
+        if not isinstance(x, SavedView):
+            return x
+        full = self.store.params[x.param].data
+        if full.numel() != self.store.shapes[x.param].numel():
+            raise RuntimeError(f"fz3: the backward needs param {self.names[x.param]!r} (saved by its "
+                               "forward) but it is not gathered now; was it read outside the module "
+                               "that owns it, or changed between forward and backward?")
+        return full.as_strided(x.shape, x.stride, full.storage_offset() + x.offset)
