@@ -20,20 +20,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
 from fz3.shell.checkpoint import CheckpointError
-from fz3.shell.checkpoint_load import load_rank, read_meta, resolve_tag
+from fz3.shell.checkpoint_load import load_rank, read_meta, tag_folder
 
 
 def fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
     """({key: full fp32 tensor}, tied): every model.state_dict() key a checkpoint recorded,
     a tied param under its first key only; tied maps that key to the keys it stands for.
     DeepSpeed: get_fp32_state_dict_from_zero_checkpoint."""
-    folder = os.path.join(ckpt_dir, resolve_tag(ckpt_dir, tag))
+    folder = tag_folder(ckpt_dir, tag)
     meta = read_meta(folder)
     files = [load_rank(folder, r, meta) for r in range(meta["world_size"])]
     out: dict[str, torch.Tensor] = {}

@@ -430,3 +430,22 @@ def test_consolidate_cli_untied_loads_strict(runs, tmp_path, capsys):
         assert torch.equal(v, saved[k]), k
     assert main([f"{runs['root']}/3/odd", out, "--tag", "nope"]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_resave_of_the_latest_tag_killed_between_its_renames_loads_the_old_copy(runs, tmp_path):
+    """publish() moves an existing <tag> aside to .old-<tag>, then renames .tmp-<tag> in. A kill
+    between the two leaves `latest` naming a tag whose complete copy is at .old-<tag>: loading
+    (here through consolidate, the same tag_folder) takes it, not an error nor the torn .tmp-."""
+    from safetensors.torch import load_file
+    from fz3.consolidate import consolidate
+    src = f"{runs['root']}/2/gpt"
+    crashed = str(tmp_path / "gpt")
+    shutil.copytree(src, crashed)
+    with open(os.path.join(crashed, "latest")) as f:
+        tag = f.read().strip()
+    os.rename(os.path.join(crashed, tag), os.path.join(crashed, f".old-{tag}"))
+    os.makedirs(os.path.join(crashed, f".tmp-{tag}"))  # the new copy, not renamed in
+    consolidate(src, str(tmp_path / "before.safetensors"))
+    consolidate(crashed, str(tmp_path / "after.safetensors"))
+    before, after = load_file(str(tmp_path / "before.safetensors")), load_file(str(tmp_path / "after.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -7,7 +7,7 @@
 At another world size each shard is rebuilt: the saved ranks' shards concatenated in rank order,
 padding dropped, re-sliced (fz3/data/layout.py); optimizer-state tensors shaped like a param's
 shard are resharded the same way, other state (`step`) is taken from saved rank 0.
-`fz3/consolidate.py` reads checkpoints through `resolve_tag`, `read_meta` and `load_rank`.
+`fz3/consolidate.py` reads checkpoints through `tag_folder`, `read_meta` and `load_rank`.
 DeepSpeed: DeepSpeedEngine.load_checkpoint (which needs the universal-checkpoint conversion for
 another world size).
 """
@@ -43,19 +43,27 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> tuple[str,
     return loaded["path"], loaded["client_state"]
 
 
-def resolve_tag(load_dir: str, tag: str | None) -> str:
-    if tag is not None:
-        return check_tag(tag)
-    latest = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(latest):
-        raise CheckpointError(f"load_checkpoint: no {latest} file (no checkpoint was completed in "
-                              f"{load_dir!r}); pass tag= to load a given one")
-    with open(latest) as f:
-        tag = f.read().strip()
-    if not os.path.isdir(os.path.join(load_dir, tag)):
-        raise CheckpointError(f"{latest} names tag {tag!r}, but {os.path.join(load_dir, tag)} does not "
-                              f"exist; tags present: {list_tags(load_dir)}")
-    return tag
+def tag_folder(load_dir: str, tag: str | None) -> str:
+    """The folder of `tag`, or of the tag `latest` names. A save that re-saved an existing tag
+    and was killed between moving the old copy aside and renaming the new one in (`publish`)
+    left the old, complete copy at .old-<tag>: that is the one loaded."""
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.isfile(latest):
+            raise CheckpointError(f"load_checkpoint: no {latest} file (no checkpoint was completed in "
+                                  f"{load_dir!r}); pass tag= to load a given one")
+        with open(latest) as f:
+            tag = f.read().strip()
+        named = f"{latest} names tag {tag!r}, but "
+    else:
+        named = ""
+        check_tag(tag)
+    folder, moved = os.path.join(load_dir, tag), os.path.join(load_dir, f".old-{tag}")
+    if not os.path.isdir(folder) and os.path.isdir(moved):
+        return moved
+    if named and not os.path.isdir(folder):
+        raise CheckpointError(f"{named}{folder} does not exist; tags present: {list_tags(load_dir)}")
+    return folder
 
 
 def read_meta(folder: str) -> dict:
@@ -125,8 +133,7 @@ def load_rank(folder: str, rank: int, meta: dict) -> dict:
 
 def read_checkpoint(engine, load_dir: str, tag: str | None) -> dict:
     """Everything this rank will load, read and checked; the engine is not touched."""
-    tag = resolve_tag(load_dir, tag)
-    folder = os.path.join(load_dir, tag)
+    folder = tag_folder(load_dir, tag)
     meta = read_meta(folder)
     check_model(engine, meta, os.path.join(folder, META))
     world = meta["world_size"]
