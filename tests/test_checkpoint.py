@@ -107,7 +107,32 @@ def _launch_3(rank: int, world: int, root: str) -> dict:
 
 def _launch_4(rank: int, world: int, root: str) -> dict:
     return {"from3": {n: _resume(n, rank, world, f"{root}/3/{n}") for n in NAMES},
-            "into_trained": _into_trained(rank, world, f"{root}/3/gpt")}
+            "into_trained": _into_trained(rank, world, f"{root}/3/gpt"),
+            "partial": _partial(rank, world, f"{root}/3/gpt")}
+
+
+def _partial(rank: int, world: int, load_dir: str) -> dict:
+    """DeepSpeed's load options, each on a fresh engine that trained one window first (its own
+    optimizer state, scheduler and counters): the weights always load; what else loads is
+    what the options say. The module-only engine has other param groups (fine-tuning)."""
+    import fz3
+    out = {}
+    for name, options in (("no_optimizer", {"load_optimizer_states": False}),
+                          ("no_scheduler", {"load_lr_scheduler_states": False}),
+                          ("module_only", {"load_module_only": True})):
+        model = MODELS["gpt"].build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if name == "module_only" else \
+            make_optimizer("adamw", model)
+        engine = fz3.initialize(model, opt, CFG, lr_scheduler=make_scheduler(opt))
+        _train("gpt", engine, rank, world, range(1))
+        before = _snapshot(engine)
+        engine.load_checkpoint(load_dir, **options)
+        out[name] = {"before": before, "after": _snapshot(engine)}
+    try:
+        engine.load_checkpoint(load_dir, load_module_strict=False)
+    except ValueError as e:
+        out["strict"] = str(e)
+    return out
 
 
 def _into_trained(rank: int, world: int, load_dir: str) -> list[float]:
@@ -449,3 +474,22 @@ def test_resave_of_the_latest_tag_killed_between_its_renames_loads_the_old_copy(
     consolidate(crashed, str(tmp_path / "after.safetensors"))
     before, after = load_file(str(tmp_path / "before.safetensors")), load_file(str(tmp_path / "after.safetensors"))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_load_options_choose_what_loads_besides_the_weights(runs):
+    saved = runs[3][0]["ref"]["gpt"]["saved"]
+    for rank, out in enumerate(runs[4]):
+        p = out["partial"]
+        for name, case in p.items():
+            if name == "strict":
+                continue
+            after, before = case["after"], case["before"]
+            assert all(torch.equal(after["params"][k], v) for k, v in saved["params"].items()), (rank, name)
+            kept_opt = name in ("no_optimizer", "module_only")
+            same_opt = all(torch.equal(after["opt"][p_][k], before["opt"][p_][k])
+                           for p_ in before["opt"] for k in before["opt"][p_])
+            assert same_opt == kept_opt, (rank, name, "optimizer state")
+            kept_sched = name in ("no_scheduler", "module_only")
+            assert (after["sched"] == before["sched"]) == kept_sched, (rank, name, "scheduler")
+            assert after["steps"] == (before["steps"] if name == "module_only" else saved["steps"]), (rank, name)
+        assert "load_module_strict=False" in p["strict"], p["strict"]

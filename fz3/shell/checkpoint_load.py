@@ -26,20 +26,33 @@ from fz3.shell.checkpoint import (CLIENT, FORMAT, LATEST, META, VERSION, Checkpo
                                   check_quiescent, check_tag, fingerprint, group_param_ids,
                                   list_tags, param_records, rank_file)
 
-def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str, dict]:
     """Load save_dir/<tag> (tag None: the one `latest` names) into this engine, at any world
     size; every rank must call it. Returns (the tag's folder, client_state). Everything is read
     and checked before anything changes; an error on any rank raises on every rank.
+    As DeepSpeed's options: load_optimizer_states=False keeps this engine's optimizer state (its
+    param groups may then differ from the saved ones), load_lr_scheduler_states=False its
+    scheduler, load_module_only=True both and its step counters too (the weights only, e.g. to
+    fine-tune). load_module_strict=False is refused: a checkpoint loads into the same model only.
     DeepSpeed: DeepSpeedEngine.load_checkpoint, which returns (None, None) when there is no
     `latest`; fz3 raises instead (a mistyped folder would silently train from scratch)."""
+    if load_module_strict is not True:
+        raise ValueError(f"load_checkpoint(load_module_strict={load_module_strict!r}): fz3 loads a "
+                         "checkpoint into the same model only (names, shapes: strict); for some of "
+                         "the weights, consolidate it (python -m fz3.consolidate) and edit the file")
+    parts = {"optimizer": load_optimizer_states and not load_module_only,
+             "lr_scheduler": load_lr_scheduler_states and not load_module_only,
+             "counters": not load_module_only}
     check_quiescent(engine, "load_checkpoint")
     error, loaded = None, None
     try:
-        loaded = read_checkpoint(engine, load_dir, tag)
+        loaded = read_checkpoint(engine, load_dir, tag, parts)
     except Exception as e:  # noqa: BLE001 - reported on every rank below
         error = e
     agree(engine, error, f"load_checkpoint({load_dir!r}, tag={tag!r})")
-    apply(engine, loaded)
+    apply(engine, loaded, parts)
     return loaded["path"], loaded["client_state"]
 
 
@@ -131,8 +144,12 @@ def load_rank(folder: str, rank: int, meta: dict) -> dict:
     return payload
 
 
-def read_checkpoint(engine, load_dir: str, tag: str | None) -> dict:
-    """Everything this rank will load, read and checked; the engine is not touched."""
+ALL_PARTS = {"optimizer": True, "lr_scheduler": True, "counters": True}
+
+
+def read_checkpoint(engine, load_dir: str, tag: str | None, parts: dict = ALL_PARTS) -> dict:
+    """Everything this rank will load (`parts`: which besides the weights), read and checked;
+    the engine is not touched."""
     folder = tag_folder(load_dir, tag)
     meta = read_meta(folder)
     check_model(engine, meta, os.path.join(folder, META))
@@ -144,11 +161,11 @@ def read_checkpoint(engine, load_dir: str, tag: str | None) -> dict:
         files[0] = load_rank(folder, 0, meta)  # buffers, and non-shard optimizer state
     groups = group_param_ids(engine)
     for r, payload in files.items():
-        if payload["group_param_ids"] != groups:
+        if parts["optimizer"] and payload["group_param_ids"] != groups:
             raise CheckpointError(f"{os.path.join(folder, rank_file(r))}: the optimizer's param groups "
                                   f"hold params {payload['group_param_ids']} (ParamIds), this optimizer's "
                                   f"hold {groups}; build the optimizer with the same groups")
-    if (files[0]["lr_scheduler"] is None) != (engine.lr_scheduler is None):
+    if parts["lr_scheduler"] and (files[0]["lr_scheduler"] is None) != (engine.lr_scheduler is None):
         raise CheckpointError(f"{folder}: the checkpoint has {'no' if files[0]['lr_scheduler'] is None else 'an'}"
                               f" lr scheduler state, this engine has "
                               f"{'none' if engine.lr_scheduler is None else 'an lr_scheduler'}")
@@ -157,7 +174,8 @@ def read_checkpoint(engine, load_dir: str, tag: str | None) -> dict:
     masters = ([t.clone() for t in mine["masters"]] if same else
                [reshard([files[r]["masters"][p] for r in range(world)], n, engine.rank, engine.world_size)
                 for p, n in enumerate(numels)])
-    optim = _clone(mine["optimizer"]) if same else reshard_optimizer(files, meta, engine, groups)
+    optim = None if not parts["optimizer"] else \
+        _clone(mine["optimizer"]) if same else reshard_optimizer(files, meta, engine, groups)
     client_path = os.path.join(folder, CLIENT)
     try:
         client_state = torch.load(client_path, map_location="cpu", weights_only=True)
@@ -193,25 +211,28 @@ def reshard_optimizer(files: dict, meta: dict, engine, groups: list[list[int]]) 
     return {"state": state, "param_groups": _clone(base["param_groups"])}
 
 
-def apply(engine, loaded: dict) -> None:
+def apply(engine, loaded: dict, parts: dict = ALL_PARTS) -> None:
     """Install what read_checkpoint returned: masters (then the compute shards and every full
     param, now stale), optimizer (state and group options), scheduler, buffers, counters."""
     for master, value in zip(engine.store.masters, loaded["masters"]):
         master.data.copy_(value)
     engine.store.refresh_shards()
-    engine.optimizer.load_state_dict(loaded["optimizer"])
-    if engine.lr_scheduler is not None:
+    if parts["optimizer"]:
+        engine.optimizer.load_state_dict(loaded["optimizer"])
+    if parts["lr_scheduler"] and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
     buffers = dict(engine.module.named_buffers())
     for name, value in loaded["buffers"].items():
         if name in buffers:
             buffers[name].data.copy_(value)
     meta = loaded["meta"]
-    engine.optimizer_steps = meta["optimizer_steps"]
+    if parts["counters"]:
+        engine.optimizer_steps = meta["optimizer_steps"]
     # fresh per-param grad records: ones left by training before the load could equal the
     # restored window / backward counters and turn a first write into an add (fz3/core/grads.py)
-    engine.grads_state = init_grad_state(engine.spec)._replace(window=meta["grads"]["window"],
-                                                               backward=meta["grads"]["backward"])
+    window, backward = (meta["grads"]["window"], meta["grads"]["backward"]) if parts["counters"] else \
+        (engine.grads_state.window, engine.grads_state.backward)
+    engine.grads_state = init_grad_state(engine.spec)._replace(window=window, backward=backward)
     engine._params(end_of_step(engine.params_state, config=engine.config))  # re-gather persistent
 
 

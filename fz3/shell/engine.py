@@ -331,11 +331,12 @@ class Engine:
         from fz3.shell.checkpoint import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state)
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
-        """-> (path, client_state); any saved world size (fz3/shell/checkpoint_load.py).
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **options) -> tuple[str, dict]:
+        """-> (path, client_state); any saved world size; DeepSpeed's load_optimizer_states,
+        load_lr_scheduler_states, load_module_only (fz3/shell/checkpoint_load.py).
         DeepSpeed: load_checkpoint."""
         from fz3.shell.checkpoint_load import load_checkpoint
-        return load_checkpoint(self, load_dir, tag)
+        return load_checkpoint(self, load_dir, tag, **options)
 
     def stats(self) -> dict[str, object]:
         st = self.params_state
