@@ -293,3 +293,66 @@ def test_disabled_init_does_nothing():
     with fz3.Init(enabled=False):
         lin = nn.Linear(2, 2)
     assert lin.weight.stride() == (2, 1)
+
+
+# ---- the meta-device path ------------------------------------------------------------------------
+
+class Plain(nn.Module):
+    """Modules whose default init is all there is (reset_parameters), a tied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8))
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.body(self.emb(x)))
+
+
+def _meta(rank: int, world: int) -> dict:
+    import fz3
+    out = {}
+    with torch.device("meta"):
+        model = Plain()
+    params_before = [id(p) for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(5)
+    engine = fz3.initialize(model, opt, fz3.Config())
+    out["same_objects"] = params_before == [id(p) for p in model.parameters()]
+    out["tied"] = model.head.weight is model.emb.weight
+    ref = Plain()  # the reference: each module's reset_parameters, in module order, same seed
+    torch.manual_seed(5)
+    for m in ref.modules():
+        if m is not ref.head and hasattr(m, "reset_parameters") and list(m.parameters(recurse=False)):
+            m.reset_parameters()
+    out["differ"] = [k for k, v in ref.state_dict().items() if not torch.equal(engine.full_state_dict()[k], v)]
+    x = torch.randint(11, (4, 3))
+    loss = engine(x[rank * 2:(rank + 1) * 2]).square().mean()
+    engine.backward(loss)
+    engine.step()
+    out["trained"] = bool(torch.isfinite(loss))
+    errors = {}
+    for case in ("buffer", "no_reset"):
+        with torch.device("meta"):
+            bad = nn.Sequential(nn.Linear(2, 2))
+            if case == "buffer":
+                bad.register_buffer("mask", torch.ones(3))
+            else:
+                bad.extra = nn.Parameter(torch.ones(3))
+        try:
+            fz3.initialize(bad, torch.optim.SGD(bad.parameters(), lr=0.1), fz3.Config())
+        except RuntimeError as e:
+            errors[case] = str(e)
+    out["errors"] = errors
+    return out
+
+
+def test_meta_device_model_materializes_module_by_module():
+    for rank, out in enumerate(launch.run(_meta, world_size=2, timeout=120)):
+        assert out["same_objects"] and out["tied"], out
+        assert out["differ"] == [], f"rank {rank}: {out['differ']}"
+        assert out["trained"]
+        assert "'mask' is on the meta device" in out["errors"]["buffer"], out["errors"]
+        assert "'extra'" in out["errors"]["no_reset"] and "Sequential" in out["errors"]["no_reset"], out["errors"]

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fz3.core.config import Config
-from fz3.shell import init, registry
+from fz3.shell import init, meta, registry
 from fz3.shell.pick import check_group_backend, pick_device
 from fz3.shell.engine import Engine
 
@@ -37,6 +37,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     device = pick_device()
     check_group_backend(device, group)
     device.set_device()
+    if meta.has_meta(model):  # built on torch.device("meta"): one module at a time (meta.py)
+        meta.materialize(model, device.torch_device, group)
     _to_device(model, device.torch_device)
     engine = Engine(model, optimizer, config, device=device, group=group, lr_scheduler=lr_scheduler)
     registry.register(engine)

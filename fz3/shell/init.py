@@ -141,12 +141,7 @@ class Init:
         if _ACTIVE:  # an inner block: the outer one does the work
             _ACTIVE.append(self)
             return self
-        if not dist.is_initialized():
-            raise RuntimeError("fz3.Init needs torch.distributed initialised first (fz3.launch.run, or "
-                               "torchrun + fz3.launch.init_from_env): every rank keeps its shard")
-        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        self.comm_device = pick_device().torch_device
+        self.join_group()
         _ACTIVE.append(self)
         _wrap_all()
         self.mode = _Mode(self)
@@ -167,6 +162,14 @@ class Init:
                 module = ref()
                 if module is not None:
                     self.partition_new(module)
+
+    def join_group(self) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("fz3.Init needs torch.distributed initialised first (fz3.launch.run, or "
+                               "torchrun + fz3.launch.init_from_env): every rank keeps its shard")
+        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self.comm_device = pick_device().torch_device
 
     # ---- module construction ------------------------------------------------------------------
 
