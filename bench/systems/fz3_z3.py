@@ -1,10 +1,12 @@
 """fz3: fz3.initialize(model, AdamW, Config(**options["config"])); defaults when empty.
 options["init"] True builds the model under fz3.Init() (each param partitioned as its module
-is built, DeepSpeed's zero.Init)."""
+is built, DeepSpeed's zero.Init); `construction` then holds ru_maxrss and RSS right after the
+Init block, before fz3.initialize (the construction peak proper)."""
 from __future__ import annotations
 
 import fz3
-from systems.common import loss_fn, make_model, make_optimizer, optimizer_state_tensors
+from systems.common import (loss_fn, make_model, make_optimizer, optimizer_state_tensors, peak_rss_bytes,
+                            rss_bytes)
 
 
 class Fz3:
@@ -12,6 +14,7 @@ class Fz3:
         if spec.get("options", {}).get("init"):
             with fz3.Init():
                 self.model = make_model(spec["model"])
+            self.construction = {"init_peak_rss": peak_rss_bytes(), "init_rss": rss_bytes()}
         else:
             self.model = make_model(spec["model"])
         self.cfg = fz3.Config(**spec.get("options", {}).get("config", {}))
