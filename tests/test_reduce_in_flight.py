@@ -1,0 +1,57 @@
+"""A backward holds at most two buckets of grads: the one filling and the one being reduced
+(fz3/interpreters/dist.py MAX_REDUCES_IN_FLIGHT; issue #11).
+
+With overlap_comm every reduce is asynchronous; nothing waited for one before the end of the
+backward, so every bucket's grads (and its receive scratch) stayed alive to the end: 6 bytes
+per param per rank on the GPTs of bench/memory.py. Here, on 2 gloo ranks, a stack of Linear
+layers with a bucket of about two layers: at every grad the interpreter has at most one reduce
+in flight and holds at most two buckets of grads, on each carrier; the parity suite checks the
+numbers.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fz3 import launch
+
+pytestmark = pytest.mark.timeout(240)
+LAYER = 32 * 32 + 32
+CARRIERS = [{}, {"gloo_reduce_scatter": "native"}, {"reduce_scatter": False}]
+
+
+def _run(rank: int, world: int) -> list[dict]:
+    import fz3
+    out = []
+    for extra in CARRIERS:
+        torch.manual_seed(0)
+        net = nn.Sequential(*(nn.Linear(32, 32) for _ in range(12)))
+        engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                fz3.Config(reduce_bucket_size=2 * LAYER, param_persistence_threshold=0, **extra))
+        seen = {"in_flight": 0, "held": 0, "reduces": 0}
+
+        def look(_param) -> None:
+            it = engine.interp
+            seen["in_flight"] = max(seen["in_flight"], len(it.reduces))
+            held = sum(g.numel() for d in it.held.values() for g in d.values())
+            held += sum(b.numel() for b in it.buffers.values())
+            seen["held"] = max(seen["held"], held)
+
+        for p in net.parameters():
+            p.register_post_accumulate_grad_hook(look)
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+        for _ in range(2):
+            engine.backward(engine(x[rank * 2:(rank + 1) * 2]).square().mean())
+            engine.step()
+        seen["reduces"] = engine.stats()["reduce"]
+        out.append(seen)
+    return out
+
+
+def test_at_most_one_reduce_in_flight_and_two_buckets_held():
+    for rank, outs in enumerate(launch.run(_run, world_size=2, timeout=200)):
+        for extra, seen in zip(CARRIERS, outs):
+            assert seen["reduces"] >= 10, (extra, seen)  # several buckets per backward
+            assert seen["in_flight"] <= 1, f"rank {rank} {extra}: {seen}"
+            assert seen["held"] <= 2 * 2 * LAYER, f"rank {rank} {extra}: {seen}"
