@@ -31,15 +31,20 @@ def shard(full: torch.Tensor, world_size: int) -> torch.Tensor:
     return pad_flat(full, world_size).reshape(world_size, -1)
 
 
+def rank_span(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank's elements [lo, hi) of a flat param of `numel`: [r*s, (r+1)*s) clipped to numel."""
+    s = shard_numel(numel, world_size)
+    return min(rank * s, numel), min((rank + 1) * s, numel)
+
+
 def rank_slice(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """(n,) -> (s,): rank's elements [r*s, (r+1)*s) clipped to n, zero-padded to s.
 
     The one definition of "this rank's part" used by sharding and by the all-reduce path.
     """
     n = flat.shape[-1]
-    s = shard_numel(n, world_size)
-    lo, hi = min(rank * s, n), min((rank + 1) * s, n)
-    return F.pad(flat[..., lo:hi], (0, s - (hi - lo)))
+    lo, hi = rank_span(n, rank, world_size)
+    return F.pad(flat[..., lo:hi], (0, shard_numel(n, world_size) - (hi - lo)))
 
 
 def shard_of(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

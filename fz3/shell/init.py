@@ -47,6 +47,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_leaves
 
+from fz3.core.spec import shard_numel
 from fz3.data import layout
 from fz3.shell.pick import pick_device
 
@@ -198,16 +199,30 @@ class Init:
         """Keep this rank's shard of rank 0's value of `p`; its .data becomes a placeholder."""
         with self.quiet():
             self.open.pop(id(p), None)
-            full = p.detach()
-            if self.world_size > 1:
-                full = full.to(self.comm_device, copy=True).contiguous()
+            full = p.detach().to(self.comm_device).contiguous()  # in place when it can: the value
+            if self.world_size > 1:                              # being dropped takes rank 0's
                 dist.broadcast(full, src=self.src, group=self.group)
-            data = layout.shard_of(full, self.rank, self.world_size).to(self.comm_device, copy=True)
+            data = self._shard_memory(p, full)
+            flat = full.reshape(-1)
+            lo, hi = layout.rank_span(flat.numel(), self.rank, self.world_size)
+            data[:hi - lo].copy_(flat[lo:hi])
+            data[hi - lo:].zero_()  # padding
             placeholder = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
             key = id(p)
             _SHARDS[key] = (weakref.ref(p, lambda _, key=key: _SHARDS.pop(key, None)),
                             Shard(data, self.rank, self.world_size, placeholder))
             p.data = placeholder
+
+    def _shard_memory(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        """Where p's shard goes: the shard it had before it was opened, if it still fits (no
+        second copy beside the full value), else new memory."""
+        entry = _SHARDS.get(id(p))
+        s = shard_numel(full.numel(), self.world_size)
+        if entry is not None and entry[0]() is p:
+            old = entry[1].data
+            if old.numel() == s and old.dtype == full.dtype and old.device == full.device:
+                return old
+        return torch.empty(s, dtype=full.dtype, device=full.device)
 
     def open_param(self, p: nn.Parameter, *, overwrite: bool, keep: set[int]) -> None:
         """Give closed `p` a full value: fresh memory if the next operation overwrites it, else
