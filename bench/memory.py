@@ -107,13 +107,27 @@ def systems_table() -> dict[str, dict]:
 
 def count_params(model: str) -> int:
     """Exact parameter count (the tied embedding once), built on the meta device: no memory."""
+    return sum(p.numel() for p in _meta_gpt(model).parameters())
+
+
+def largest_module_params(model: str) -> int:
+    """The most params one module holds itself (a fetch unit: the embedding, for these GPTs)."""
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in _meta_gpt(model).modules())
+
+
+def _meta_gpt(model: str):
     import torch
 
     from fz3.testing.gpt import GPT
     from systems.common import MODELS
     with torch.device("meta"):
-        m = GPT(MODELS[model][0])
-    return sum(p.numel() for p in m.parameters())
+        return GPT(MODELS[model][0])
+
+
+def construction_target(model: str) -> int:
+    """Issue #11's bound on fz3.Init's construction peak per rank: 1/N of the model (fp32) + its
+    largest module + 300 MB."""
+    return count_params(model) * 4 // WORLD + largest_module_params(model) * 4 + 300 * 2**20
 
 
 def available_bytes() -> int:
@@ -192,6 +206,7 @@ def run_one(label: str, system: dict, model: str, params: int, predicted: int, t
     rec.update(status="ok", wall_s=time.time() - t0, ranks=out, losses=losses,
                falling=losses[-1] < losses[0],
                peak_rss=[r["peak_rss"] for r in out], build_peak_rss=[r["build_peak_rss"] for r in out],
+               init_peak_rss=[r.get("init_peak_rss") for r in out],
                build_s=max(r["build_s"] for r in out), step_s=[max(r["times"][i] for r in out) for i in range(STEPS)])
     log(f"{label:9s} {model:5s} peak RSS {[f'{b / GiB:.2f}' for b in rec['peak_rss']]} GiB, after build "
         f"{[f'{b / GiB:.2f}' for b in rec['build_peak_rss']]} GiB, losses {[f'{v:.3f}' for v in losses]}, "
@@ -307,15 +322,20 @@ def render(res: dict) -> str:
         out.append("Not run (--no-big).")
     else:
         out += [big["why"], "",
-                "| model | params | predicted GiB (both ranks) | construction peak GiB (r0 / r1) | "
-                "peak GiB (r0 / r1) | losses | loss falls | build s | steps s | launch s |",
-                "|---|---:|---:|---:|---:|---|---|---:|---:|---:|"]
+                "Construction peak: ru_maxrss right after the `with fz3.Init():` block, against issue #11's "
+                "bound (1/N of the model in fp32 + its largest module + 300 MB); after initialize: once "
+                "fz3.initialize returned (the fp32 grad partitions added).", "",
+                "| model | params | predicted GiB (both ranks) | construction peak GiB (r0 / r1) | bound GiB | "
+                "after initialize GiB | peak GiB (r0 / r1) | losses | loss falls | build s | steps s | launch s |",
+                "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
         r = big.get("run")
         head = f"| {r['model']} | {r['params']:,} | {_gib(r['predicted_bytes'])} |" if r else ""
         if r is not None and r["status"] != "ok":
-            out.append(head + f" {r['reason']} |" + " |" * 6)
+            out.append(head + f" {r['reason']} |" + " |" * 8)
         elif r is not None:
-            out.append(head + f" {_pair(r, 'build_peak_rss')} | {_pair(r, 'peak_rss')} | "
+            bound = construction_target(r["model"])
+            out.append(head + f" {_pair(r, 'init_peak_rss')} | {_gib(bound)} | {_pair(r, 'build_peak_rss')} | "
+                       f"{_pair(r, 'peak_rss')} | "
                        f"{', '.join(f'{x:.3f}' for x in r['losses'])} | {'yes' if r['falling'] else 'NO'} | "
                        f"{r['build_s']:.0f} | {', '.join(f'{t:.1f}' for t in r['step_s'])} | {r['wall_s']:.0f} |")
     out += ["", f"Raw records: {os.path.relpath(res['out_path'], ROOT)} (not in git).", END]
