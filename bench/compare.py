@@ -29,20 +29,12 @@ import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-ENV_PY = os.path.join(HERE, ".env", "bin", "python")
 NATIVE = {"gloo_all_gather": "native", "gloo_reduce_scatter": "native"}
 
 
-def _ensure_env() -> None:
-    """Re-run this script under bench/.env (created by setup_env.sh when missing)."""
-    if os.path.realpath(sys.prefix) == os.path.realpath(os.path.join(HERE, ".env")):
-        return
-    subprocess.run(["bash", os.path.join(HERE, "setup_env.sh")], check=True)
-    os.execv(ENV_PY, [ENV_PY, "-W", "ignore::FutureWarning", os.path.abspath(__file__), *sys.argv[1:]])
-
-
 if __name__ == "__main__":
-    _ensure_env()
+    from bench_env import ensure_env
+    ensure_env(__file__)
 
 sys.path.insert(0, HERE)  # systems.*, breakdown (spawned ranks inherit sys.path)
 

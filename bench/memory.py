@@ -48,14 +48,12 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-ENV_PY = os.path.join(HERE, ".env", "bin", "python")
 GiB = 2**30
 LIMIT = 20 * GiB  # both ranks together
 WORLD, STEPS = 2, 3
@@ -68,16 +66,9 @@ BIG_FACTOR, BIG_MIN_SLOPE = 1.05, 8.0  # big run: measured line x 1.05 (~1 GiB a
 AVAILABLE_SPARE = 1 * GiB  # a launch also needs this much more than predicted to be available
 
 
-def _ensure_env() -> None:
-    """Re-run this script under bench/.env (created by setup_env.sh when missing)."""
-    if os.path.realpath(sys.prefix) == os.path.realpath(os.path.join(HERE, ".env")):
-        return
-    subprocess.run(["bash", os.path.join(HERE, "setup_env.sh")], check=True)
-    os.execv(ENV_PY, [ENV_PY, "-W", "ignore::FutureWarning", os.path.abspath(__file__), *sys.argv[1:]])
-
-
 if __name__ == "__main__":
-    _ensure_env()
+    from bench_env import ensure_env
+    ensure_env(__file__)
 
 sys.path.insert(0, HERE)  # systems.*, compare (spawned ranks inherit sys.path)
 
@@ -352,14 +343,8 @@ def _run_row(r: dict) -> str:
 
 
 def write_md(section: str, path: str) -> None:
-    """Replace the text between BEGIN and END (inclusive); append both at the end if absent."""
-    old = open(path).read() if os.path.exists(path) else ""
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + section + "\n"
-    with open(path, "w") as f:
-        f.write(new)
+    from bench_env import replace_section
+    replace_section(path, section, BEGIN, END)
 
 
 def main() -> int:

@@ -225,14 +225,8 @@ def render(res: dict) -> str:
 
 
 def write(res: dict, path: str) -> None:
-    section = render(res)
-    old = open(path).read() if os.path.exists(path) else "# fz3 benchmark results\n"
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + section + "\n"
-    with open(path, "w") as f:
-        f.write(new)
+    from bench_env import replace_section
+    replace_section(path, render(res), BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,15 @@ def _memory_case() -> dict:
     return {"peak": peak[0], "after": after, "block": block, "param": 128 * 128 * 4, "whole": whole}
 
 
+def _error(fn) -> str:
+    """The RuntimeError fn raises, or 'no error'."""
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
 def _compare(model_init: nn.Module, reference: nn.Module) -> list[str]:
     """Names whose values or dtypes differ, after fz3.initialize on the Init-built model."""
     import fz3
@@ -203,28 +212,21 @@ def _cases(rank: int, world: int) -> dict:
     out["hf_differ"] = _compare(model, reference)
 
     # errors
+    def initialize(model):
+        return lambda: fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config())
+
     errors = {}
     groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
-    alone = groups[rank]
-    with fz3.Init(group=alone):
+    with fz3.Init(group=groups[rank]):
         model = nn.Linear(4, 4)
-    try:
-        fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config())
-    except RuntimeError as e:
-        errors["group"] = str(e)
+    errors["group"] = _error(initialize(model))
     with fz3.Init():
         model = nn.Linear(4, 4)
     model.double()
-    try:
-        fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config())
-    except RuntimeError as e:
-        errors["cast"] = str(e)
+    errors["cast"] = _error(initialize(model))
     with fz3.Init():
         model = nn.Linear(4, 4)
-    try:
-        nn.init.normal_(model.weight)
-    except RuntimeError as e:
-        errors["write"] = str(e)
+    errors["write"] = _error(lambda: nn.init.normal_(model.weight))
     errors["unwrapped"] = (nn.Linear.__init__.__qualname__, "__init_subclass__" in nn.Module.__dict__,
                            hasattr(nn.Linear.__init__, "__wrapped__"))
     out["errors"] = errors
@@ -341,10 +343,7 @@ def _meta(rank: int, world: int) -> dict:
                 bad.register_buffer("mask", torch.ones(3))
             else:
                 bad.extra = nn.Parameter(torch.ones(3))
-        try:
-            fz3.initialize(bad, torch.optim.SGD(bad.parameters(), lr=0.1), fz3.Config())
-        except RuntimeError as e:
-            errors[case] = str(e)
+        errors[case] = _error(lambda: fz3.initialize(bad, torch.optim.SGD(bad.parameters(), lr=0.1), fz3.Config()))
     out["errors"] = errors
     return out
 

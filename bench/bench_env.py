@@ -1,0 +1,34 @@
+"""What the bench scripts share around their runs: the peers' environment, and their own section
+of bench/RESULTS.md.
+
+    ensure_env(__file__)                           # re-run the script under bench/.env
+    replace_section(path, section, begin, end)     # its section, the rest of the file kept
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENV_PY = os.path.join(HERE, ".env", "bin", "python")
+
+
+def ensure_env(script: str) -> None:
+    """Re-run `script` under bench/.env (created by setup_env.sh when missing), unless already."""
+    if os.path.realpath(sys.prefix) == os.path.realpath(os.path.join(HERE, ".env")):
+        return
+    subprocess.run(["bash", os.path.join(HERE, "setup_env.sh")], check=True)
+    os.execv(ENV_PY, [ENV_PY, "-W", "ignore::FutureWarning", os.path.abspath(script), *sys.argv[1:]])
+
+
+def replace_section(path: str, section: str, begin: str, end: str) -> None:
+    """Put `section` (which starts with `begin` and ends with `end`) in place of the text between
+    those markers, or at the end of the file if they are absent."""
+    old = open(path).read() if os.path.exists(path) else "# fz3 benchmark results\n"
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + section + old[old.index(end) + len(end):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + section + "\n"
+    with open(path, "w") as f:
+        f.write(new)
