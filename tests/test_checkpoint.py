@@ -493,3 +493,26 @@ def test_load_options_choose_what_loads_besides_the_weights(runs):
             assert (after["sched"] == before["sched"]) == kept_sched, (rank, name, "scheduler")
             assert after["steps"] == (before["steps"] if name == "module_only" else saved["steps"]), (rank, name)
         assert "load_module_strict=False" in p["strict"], p["strict"]
+
+
+def _bf16_resume(rank: int, world: int, save_dir: str) -> dict:
+    """compute_dtype bf16: the checkpoint holds the fp32 masters; resuming refreshes the bf16
+    compute shards from them, so training continues bit for bit."""
+    import fz3
+    cfg = CFG.replace(compute_dtype="bf16")
+    model = MODELS["gpt"].build()
+    engine = fz3.initialize(model, make_optimizer("adamw", model), cfg)
+    _train("gpt", engine, rank, world, range(BEFORE))
+    engine.save_checkpoint(save_dir)
+    ref = _train("gpt", engine, rank, world, range(BEFORE, BEFORE + AFTER))
+    model = MODELS["gpt"].build()
+    resumed = fz3.initialize(model, make_optimizer("adamw", model), cfg)
+    resumed.load_checkpoint(save_dir)
+    got = _train("gpt", resumed, rank, world, range(BEFORE, BEFORE + AFTER))
+    a, b = engine.full_state_dict(), resumed.full_state_dict()
+    return {"losses": ref == got, "differ": [k for k in a if not torch.equal(a[k], b[k])]}
+
+
+def test_bf16_compute_resumes_bit_for_bit(tmp_path):
+    for rank, out in enumerate(run(_bf16_resume, world_size=2, args=(str(tmp_path),), timeout=TIMEOUT)):
+        assert out["losses"] and out["differ"] == [], f"rank {rank}: {out}"
