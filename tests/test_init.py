@@ -16,7 +16,7 @@ One fz3.launch.run per world size (2, 3) runs every case in the same ranks:
               code run without Init
     memory    8 blocks, each param re-initialized by the parent (OPEN_BYTES = 0): the bytes of
               full params alive never exceed one block plus one param (the whole model without
-              Init)
+              Init); a head whose weight is replaced to tie it is never sharded
     hf        LlamaForCausalLM(config) (Hugging Face's post_init) equals the unsharded build
     errors    built for another group; cast outside the block (model.double()); classes
               unwrapped after the block; a write to a placeholder outside the block fails
@@ -62,6 +62,36 @@ class Habits(nn.Module):
         self.frozen = nn.Parameter(torch.randn(5, 3), requires_grad=False)
         self.low = nn.Linear(3, 4).to(torch.bfloat16)
         self.lin.weight.data.normal_(0, 0.1)  # through .data, after the child was built
+
+
+class TiedHead(nn.Module):
+    """A head built, then its weight replaced by the embedding's (GPT-2, Hugging Face's tying)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(13, 6)
+        self.head = nn.Linear(6, 13, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def _closes_building_tied_head() -> int:
+    """How many params fz3.Init shards while TiedHead is built: 1 (the dropped head weight,
+    closed only late, dies full: [Note: the last module built is closed late])."""
+    import fz3
+    import fz3.shell.init as init_mod
+    count, close = [0], init_mod.Init.close
+
+    def counting(self, p):
+        count[0] += 1
+        close(self, p)
+
+    init_mod.Init.close = counting
+    try:
+        with fz3.Init():
+            TiedHead()
+    finally:
+        init_mod.Init.close = close
+    return count[0]
 
 
 def _build_habits() -> nn.Module:
@@ -199,6 +229,7 @@ def _cases(rank: int, world: int) -> dict:
     out["habits_differ"] = _compare(model, reference)
 
     out["memory"] = _memory_case()
+    out["tied_closes"] = _closes_building_tied_head()
 
     # hf
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -265,6 +296,7 @@ def test_construction_never_holds_more_than_a_block(results):
         assert m["peak"] <= m["block"] + m["param"] + 4096, f"rank {rank}: {m}"
         assert m["peak"] < m["whole"] / 2, f"rank {rank}: {m}"
         assert m["after"] < 4096, f"rank {rank}: full params left after the block {m}"
+        assert out["tied_closes"] == 1, f"rank {rank}: the dropped head weight was sharded too"
 
 
 def test_hugging_face_llama_equals_unsharded_build(results):
