@@ -49,7 +49,7 @@ def _to_device(model: nn.Module, device: torch.device) -> None:
     """model.to(device), except params built under fz3.Init: their shards go to the device when
     the engine takes them, and their placeholders stay (moving one would make it whole)."""
     for module in model.modules():
-        for name, p in module._parameters.items():
+        for p in module._parameters.values():
             if p is not None and init.shard_of(p) is None:
                 p.data = p.data.to(device)
         for name, b in module._buffers.items():
