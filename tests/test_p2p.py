@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fz3.data import layout
+from fz3.data.layout import rank_span
 from fz3.interpreters import p2p
 from fz3.launch import run
 
@@ -53,16 +54,16 @@ def test_p2p_gather_and_reduce_scatter_match_the_layout(world, dtype):
             part = layout.rank_slice(total, rank, world)
             assert res["reduced"][i].shape == part.shape, (rank, n)
             torch.testing.assert_close(res["reduced"][i], part, rtol=0, atol=0)
-            lo, hi = p2p.span(n, rank, world)  # only the own partition was written
+            lo, hi = rank_span(n, rank, world)  # only the own partition was written
             outside = torch.ones(n, dtype=torch.bool)
             outside[lo:hi] = False
             assert torch.equal(res["grads"][i][outside], res["before"][i][outside]), (rank, n)
 
 
 def test_span_and_scratch_numel():
-    assert [p2p.span(7, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 7)]
-    assert [p2p.span(1, r, 3) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
-    assert [p2p.span(0, r, 2) for r in range(2)] == [(0, 0), (0, 0)]
+    assert [rank_span(7, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 7)]
+    assert [rank_span(1, r, 3) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
+    assert [rank_span(0, r, 2) for r in range(2)] == [(0, 0), (0, 0)]
     assert p2p.scratch_numel([7, 1, 0], 0, 3) == 2 * (3 + 1)
     assert p2p.scratch_numel([7, 1, 0], 2, 3) == 2 * 1
 

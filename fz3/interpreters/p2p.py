@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fz3.core.spec import shard_numel
+from fz3.data.layout import rank_span
 
 
 class P2PWork:
@@ -43,25 +44,19 @@ class P2PWork:
         return True
 
 
-def span(numel: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Rank's partition [lo, hi) of a flat param of `numel` elements (empty past the end)."""
-    s = shard_numel(numel, world_size)
-    return min(rank * s, numel), min((rank + 1) * s, numel)
-
-
 def all_gather(fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], rank: int,
                world_size: int, *, group, tag: int) -> P2PWork:
     """fulls[i] (n_i,) gets param i's full value, shards[i] (s_i,) being this rank's shard."""
     peers = [j for j in range(world_size) if j != rank]
     mine = []
     for full, shard in zip(fulls, shards):
-        lo, hi = span(full.numel(), rank, world_size)
+        lo, hi = rank_span(full.numel(), rank, world_size)
         full[lo:hi].copy_(shard[:hi - lo])
         mine.append(shard[:hi - lo])
     works = []
     for j in peers:
         for full in fulls:
-            lo, hi = span(full.numel(), j, world_size)
+            lo, hi = rank_span(full.numel(), j, world_size)
             if hi > lo:
                 works.append(dist.irecv(full[lo:hi], group=group, group_src=j, tag=tag))
     for j in peers:
@@ -77,7 +72,7 @@ def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, rank: i
     is waited, result() adds them into the grads' own partitions (written in place) and returns
     the partitions, zero-padded to s_i."""
     peers = [j for j in range(world_size) if j != rank]
-    own = [g[slice(*span(g.numel(), rank, world_size))] for g in grads]
+    own = [g[slice(*rank_span(g.numel(), rank, world_size))] for g in grads]
     works, got, off = [], [], 0
     for j in peers:
         for o in own:
@@ -88,7 +83,7 @@ def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, rank: i
                 works.append(dist.irecv(got[-1], group=group, group_src=j, tag=tag))
     for j in peers:
         for g in grads:
-            lo, hi = span(g.numel(), j, world_size)
+            lo, hi = rank_span(g.numel(), j, world_size)
             if hi > lo:
                 works.append(dist.isend(g[lo:hi], group=group, group_dst=j, tag=tag))
 
@@ -102,5 +97,5 @@ def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, rank: i
 
 def scratch_numel(numels: Sequence[int], rank: int, world_size: int) -> int:
     """Elements `reduce_scatter` receives: this rank's partition of each param, per peer."""
-    mine = sum(hi - lo for lo, hi in (span(n, rank, world_size) for n in numels))
+    mine = sum(hi - lo for lo, hi in (rank_span(n, rank, world_size) for n in numels))
     return (world_size - 1) * mine
