@@ -31,8 +31,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from fz3.core.spec import shard_numel
 from fz3.core.step import end_of_step
+from fz3.data import layout
 from fz3.shell.agree import failed_ranks
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
@@ -183,12 +183,11 @@ def _read(engine, targets: list[Target], chosen: list[str],
 
 
 def _flat_range(shape: tuple[int, ...], rank: int, world_size: int) -> tuple[int, int]:
-    """This rank's [lo, hi) of the flattened param, clipped to numel (fz3.data.layout.rank_slice)."""
+    """This rank's [lo, hi) of the flattened param, clipped to numel."""
     numel = 1
     for d in shape:
         numel *= d
-    s = shard_numel(numel, world_size)
-    return min(rank * s, numel), min((rank + 1) * s, numel)
+    return layout.rank_span(numel, rank, world_size)
 
 
 def _pieces(shape: tuple[int, ...], lo: int, hi: int, prefix: tuple = ()) -> Iterator[tuple]:
