@@ -24,6 +24,7 @@ import sys
 
 import torch
 
+from fz3.data import layout
 from fz3.shell.checkpoint import CheckpointError
 from fz3.shell.checkpoint_load import load_rank, read_meta, tag_folder
 
@@ -46,8 +47,7 @@ def fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> tuple[dict[str, to
         else:
             first[p] = key
             rec = meta["params"][p]
-            full = torch.cat([f["masters"][p].reshape(-1) for f in files])[:rec["numel"]]  # (numel,)
-            out[key] = full.reshape(rec["shape"]).clone()
+            out[key] = layout.unshard([f["masters"][p] for f in files], rec["shape"]).clone()
     return out, tied
 
 

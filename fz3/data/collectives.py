@@ -21,10 +21,15 @@ from itertools import accumulate
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 from fz3.core.effects import ReducePath
 from fz3.core.spec import shard_numel
 from fz3.data import layout
+
+# torch 2.13 names the flat 1-D collectives *_single and warns on every call of the old names
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 Tensors = Sequence[torch.Tensor]
 

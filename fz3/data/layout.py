@@ -47,6 +47,14 @@ def rank_slice(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return F.pad(flat[..., lo:hi], (0, shard_numel(n, world_size) - (hi - lo)))
 
 
+def rank_slice_into(flat: torch.Tensor, rank: int, world_size: int, out: torch.Tensor) -> torch.Tensor:
+    """`rank_slice` written into a given (s,) buffer (no temporary): -> out."""
+    lo, hi = rank_span(flat.numel(), rank, world_size)
+    out[:hi - lo].copy_(flat[lo:hi])
+    out[hi - lo:].zero_()
+    return out
+
+
 def shard_of(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """(*shape) -> (s,): rank's shard of a full param."""
     return rank_slice(full.reshape(-1), rank, world_size)

@@ -45,14 +45,10 @@ from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, 
                               Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle
 from fz3.data import collectives
+from fz3.data.collectives import ALL_GATHER, REDUCE_SCATTER
 from fz3.data.pool import BufferPool
 from fz3.interpreters import p2p
 from fz3.shell.store import TensorStore
-
-
-# torch 2.13 names the flat 1-D collectives *_single and warns on every call of the old names
-ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 class _Reduce:

@@ -188,8 +188,7 @@ def read_checkpoint(engine, load_dir: str, tag: str | None, parts: dict = ALL_PA
 
 def reshard(shards: list[torch.Tensor], numel: int, rank: int, world_size: int) -> torch.Tensor:
     """Saved shards (s,) in rank order -> this rank's (s',) at the new world size."""
-    full = torch.cat([s.reshape(-1) for s in shards])[:numel]  # (numel,): padding dropped
-    return layout.rank_slice(full, rank, world_size).clone()
+    return layout.rank_slice(layout.unshard(shards, (numel,)), rank, world_size).clone()
 
 
 def reshard_optimizer(files: dict, meta: dict, engine, groups: list[list[int]]) -> dict:

@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 
 from fz3.core.spec import shard_numel
 from fz3.data import layout
+from fz3.data.collectives import ALL_GATHER
 from fz3.shell.pick import pick_device
 
 OPEN_BYTES = 64 << 20
@@ -195,8 +196,11 @@ class Init:
     def new_params(self, module: nn.Module) -> list[nn.Parameter]:
         """The params of `module`'s subtree that hold a full value (not built on meta)."""
         with self.quiet():
-            return [p for p in module.parameters()
-                    if not p.is_meta and id(p) not in self.open and shard_of(p) is None]
+            return [p for p in module.parameters() if self.unsharded(p)]
+
+    def unsharded(self, p: nn.Parameter) -> bool:
+        """p holds a full value that is neither sharded, open, nor on meta."""
+        return not p.is_meta and id(p) not in self.open and shard_of(p) is None
 
     def close_due(self) -> None:
         """[Note: the last module built is closed late] A module's new params are closed when
@@ -209,7 +213,7 @@ class Init:
         with self.quiet():
             for ref in due:
                 p = ref()
-                if p is not None and not p.is_meta and id(p) not in self.open and shard_of(p) is None:
+                if p is not None and self.unsharded(p):
                     self.close(p)
 
     # ---- closing and opening ------------------------------------------------------------------
@@ -221,11 +225,8 @@ class Init:
             full = p.detach().to(self.comm_device).contiguous()  # in place when it can: the value
             if self.world_size > 1:                              # being dropped takes rank 0's
                 dist.broadcast(full, src=self.src, group=self.group)
-            data = self._shard_memory(p, full)
-            flat = full.reshape(-1)
-            lo, hi = layout.rank_span(flat.numel(), self.rank, self.world_size)
-            data[:hi - lo].copy_(flat[lo:hi])
-            data[hi - lo:].zero_()  # padding
+            data = layout.rank_slice_into(full.reshape(-1), self.rank, self.world_size,
+                                          self._shard_memory(p, full))
             placeholder = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
             key = id(p)
             _SHARDS[key] = (weakref.ref(p, lambda _, key=key: _SHARDS.pop(key, None)),
@@ -250,20 +251,18 @@ class Init:
         nbytes = p.numel() * p.element_size()
         self.close_due()
         with self.quiet():
+            held = sum(o.numel() * o.element_size() for o in self.open.values())
             for q in [q for q in self.open.values() if id(q) not in keep]:
-                if sum(o.numel() * o.element_size() for o in self.open.values()) + nbytes <= OPEN_BYTES:
+                if held + nbytes <= OPEN_BYTES:
                     break
+                held -= q.numel() * q.element_size()
                 self.close(q)
             if overwrite:
                 full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
             else:
-                s = shard.data.numel()
-                flat = torch.empty(s * self.world_size, dtype=shard.data.dtype, device=shard.data.device)
-                if self.world_size > 1:
-                    dist.all_gather_into_tensor(flat, shard.data.contiguous(), group=self.group)
-                else:
-                    flat.copy_(shard.data)
-                full = flat[:p.numel()].to(p.device).view(p.shape)
+                rows = shard.data.new_empty((self.world_size, shard.data.numel()))  # (W, s)
+                ALL_GATHER(rows.view(-1), shard.data.contiguous(), group=self.group)
+                full = layout.unshard(rows, p.shape).to(p.device)
             p.data = full
             self.open[id(p)] = p
 
