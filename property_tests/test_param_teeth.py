@@ -130,8 +130,8 @@ def test_transition_editing_its_input_is_caught(monkeypatch):
     caller (the persistent-array bookkeeping of pvec.py / Txn)."""
     real = release.free
 
-    def leaky(tx, pids):
-        real(tx, pids)
+    def leaky(tx, pids, refetch=False):
+        real(tx, pids, refetch)
         for p in pids:
             tx.olds.pop(p, None)
 

@@ -50,12 +50,12 @@ def test_module_called_twice_is_fetched_twice_in_backward():
     for h in (0, 1):
         assert d(fetch, 1, forward=True) == [G(h, [0]), Wait(h)]
         d.wrap(1, inputs=1)
-        assert d(release, 1) == [Free((0,))]
+        assert d(release, 1) == [Free((0,), refetch=True)]  # its backward gathers it again
     d(release, 0)
     assert (d.st.modules[1].pre_backward, d.st.modules[1].grads_remaining) == (2, 2)
     assert d(pre_backward, 0) == []
     assert d(pre_backward, 1) == [G(2, [0], forward=False), Wait(2)]  # call 2
-    assert d(post_backward, 1) == [Free((0,))]  # call 2's backward is done
+    assert d(post_backward, 1) == [Free((0,), refetch=True)]  # call 2's backward is done; call 1's to come
     assert d(pre_backward, 1) == [G(3, [0], forward=False), Wait(3)]  # call 1
     check_fetched(d.st, 1)
     assert d(post_backward, 1) == [Free((0,))]

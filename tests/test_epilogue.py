@@ -2,7 +2,7 @@
 import pytest
 
 from fz3.core.config import Config
-from fz3.core.effects import AverageGrads, ReduceBucket, WaitReduce, ZeroPartitions
+from fz3.core.effects import AverageGrads, FreePartitions, ReduceBucket, WaitReduce, ZeroPartitions
 from fz3.core.epilogue import at_boundary, epilogue, grad_divisor, never_written, optimizer_step
 from fz3.core.grads import GradError, bucket_add, init_grad_state
 from fz3.core.invariants_grad import check_drained
@@ -67,7 +67,7 @@ def test_window_lifecycle_and_errors():
     with pytest.raises(GradError, match="window is complete"):
         bucket_add(state, 0, config=config)
     state, eff = optimizer_step(state, config=config)
-    assert eff == () and state.micro_step == 0 and state.window == 1
+    assert eff == (FreePartitions(),) and state.micro_step == 0 and state.window == 1  # memory back
     assert never_written(state) == (0,)  # a new window: nothing written yet
 
 

@@ -27,10 +27,11 @@ def _stats(rank: int, world_size: int) -> dict:
     before = engine.stats()
     loss = spec.loss(engine, rank_slice(spec.batch(0), rank, world_size), 0)
     engine.backward(loss)
+    mid = engine.stats()
     engine.step()
     masters = sum(m.numel() for m in engine.store.masters)
     persistent = sum(p.numel for p in engine.spec.params if p.persistent)
-    return {"before": before, "after": engine.stats(), "masters": masters, "buffers": buffers,
+    return {"before": before, "mid": mid, "after": engine.stats(), "masters": masters, "buffers": buffers,
             "n_params": len(engine.store.masters), "persistent": persistent}
 
 
@@ -38,12 +39,13 @@ def test_memory_by_kind():
     for rank, out in enumerate(launch.run(_stats, world_size=2, timeout=240)):
         s, masters = out["after"], out["masters"]
         assert KEYS <= set(s), KEYS - set(s)
-        assert s["param_shards"] == s["grad_partitions"] == 4 * masters
+        assert s["param_shards"] == out["mid"]["grad_partitions"] == 4 * masters
+        assert s["grad_partitions"] == 0  # given back after the optimizer step (FreePartitions)
         # AdamW: exp_avg and exp_avg_sq shaped like the fp32 shard, plus a 0-dim fp32 step each
         assert s["optimizer_state_bytes"] == 2 * 4 * masters + 4 * out["n_params"], (rank, s)
         assert out["before"]["optimizer_state_bytes"] == 0
         assert s["buffer_bytes"] == out["buffers"] > 0
         assert s["gathered_param_bytes"] == 4 * s["live_numel"] == 4 * out["persistent"] > 0
         assert s["peak_gathered_param_bytes"] == 4 * s["peak_live_numel"] > s["gathered_param_bytes"]
-        assert s["pool_bytes"] > 0  # CPU: the gather buffers are kept for the next step
+        assert s["pool_bytes"] > 0  # CPU: the persistent params' gathered buffers
         assert s["device_peak_bytes"] >= s["device_allocated_bytes"] > 0

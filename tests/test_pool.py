@@ -84,3 +84,25 @@ def test_eviction_of_one_buffer_among_equal_sizes():
     pool.take(40, torch.float32)  # room for 40 needs the free 16 gone
     assert pool.bytes == 56 * 4 and len(pool.buffers[(16, torch.float32)]) == 1
     assert a.untyped_storage().data_ptr() == pool.buffers[(16, torch.float32)][0].untyped_storage().data_ptr()
+
+
+def test_discard_stops_keeping_a_buffer_its_users_still_hold():
+    pool = BufferPool(torch.device("cpu"), limit_bytes=1 << 20)
+    a = pool.take(10, torch.float32)
+    b = pool.take(10, torch.float32)
+    view = a.view(2, 5)  # a param's .data
+    assert pool.discard(view) == 40 and pool.bytes == 40
+    assert pool.discard(view) == 0  # not kept any more
+    assert pool.discard(torch.empty(0)) == 0  # an empty placeholder is no buffer
+    del a
+    c = pool.take(10, torch.float32)  # view still holds a: it is never handed out again
+    assert c.untyped_storage().data_ptr() not in (view.untyped_storage().data_ptr(),)
+    assert b.untyped_storage().data_ptr() != c.untyped_storage().data_ptr()  # b is in use
+
+
+def test_release_drops_every_free_buffer():
+    pool = BufferPool(torch.device("cpu"), limit_bytes=1 << 20)
+    kept = pool.take(10, torch.float32)
+    pool.take(20, torch.float32)  # free at once
+    assert pool.release() == 80 and pool.bytes == 40  # the one in use stays
+    assert list(pool.buffers) == [(10, torch.float32)] and kept.numel() == 10

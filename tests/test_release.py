@@ -36,14 +36,14 @@ def tied_pass(d: Driver) -> list[list]:
 # COMPLETE pass; the RECORD pass used handles 0..2, emb gathers with 3 and l1 with 4.
 TIED_CASES = [
     ("distance 0: free, gather again", 0, HUGE,
-     [[Free((0,))], [AllGather(5, (0,), False, True), Wait(5)], [Free((0,))]]),
+     [[Free((0,), True)], [AllGather(5, (0,), False, True), Wait(5)], [Free((0,), True)]]),
     ("distance 55 = the gap: not strictly within", 55, HUGE,
-     [[Free((0,))], [AllGather(5, (0,), False, True), Wait(5)], [Free((0,))]]),
-    ("distance 56: kept for head", 56, HUGE, [[], [], [Free((0,))]]),
-    ("distance huge: kept", HUGE, HUGE, [[], [], [Free((0,))]]),
-    ("kept within budget 155", HUGE, 155, [[], [], [Free((0,))]]),
+     [[Free((0,), True)], [AllGather(5, (0,), False, True), Wait(5)], [Free((0,), True)]]),
+    ("distance 56: kept for head", 56, HUGE, [[], [], [Free((0,), True)]]),
+    ("distance huge: kept", HUGE, HUGE, [[], [], [Free((0,), True)]]),
+    ("kept within budget 155", HUGE, 155, [[], [], [Free((0,), True)]]),
     ("budget 99 < 100 live: the keep is dropped", HUGE, 99,
-     [[Free((0,))], [AllGather(5, (0,), False, True), Wait(5)], [Free((0,))]]),
+     [[Free((0,), True)], [AllGather(5, (0,), False, True), Wait(5)], [Free((0,), True)]]),
 ]
 
 
@@ -51,11 +51,11 @@ TIED_CASES = [
 def test_tied_embedding_reuse(why, reuse, live, expected):
     d = Driver(*TIED, config=cfg(reuse=reuse, live=live))
     first = tied_pass(d)
-    assert first[2] == [Free((0,))]  # RECORD pass: no plan, no keeping
+    assert first[2] == [Free((0,), True)]  # RECORD pass: no plan, no keeping (the backward gathers it)
     got = tied_pass(d)
     assert d.st.trace.mode is TraceMode.COMPLETE
     assert [got[2], got[5], got[6]] == expected
-    assert got[4] == [Free((1, 2))]  # l1's params are used once
+    assert got[4] == [Free((1, 2), True)]  # l1's params are used once in forward
 
 
 def test_release_keeps_params_of_other_active_modules():
@@ -111,7 +111,21 @@ def test_param_prefetched_for_a_later_step_is_kept():
     got = d.forward([[0, [1, 2, 3, 4, 5]]], inputs=0)
     root, x, x_rel, v, v_rel, y, y_rel, u, u_rel, w, w_rel, root_rel = got
     assert root == [AllGather(5, (0, 1), True, True)]
-    assert x == [Wait(5), AllGather(6, (2,), True, True)] and x_rel == [Free((0,))]
+    assert x == [Wait(5), AllGather(6, (2,), True, True)] and x_rel == [Free((0,), True)]
     assert v == [AllGather(7, (0,), True, True)]  # p0 again, for W at step 5
     assert y == [Wait(7)] and y_rel == []  # kept: it was prefetched for step 5
-    assert w == [] and w_rel == [Free((0,))]
+    assert w == [] and w_rel == [Free((0,), True)]
+
+
+def test_free_says_whether_the_module_fetches_again_in_this_pass():
+    """Free.refetch: a forward release of a module whose backward will fetch it (outputs wrapped)
+    lets an interpreter keep the memory for that gather; any other release gives it back."""
+    from fz3.core.backward import post_backward, pre_backward
+    d = Driver(*TIED, config=cfg(reuse=0))
+    d(reset_step)
+    d(fetch, 2, forward=True, grad_inputs=1)
+    assert d(release, 2, grad_outputs=True) == [Free((1, 2), refetch=True)]
+    d(fetch, 1, forward=True)
+    assert d(release, 1) == [Free((0,), refetch=False)]  # no backward fetch: next pass's
+    assert d(pre_backward, 2)[-1:] == [Wait(2)]
+    assert d(post_backward, 2) == [Free((1, 2), refetch=False)]  # its backward is over

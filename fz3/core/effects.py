@@ -51,9 +51,16 @@ class Wait(NamedTuple):
 
 @record
 class Free(NamedTuple):
-    """Drop these params' full values; only the shards stay. DeepSpeed: `partition()`."""
+    """Drop these params' full values; only the shards stay. DeepSpeed: `partition()`.
+
+    `refetch`: the module that let them go will fetch them again in this pass (a forward
+    release of a module whose backward gathers it again), so an interpreter that pools memory
+    may keep theirs for that gather. Otherwise their next gather is the next pass's, and memory
+    kept until then would sit idle through the backward's peak: it goes back at once.
+    """
 
     params: tuple[ParamId, ...]
+    refetch: bool = False
 
 
 # ---- gradient lifecycle --------------------------------------------------------------------
@@ -161,6 +168,17 @@ class ZeroPartitions(NamedTuple):
 
 
 @record
+class FreePartitions(NamedTuple):
+    """The optimizer consumed the window's averaged grads: the grad partitions' memory goes back
+    until the window after it writes them again (its first write of each is a copy, and
+    ZeroPartitions covers the rest, so no value is read before it is written). Between
+    optimizer steps and through every forward, a rank then holds no gradient memory.
+    FSDP2: `zero_grad(set_to_none=True)` frees its sharded grads; DeepSpeed keeps its flat
+    partition buffer for the whole run.
+    """
+
+
+@record
 class AverageGrads(NamedTuple):
     """Divide every grad partition by `divisor` (= world size x gradient_accumulation_steps /
     the reduces' predivide: fz3.core.epilogue.grad_divisor).
@@ -174,4 +192,4 @@ class AverageGrads(NamedTuple):
 
 
 GradEffect = Union[CopyToBucket, ReduceBucket, WritePartition, DropGrads, WaitReduce,
-                   ZeroPartitions, AverageGrads]
+                   ZeroPartitions, AverageGrads, FreePartitions]

@@ -2,7 +2,7 @@
 
     micro_step:   0 --epilogue--> 1 --epilogue--> ... --epilogue--> gas   (window complete:
                   ^                                                  |     partitions averaged)
-                  +------------------ optimizer_step ----------------+
+                  +------------------ optimizer_step ----------------+   (partitions freed)
 
     epilogue (every backward):  flush every open bucket -> WaitReduce (overlap_comm)
                                 -> backward += 1 (clears every "reported" flag at once)
@@ -22,7 +22,7 @@ by 1/gas; summing first keeps the integer test data exact and never relies on a 
 from __future__ import annotations
 
 from fz3.core.config import Config
-from fz3.core.effects import AverageGrads, GradEffect, WaitReduce, ZeroPartitions
+from fz3.core.effects import AverageGrads, FreePartitions, GradEffect, WaitReduce, ZeroPartitions
 from fz3.core.grads import GradError, GradState, flush, grad_predivide
 from fz3.core.ids import ParamId
 
@@ -57,7 +57,8 @@ def epilogue(state: GradState, *, config: Config) -> tuple[GradState, tuple[Grad
 def optimizer_step(state: GradState, *, config: Config) -> tuple[GradState, tuple[GradEffect, ...]]:
     """The optimizer consumed the averaged partitions: start the next accumulation window.
 
-    Resets micro_step to 0; the next write of every partition is a copy. Raises GradError if
+    Resets micro_step to 0; the next write of every partition is a copy, so their memory goes
+    back now (FreePartitions) and comes again with that write. Raises GradError if
     the window is not complete (partitions would still hold sums, not means).
     DeepSpeed: the micro_step_id reset in `step` / `zero_grad`.
     """
@@ -67,7 +68,7 @@ def optimizer_step(state: GradState, *, config: Config) -> tuple[GradState, tupl
                         "are averaged only at the accumulation boundary")
     if state.buckets:
         raise GradError("optimizer_step with open IPG buckets: run the epilogue first")
-    return state._replace(micro_step=0, window=state.window + 1), ()
+    return state._replace(micro_step=0, window=state.window + 1), (FreePartitions(),)
 
 
 def grad_divisor(world_size: int, gradient_accumulation_steps: int, predivide: float = 1.0

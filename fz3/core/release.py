@@ -9,7 +9,8 @@ full params nobody needs any more.
           * a module within max_reuse_distance numel ahead in the plan uses it (tied weights), or
           * it was prefetched for a later step of this pass
         unless keeping them would leave more than max_live_parameters live
-      - free the rest, in one Free
+      - free the rest, in one Free, marked `refetch` when this module's backward will fetch
+        them again in this pass (an interpreter may keep their memory for that gather)
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def release_into(tx: Txn, module: ModuleId, *, config: Config) -> None:
         if not users and s[STATUS] == AVAILABLE and not s[EXTERNAL] and not spec[p].persistent:
             candidates.append(p)
     keep = _keep_for_reuse(tx, module, candidates, config) if candidates else ()
-    free(tx, tuple(p for p in candidates if p not in keep) if keep else tuple(candidates))
+    free(tx, tuple(p for p in candidates if p not in keep) if keep else tuple(candidates),
+         refetch=tx.mods[module][PRE_BACKWARD] > 0)  # its backward gathers them again
 
 
 def _keep_for_reuse(tx: Txn, module: ModuleId, candidates: list[ParamId],

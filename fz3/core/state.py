@@ -207,8 +207,9 @@ def drain(tx: Txn) -> None:
         wait(tx, tx.inflight[0].handle)
 
 
-def free(tx: Txn, pids: tuple[ParamId, ...]) -> None:
-    """Drop the full values of `pids` (all AVAILABLE, sorted); nobody uses them any more."""
+def free(tx: Txn, pids: tuple[ParamId, ...], refetch: bool = False) -> None:
+    """Drop the full values of `pids` (all AVAILABLE, sorted); nobody uses them any more.
+    `refetch`: the releasing module fetches them again in this pass (see effects.Free)."""
     if not pids:
         return
     spec, slots, olds, numel = tx.st.spec.params, tx.slots, tx.olds, 0
@@ -219,7 +220,7 @@ def free(tx: Txn, pids: tuple[ParamId, ...]) -> None:
         slots[p] = (NOT_AVAILABLE, None, 0, s[FETCHED_FOR], s[EXTERNAL])
         numel += spec[p].numel
     tx.live -= numel
-    tx.effects.append(Free(pids))
+    tx.effects.append(Free(pids, refetch))
 
 
 def unit_params(tx: Txn, module: ModuleId) -> tuple[ParamId, ...]:

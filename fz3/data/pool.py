@@ -6,9 +6,16 @@ CPU is fresh memory from the OS, page-faulted on first write: about 0.8 ms per M
 than the copy itself (bench/RESULTS.md, "fz3 data-plane copies"). On an accelerator the caching
 allocator already reuses memory, and the interpreter gives the pool no room (limit 0).
 
-The price is resident memory: the buffers stay with the process between uses. On the wide
-benchmark model peak RSS went from 940 to 1195 MiB per rank; `bench/copy_costs.py --model wide`
-unpacks a gather in 86.8 ms into fresh memory and in 14.4 ms into reused memory.
+The price is resident memory, and ZeRO-3 exists to save it: a buffer kept between uses is
+resident through the backward's peak. So the pool keeps a buffer only for a take of the same
+pass: the core marks a Free `refetch` when the releasing module's backward gathers the params
+again (max_reuse_distance 0: the forward's buffers serve the backward's gathers); any other
+Free drops its params' buffers from the pool at once (`discard`), and the end of each backward
+drops every free buffer (`release`). Between passes the pool holds only what is in use
+(persistent params' full values). Issue #11: keeping every buffer between steps held 168 MiB
+per rank on the wide benchmark GPT and put its peak RSS above FSDP2's; the next forward now
+page-faults its gather buffers again (`bench/copy_costs.py --model wide`: an unpack into fresh
+memory 86.8 ms, into reused memory 14.4 ms).
 
 When is a buffer free? When nothing but the pool holds its storage. `take` hands out a view, so
 every user (a param's .data, an in-flight Work, a tensor autograd saved for backward, a slice
@@ -19,10 +26,8 @@ buffer out of the pool until backward lets go.
 
 Bounded: at most `limit_bytes` are kept (the interpreter sizes it by what the live budget can
 need, not by the model); past it the least recently used free buffers go, and a request that
-still does not fit gets a plain, untracked tensor. Released: `trim()` at each accumulation
-boundary drops the free buffers the window did not take, and a miss first drops the free ones
-not taken since the last boundary, so the first step's per-module sizes (before the trace
-batches gathers) are gone before the traced step's sizes are made, not after its peak.
+still does not fit gets a plain, untracked tensor. A miss first drops the free buffers not taken
+since the last `trim()`, so sizes that will not come again do not stay.
 """
 from __future__ import annotations
 
@@ -66,6 +71,29 @@ class BufferPool:
         if not stale_only:
             self.taken.clear()
         return dropped
+
+    def discard(self, t: torch.Tensor) -> int:
+        """Stop keeping the buffer `t` lies in (its users still hold it; when the last lets go,
+        the memory goes back). -> bytes no longer kept."""
+        ptr = t.untyped_storage().data_ptr()
+        if not ptr:
+            return 0
+        for key, held in self.buffers.items():
+            for b in held:
+                if b.untyped_storage().data_ptr() == ptr:
+                    held[:] = [h for h in held if h is not b]  # by identity
+                    if not held:
+                        del self.buffers[key]
+                    size = b.numel() * b.element_size()
+                    self.bytes -= size
+                    return size
+        return 0
+
+    def release(self) -> int:
+        """Drop every free buffer (the end of a backward: nothing is taken again before the next
+        pass). -> bytes dropped."""
+        self.taken.clear()
+        return self.trim()
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A (numel,) tensor of dtype, contents undefined, that nobody else is using."""

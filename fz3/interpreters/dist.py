@@ -5,7 +5,8 @@
                       all-reduce of the zero-padded rows, or gloo's own
     Wait(h)           wait that work, copy the output out into the params' full values (p2p:
                       the peers' shards were received in place)
-    Free              params back to empty .data
+    Free              params back to empty .data; their pooled memory goes too unless the
+                      core will gather them again in this pass (`refetch`)
     CopyToBucket      param.grad -> slice of a flat IPG bucket buffer of the effect's (comm)
                       dtype; param.grad = None (a p2p reduce-scatter holds the grad itself
                       instead, cast to that dtype: its sends read it in place)
@@ -20,6 +21,8 @@
                       param.grad already)
     WaitReduce        wait every reduce in flight and run the writes that waited for it
     ZeroPartitions, AverageGrads   on the flat partition buffer (one division, never AVG)
+    FreePartitions    the flat partition buffer's storage resized to 0 after the optimizer
+                      step; the window's first write (or ZeroPartitions) gives it memory again
 
 [Note: deferred writes] With overlap_comm a reduce runs while backward goes on, so the
 WritePartition / DropGrads effects that follow a ReduceBucket wait in a queue attached to that
@@ -41,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from fz3.core.config import Config
-from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, ReduceBucket,
-                              Wait, WaitReduce, WritePartition, ZeroPartitions)
+from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
+                              ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle
 from fz3.data import collectives
 from fz3.data.collectives import ALL_GATHER, REDUCE_SCATTER
@@ -125,8 +128,10 @@ class DistInterpreter:
                     self._all_gather(h, ps, pre)
                 case Wait(handle=h):
                     self._wait(h)
-                case Free(params=ps):
+                case Free(params=ps, refetch=refetch):
                     for p in ps:
+                        if not refetch:  # next gathered in the next pass: the memory goes now
+                            self.buffers_pool.discard(self.store.params[p].data)
                         self.store.free(p)
                 case CopyToBucket():
                     self._copy_to_bucket(e)
@@ -142,11 +147,15 @@ class DistInterpreter:
                     while self.reduces:
                         self._complete_oldest()
                 case ZeroPartitions(params=ps):
+                    self.store.ensure_partitions()
                     for p in ps:
                         if self.store.partitions[p] is not None:
                             self.store.partitions[p].zero_()
                 case AverageGrads(divisor=d):
+                    self.store.ensure_partitions()
                     self.store.grad_flat.div_(d)
+                case FreePartitions():
+                    self.store.free_partitions()
                 case _:
                     raise TypeError(f"DistInterpreter: unknown effect {e!r}")
 
@@ -322,6 +331,7 @@ class DistInterpreter:
         self._run(pending.deferred)
 
     def _write(self, bucket: BucketId, p: int, mode: str) -> None:
+        self.store.ensure_partitions()
         part = self.store.partitions[p]
         reduced = self.reduced[bucket][p]
         if mode == "copy":

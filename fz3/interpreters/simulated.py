@@ -13,8 +13,9 @@ capacity) raises SimulationError, which is how tests catch a core that emits non
 
 Per rank:  shards[p] (s,)  full[p] (n,) while AVAILABLE  grads[p] = param.grad not yet in a bucket
            bucket buffer per BucketId (flat, capacity reduce_bucket_size)  partitions[p] (s,)
-Grad partitions start as NaN, like DeepSpeed's uninitialised flat buffer: a core that adds where
-it should copy poisons them, and the comparison with the naive model fails. Grads are reduced
+Grad partitions start as NaN, like DeepSpeed's uninitialised flat buffer, and are NaN again after
+FreePartitions (their memory given back): a core that adds where it should copy poisons them,
+and the comparison with the naive model fails. Grads are reduced
 in the effect's dtype, which must be the config's communication_data_type (else the grad's own:
 checked here with a table of this file's own, so a core that ignores the config is caught), and
 divided by the effect's predivide first; partitions keep their dtype (a write casts into it).
@@ -26,8 +27,9 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from fz3.core.config import Config
-from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, ReduceBucket,
-                              Wait, WaitReduce, WriteMode, WritePartition, ZeroPartitions)
+from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
+                              ReduceBucket, Wait, WaitReduce, WriteMode, WritePartition,
+                              ZeroPartitions)
 from fz3.core.ids import BucketId, Handle, ParamId
 from fz3.core.spec import ModelSpec
 from fz3.data import collectives, layout, partition
@@ -109,6 +111,9 @@ class SimulatedWorld:
                             part[p] = torch.zeros_like(part[p])
                 case AverageGrads(divisor=d):
                     self.partitions = [[partition.average(t, d) for t in part]
+                                       for part in self.partitions]
+                case FreePartitions():  # memory given back: NaN again until written
+                    self.partitions = [[torch.full_like(t, float("nan")) for t in part]
                                        for part in self.partitions]
                 case _:
                     raise SimulationError(f"unknown effect {e!r}")

@@ -86,10 +86,11 @@ class Engine:
             for p in ps:
                 self.grad_waiters.setdefault(p, []).append(m)
         self.calls_awaiting_grads: dict[int, int] = {}  # module -> calls with no grad inputs
+        self.awaiting_since: dict[int, int] = {}  # such a call -> len(saved.log) at its start
         self.grads_awaited: dict[int, set[int]] = {}  # module -> its params' grads still due
         self.callback_queued = False
         self.optimizer_steps = 0
-        self.saved = SavedParams(self.store, self.tables.names)
+        self.saved = SavedParams(self.store, self.tables.names, self.param_ids)
         self.saved_hooks = None  # entered for each root forward
         if config.compute_dtype != "fp32":
             _cast_buffers(model, DTYPES[config.compute_dtype])
@@ -138,6 +139,8 @@ class Engine:
         if not wrapped and torch.is_grad_enabled() and self.grad_params[m]:
             wrapped = True  # released once its own grads are in: see _grads_in
             self.calls_awaiting_grads[m] = self.calls_awaiting_grads.get(m, 0) + 1
+            if self.saved_hooks is not None:  # [Note: backward reads no param] (_post_forward)
+                self.awaiting_since[m] = len(self.saved.log)
         self._params(fetch(self.params_state, m, forward=True, config=self.config, grad_inputs=int(wrapped)))
         if self.config.debug_checks:
             checks.fetched(self.params_state, m)
@@ -154,6 +157,10 @@ class Engine:
         self.stack.clear()
         self.calls_awaiting_grads.clear()  # a pass with grad but no backward left these
         self.grads_awaited.clear()
+        self.awaiting_since.clear()
+        self.saved.log.clear()
+        for p in list(self.store.grad_due):  # a pass with grad but no backward left these
+            self.store.grad_in(p)
         self.leaves_pending.clear()
         if [p.requires_grad for p in self.tables.params] != self.store.trainable:
             checks.requires_grad_unchanged(self.tables, self.store.trainable)
@@ -168,14 +175,39 @@ class Engine:
         found = [self.param_ids[id(t)] for t in leaves if id(t) in self.param_ids]
         if found and self.stack:  # a param returned to the caller: external on the caller
             self._register_external(self.stack[-1], found)
-        if self.inert[m]:
+        start = self.awaiting_since.pop(m, None)
+        reads_none = start is not None and self.units[m].isdisjoint(self.saved.log[start:])
+        if reads_none:  # freed from now on with their shape kept, for AccumulateGrad (store.free)
+            self.store.grad_due.update(self.grad_params[m])
+        if self.inert[m] or reads_none:
             wrapped = False
         else:
             output, wrapped = wrap_leaves(output, leaves, treedef, PreBackward, lambda: self._pre_backward(m))
         self._params(release(self.params_state, m, config=self.config, grad_outputs=wrapped))
+        if reads_none:
+            self._backward_reads_none(m)
         if m == 0:
             self._end_saved_hooks()
         return output
+
+    def _backward_reads_none(self, m: int) -> None:
+        """[Note: backward reads no param] A call with no grad-requiring input (an embedding on
+        token ids) whose forward saved none of its params for backward (the saved-tensor hooks
+        saw none: F.embedding saves the ids and the weight's row count) computes its params'
+        grads without reading their values. So its backward needs no fetch and its own backward
+        bookkeeping is over now, not when its grads arrive (_grads_in): its params are freed as
+        soon as no other module needs them. A tied embedding/lm_head weight, which DeepSpeed
+        keeps gathered from the lm_head's backward through the embedding's (the last in the
+        backward, where autograd holds the lm_head's grad, the embedding's and their sum), is
+        freed right after the lm_head's backward."""
+        left = self.calls_awaiting_grads.get(m, 0) - 1
+        if left < 0:
+            return
+        if left:
+            self.calls_awaiting_grads[m] = left
+        else:
+            del self.calls_awaiting_grads[m]
+        self._params(core_bwd.post_backward(self.params_state, m, config=self.config))
 
     def _end_saved_hooks(self) -> None:
         if self.saved_hooks is not None and torch._C._current_graph_task_id() == -1:
@@ -194,6 +226,7 @@ class Engine:
         if not self.stack or self.stack[-1] != m:
             return  # raised in a pre-forward hook before ours pushed this call
         self.stack.pop()
+        self.awaiting_since.pop(m, None)
         if torch._C._current_graph_task_id() == -1:
             self.aborted = True
         self._params(release(self.params_state, m, config=self.config))
@@ -239,6 +272,8 @@ class Engine:
             self._queue_end_of_backward()
             self._grad_ready(p)
             self._grads_in(p)
+            if self.store.grad_due:
+                self.store.grad_in(p)
         return hook
 
     def _grads_in(self, p: int) -> None:
@@ -270,10 +305,13 @@ class Engine:
         self.callback_queued = False
         self.calls_awaiting_grads.clear()
         self.grads_awaited.clear()
+        for p in list(self.store.grad_due):  # params no grad reached in this backward
+            self.store.grad_in(p)
         for m in sorted(self.leaves_pending):  # no grad-requiring input: post-backward never ran
             self._reduce_leaf(m)
         self._grads(epilogue(self.grads_state, config=self.config))
         self._params(finish_backward(self.params_state, config=self.config))
+        self.interp.buffers_pool.release()  # nothing is taken again before the next pass (pool.py)
         if self.config.debug_checks:
             checks.quiescent(self.params_state)
 
@@ -305,7 +343,6 @@ class Engine:
         self.store.refresh_shards()
         self._grads(optimizer_step(self.grads_state, config=self.config))
         self._params(end_of_step(self.params_state, config=self.config))
-        self.interp.buffers_pool.trim()  # sizes this window did not use (fz3/data/pool.py)
         self.optimizer_steps += 1
         self.grad_norm = norm
         if self.lr_scheduler is not None:

@@ -34,18 +34,26 @@ class SavedView(NamedTuple):
 class SavedParams:
     """The pack / unpack pair for torch.autograd.graph.saved_tensors_hooks, over a tensor store."""
 
-    def __init__(self, store, names: list[str]) -> None:
-        self.store, self.names = store, names
+    def __init__(self, store, names: list[str], param_ids: dict[int, int]) -> None:
+        self.store, self.names, self.param_ids = store, names, param_ids
+        self.log: list[int] = []  # params saved for backward in this pass, in order (the engine
+        # reads which ones a call saved: [Note: backward reads no param], engine.py)
 
     def context(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or not self.store.full_spans:
+        if isinstance(t, nn.Parameter):
+            p = self.param_ids.get(id(t))
+            if p is not None:
+                self.log.append(p)  # the backward reads the param as it is then
+            return t
+        if not self.store.full_spans:
             return t
         found = self.store.full_of(t)
         if found is None:
             return t
+        self.log.append(found[0])
         return SavedView(found[0], t.shape, t.stride(), found[1])
 
     def unpack(self, x):

@@ -5,6 +5,9 @@
     masters[p]     fp32 shard (s,), an nn.Parameter the user's optimizer steps on
     shards[p]      compute-dtype shard (s,) the gathers read; *is* masters[p] in fp32 mode
     partitions[p]  fp32 grad partition (s,): a view of one flat buffer, also masters[p].grad
+                   at the optimizer step. The buffer's memory exists from a window's first
+                   write to its optimizer step (effects.FreePartitions): in between, its
+                   storage is resized to 0 and the views must not be read
 
 Sizes: s = ceil(numel / W); rank r owns flat [r*s, (r+1)*s), zero-padded (fz3/core/spec.py).
 """
@@ -46,6 +49,7 @@ class TensorStore:
             self.partitions.append(self.grad_flat[offset:offset + n] if t else None)
             offset += n
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
+        self.grad_due: set[int] = set()  # freed params whose grad autograd has yet to accumulate
         self.full_spans: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (offset, numel, param)
         self.full_key: dict[int, int] = {}  # param -> the storage its full value lies in
         for p in range(len(self.params)):
@@ -67,9 +71,22 @@ class TensorStore:
         self.full_key[p] = key
 
     def free(self, p: int) -> None:
-        """Param p becomes NOT_AVAILABLE: only the shard stays (DeepSpeed: partition())."""
-        self.params[p].data = self._empty
+        """Param p becomes NOT_AVAILABLE: only the shard stays (DeepSpeed: partition()). Its
+        .data is empty, so a read of it fails loudly; but a param in `grad_due` (freed before
+        autograd accumulates its grad: [Note: backward reads no param], engine.py) keeps its
+        shape over one element of memory, which AccumulateGrad needs, until `grad_in`."""
+        if p in self.grad_due:
+            self.params[p].data = self._empty.new_empty(1).expand(self.shapes[p])
+        else:
+            self.params[p].data = self._empty
         self._forget(p)
+
+    def grad_in(self, p: int) -> None:
+        """Param p's grad was accumulated: if it is freed, its .data becomes empty again."""
+        self.grad_due.discard(p)
+        data = self.params[p].data
+        if p not in self.full_key and data.numel() and data.stride() == (0,) * data.dim():
+            self.params[p].data = self._empty
 
     def _forget(self, p: int) -> None:
         key = self.full_key.pop(p, None)
@@ -90,6 +107,20 @@ class TensorStore:
                     return p, off - start
         return None
 
+    def free_partitions(self) -> None:
+        """Give the grad partitions' memory back (the views stay, unreadable until
+        `ensure_partitions`); the masters lose their .grad so nothing reads freed memory."""
+        for m in self.masters:
+            m.grad = None
+        self.grad_flat.untyped_storage().resize_(0)
+
+    def ensure_partitions(self) -> None:
+        """Memory for the grad partitions again, contents undefined (the window's first write
+        of each is a copy, and the rest get ZeroPartitions)."""
+        storage = self.grad_flat.untyped_storage()
+        if storage.nbytes() == 0 and self.grad_flat.numel():
+            storage.resize_(self.grad_flat.numel() * self.grad_flat.element_size())
+
     def bind_grads(self) -> None:
         """The optimizer reads masters[p].grad; re-bind after a user's zero_grad set it None."""
         for m, part in zip(self.masters, self.partitions):
@@ -104,7 +135,9 @@ class TensorStore:
             self.shards[p] = self.masters[p].detach().to(self.dtype)
 
     def shard_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds: fp32 masters, compute shards (if separate), grad partitions."""
+        """Bytes this rank holds: fp32 masters, compute shards (if separate), grad partitions
+        (0 between an optimizer step and the next window's first write)."""
         master = sum(m.numel() for m in self.masters) * 4
         compute = 0 if self.dtype == torch.float32 else sum(s.numel() for s in self.shards) * 2
-        return {"param_shards": master + compute, "grad_partitions": self.grad_flat.numel() * 4}
+        return {"param_shards": master + compute,
+                "grad_partitions": self.grad_flat.untyped_storage().nbytes()}
