@@ -86,22 +86,31 @@ def merge_ranks(results: list[dict]) -> dict:
 
 
 def theory(model_name: str, world: int) -> dict:
-    """Analytic ZeRO-3 bytes per step per rank with reuse distance 0 and persistence 0."""
+    """Analytic ZeRO-3 bytes per step per rank with reuse distance 0 and persistence 0. Every
+    fetch unit (module, its own params) is gathered in forward and again in backward, except the
+    embeddings: they take token ids (no grad-requiring input) and their backward reads no param,
+    so fz3 gathers them in forward only ([Note: backward reads no param], fz3/shell/engine.py;
+    DeepSpeed and FSDP2 gather them again)."""
+    from torch import nn
     from systems.common import make_model
     model = make_model(model_name)
     pad = lambda n: -(-n // world) * world  # noqa: E731
     distinct = {id(p): p for p in model.parameters()}
     param_sum = sum(pad(p.numel()) for p in distinct.values())
-    seen, unit_sum = set(), 0
-    for m in model.modules():  # each fetch unit (module, its own params), gathered fwd + bwd
+    seen, unit_sum, backward_sum = set(), 0, 0
+    for m in model.modules():
         if id(m) in seen:
             continue
         seen.add(id(m))
-        unit_sum += sum(pad(p.numel()) for p in m.parameters(recurse=False))
+        own = sum(pad(p.numel()) for p in m.parameters(recurse=False))
+        unit_sum += own
+        backward_sum += 0 if isinstance(m, nn.Embedding) else own
     f = (world - 1) / world
+    gathered = (unit_sum + backward_sum) * 4
     return {"padded_param_numel": param_sum, "padded_unit_numel": unit_sum,
-            "gather_buffer_bytes": 2 * unit_sum * 4, "reduce_buffer_bytes": param_sum * 4,
-            "gather_wire_bytes": 2 * unit_sum * 4 * f, "reduce_wire_bytes": param_sum * 4 * f,
+            "padded_backward_unit_numel": backward_sum,
+            "gather_buffer_bytes": gathered, "reduce_buffer_bytes": param_sum * 4,
+            "gather_wire_bytes": gathered * f, "reduce_wire_bytes": param_sum * 4 * f,
             "gather_wire_bytes_untied": 2 * param_sum * 4 * f,
             "numel": sum(p.numel() for p in distinct.values())}
 

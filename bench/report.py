@@ -123,10 +123,12 @@ def theory_lines(res: dict, model: str) -> list[str]:
         f"| cross-check: bytes counted at torch.distributed (gather / reduce) | {th.get('counted_gather_bytes') or 0:,.0f} / "
         f"{th.get('counted_reduce_bytes') or 0:,.0f} | | |",
         "",
-        f"Analytic: padded numel Σ⌈n/N⌉N = {th['padded_param_numel']:,} ({th['numel']:,} unpadded); gathers = 2 × "
-        f"Σ over fetch units (module, own params) of padded numel = 2 × {th['padded_unit_numel']:,} × 4 B, because "
-        f"the tied wte/lm_head weight is its own fetch unit in both `wte` and `lm_head` and, with reuse distance 0, "
-        f"is gathered once per use, forward and backward (4×). Counting each parameter exactly twice instead "
+        f"Analytic: padded numel Σ⌈n/N⌉N = {th['padded_param_numel']:,} ({th['numel']:,} unpadded); gathers = "
+        f"Σ over fetch units (module, own params) of padded numel in forward, {th['padded_unit_numel']:,}, plus "
+        f"the same in backward less the embeddings, {th['padded_backward_unit_numel']:,}, × 4 B: the tied "
+        f"wte/lm_head weight is its own fetch unit in both `wte` and `lm_head`, gathered by both in forward and, "
+        f"with reuse distance 0, by `lm_head` again in backward; the embeddings' backward reads no param, so "
+        f"fz3 does not gather them for it (DeepSpeed and FSDP2 do). Counting each parameter exactly twice instead "
         f"gives {th['gather_wire_bytes_untied']:,.0f} B received per rank. fz3 issued "
         f"{th['fz3_all_gather_calls']:.0f} all-gathers and {th['fz3_reduce_calls']:.0f} reduce(s) per step.",
     ]

@@ -4,6 +4,8 @@ is built, DeepSpeed's zero.Init); `construction` then holds ru_maxrss and RSS ri
 Init block, before fz3.initialize (the construction peak proper)."""
 from __future__ import annotations
 
+import torch
+
 import fz3
 from systems.common import (loss_fn, make_model, make_optimizer, optimizer_state_tensors, peak_rss_bytes,
                             rss_bytes)
@@ -20,10 +22,14 @@ class Fz3:
         self.cfg = fz3.Config(**spec.get("options", {}).get("config", {}))
         self.engine = fz3.initialize(self.model, make_optimizer(self.model.parameters()), self.cfg)
         self.before: dict = {}
+        self.grad_bytes = 0
 
     def step(self, x, y) -> float:
         loss = loss_fn(self.engine(x), y)
         self.engine.backward(loss)
+        # the grad partitions exist from the window's first reduce to its optimizer step
+        # (effects.FreePartitions): count them as the backward left them
+        self.grad_bytes = self.engine.store.grad_flat.untyped_storage().nbytes()
         self.engine.step()
         return loss.item()
 
@@ -33,8 +39,9 @@ class Fz3:
     def memory(self) -> dict[str, list]:
         e = self.engine
         s = e.store
+        grads = torch.empty(self.grad_bytes // 4, device="meta")  # freed by the step: its size
         return {"params": list(s.masters) + list(s.shards) + [p.data for p in s.params],
-                "grads": [s.grad_flat], "optimizer": optimizer_state_tensors(e.optimizer),
+                "grads": [grads], "optimizer": optimizer_state_tensors(e.optimizer),
                 "comm_buffers": [b for bufs in e.interp.pool.values() for b in bufs]}
 
     def extra(self, steps: int) -> dict:
