@@ -8,9 +8,8 @@
     Free              params back to empty .data; their pooled memory goes too unless the
                       core will gather them again in this pass (`refetch`)
     CopyToBucket      param.grad -> slice of a flat IPG bucket buffer of the effect's (comm)
-                      dtype; param.grad = None. The p2p reduce-scatter copies nothing: it posts
-                      the grad's exchange at once and keeps only this rank's summed partition
-                      for the bucket's reduce ([Note: p2p reduce per grad])
+                      dtype; param.grad = None (a p2p reduce-scatter holds the grad itself
+                      instead, cast to that dtype: its sends read it in place)
     ReduceBucket      SUM all_reduce of the flat bucket, or one reduce_scatter_tensor of the
                       padded rank-interleaved grads; async with overlap_comm. Grads read from
                       param.grad are cast to the effect's dtype; all are divided by its
@@ -47,7 +46,6 @@ import torch.distributed as dist
 from fz3.core.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
-from fz3.core.grads import grad_predivide
 from fz3.core.ids import BucketId, Handle
 from fz3.data import collectives
 from fz3.data.collectives import ALL_GATHER, REDUCE_SCATTER
@@ -85,9 +83,7 @@ class DistInterpreter:
         self.reduce_scatter_by = config.gloo_reduce_scatter if gloo else "native"
         self.tags = itertools.count(1)  # p2p message tags: the same sequence on every rank (SPMD)
         self.hold_grads = self.reduce_scatter_by == "p2p" and config.reduce_scatter
-        self.held: dict[BucketId, dict[int, torch.Tensor]] = {}  # bucket -> offset -> grad | sum
-        self.exchanges: "deque[tuple]" = deque()  # [Note: p2p reduce per grad] posted, not added
-        self.predivide = grad_predivide(self.world_size, config)
+        self.held: dict[BucketId, dict[int, torch.Tensor]] = {}  # bucket -> offset -> grad
         self.gather_stream = device.new_stream() if self.async_op else None
         self.reduce_stream = device.new_stream() if self.async_op else None
         self.gathers: dict[Handle, tuple] = {}
@@ -148,8 +144,6 @@ class DistInterpreter:
                 case DropGrads(bucket=b):
                     self._drop(b)
                 case WaitReduce():
-                    while self.exchanges:
-                        self._add_exchange()
                     while self.reduces:
                         self._complete_oldest()
                 case ZeroPartitions(params=ps):
@@ -222,44 +216,12 @@ class DistInterpreter:
         param = self.store.params[e.param]
         if self.hold_grads:  # the bucket would only stage what p2p sends straight from the grad
             grad = param.grad.reshape(-1).to(getattr(torch, e.dtype))
-            param.grad = None  # ours alone from here
-            self._exchange(e.bucket, e.offset, grad)
+            self.held.setdefault(e.bucket, {})[e.offset] = grad
         else:
             if e.bucket not in self.buffers:
                 self.buffers[e.bucket] = self._acquire(e.dtype)
             self.buffers[e.bucket][e.offset:e.offset + e.numel].copy_(param.grad.reshape(-1))
-            param.grad = None
-
-    def _exchange(self, bucket: BucketId, offset: int, grad: torch.Tensor) -> None:
-        """[Note: p2p reduce per grad] The point-to-point reduce-scatter sends each grad's
-        partitions from the grad itself, so a bucket batches nothing: its grads were only held,
-        up to reduce_bucket_size of them (DeepSpeed's 5e8 default is more than most models: every
-        grad of the backward, 4 bytes per param). So each grad's exchange is posted as it
-        arrives, and once done its own partition is summed (own, then the peers in rank order,
-        exactly as a bucket's reduce does) and the grad let go: what waits for the bucket's
-        ReduceBucket is 1/W of each grad. At most MAX_REDUCES_IN_FLIGHT exchanges are open."""
-        if self.predivide != 1:
-            grad.div_(self.predivide)
-        while len(self.exchanges) >= MAX_REDUCES_IN_FLIGHT:
-            self._add_exchange()
-        W, r = self.world_size, self.rank
-        scratch = self.buffers_pool.take(p2p.scratch_numel([grad.numel()], r, W), grad.dtype)
-        with self._on(self.reduce_stream):
-            work, result = p2p.reduce_scatter([grad], scratch, r, W, group=self.group,
-                                              tag=next(self.tags))
-        self.held.setdefault(bucket, {})[offset] = grad
-        self.exchanges.append((bucket, offset, work, result))
-
-    def _add_exchange(self) -> None:
-        """Complete the oldest grad exchange: its own partition, summed, replaces the grad."""
-        bucket, offset, work, result = self.exchanges.popleft()
-        work.wait()
-        if self.reduce_stream is not None:
-            self.device.wait_stream(self.device.current_stream(), self.reduce_stream)
-        own = result()[0]
-        grad = self.held[bucket][offset]
-        self.held[bucket][offset] = own.clone() if own.untyped_storage().data_ptr() == \
-            grad.untyped_storage().data_ptr() else own  # a view keeps the whole grad
+        param.grad = None
 
     def _acquire(self, dtype: str) -> torch.Tensor:
         free = self.pool.setdefault(dtype, [])
@@ -273,6 +235,9 @@ class DistInterpreter:
         """The grads `e` reduces, flat, in its dtype and divided by its predivide, and the bucket
         buffer they are views of (None when they are not: held grads or param.grad)."""
         d = e.predivide
+        if e.contiguous and e.bucket in self.held:  # ours alone since param.grad was released
+            grads = [self.held[e.bucket][s.offset] for s in e.slots]
+            return [g.div_(d) for g in grads] if d != 1 else grads, None
         if e.contiguous:
             buf = self.buffers[e.bucket]
             if d != 1:
@@ -291,19 +256,6 @@ class DistInterpreter:
 
     def _reduce(self, e: ReduceBucket) -> None:
         W, r = self.world_size, self.rank
-        if e.contiguous and e.bucket in self.held:  # exchanged grad by grad ([Note: p2p reduce per grad])
-            if e.predivide != self.predivide:
-                raise RuntimeError(f"ReduceBucket predivide {e.predivide} but the grads were divided "
-                                   f"by {self.predivide} as they arrived")
-            while any(x[0] == e.bucket for x in self.exchanges):
-                self._add_exchange()
-            held = self.held[e.bucket]
-            self.reduced[e.bucket] = {s.param: held[s.offset] for s in e.slots}
-            S = sum(self.spec.params[s.param].shard_numel for s in e.slots)
-            self.counts["reduce"] += 1
-            self.counts["reduce_p2p"] += 1
-            self.counts["reduced_bytes"] += W * S * held[e.slots[0].offset].element_size()
-            return
         while len(self.reduces) >= MAX_REDUCES_IN_FLIGHT:
             self._complete_oldest()  # its grads, buffers and scratch are let go
         grads, buf = self._reduce_inputs(e)
