@@ -158,3 +158,50 @@ def test_a_call_whose_forward_saved_its_param_is_gathered_for_its_backward():
     for rank, out in enumerate(launch.run(_custom, world_size=2, timeout=240)):
         assert out["seen"] == ["AVAILABLE"] * 2, (rank, out["seen"])
         assert out["max_diff"] < 1e-6, (rank, out["max_diff"])
+
+
+class TableWithOffset(nn.Module):
+    """Token ids in, no param saved for backward: a table and a 0-d offset (add saves nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 8))
+        self.offset = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, ids):
+        return torch.nn.functional.embedding(ids, self.weight) + self.offset
+
+
+class OffsetNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = TableWithOffset()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids):
+        return self.head(self.table(ids)).square().mean()
+
+
+def _offset(rank: int, world: int) -> float:
+    import fz3
+    net, ref = OffsetNet(), OffsetNet()
+    engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                            fz3.Config(param_persistence_threshold=0))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ids = torch.arange(12).reshape(4, 3) % 16
+    for _ in range(2):
+        engine.backward(engine(ids[rank * 2:(rank + 1) * 2]))
+        engine.step()
+        opt.zero_grad()
+        torch.stack([ref(ids[r * 2:(r + 1) * 2]) for r in range(world)]).mean().backward()
+        opt.step()
+    full = engine.full_state_dict()
+    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+def test_a_freed_0d_param_keeps_its_shape_until_its_grad_is_in():
+    """The table's forward reads no param for backward, so both its params are freed before
+    their grads arrive; AccumulateGrad needs their shapes, a 0-d one included."""
+    for rank, diff in enumerate(launch.run(_offset, world_size=2, timeout=200)):
+        assert diff < 1e-6, (rank, diff)

@@ -76,7 +76,7 @@ class TensorStore:
         autograd accumulates its grad: [Note: backward reads no param], engine.py) keeps its
         shape over one element of memory, which AccumulateGrad needs, until `grad_in`."""
         if p in self.grad_due:
-            self.params[p].data = self._empty.new_empty(1).expand(self.shapes[p])
+            self.params[p].data = self._empty.new_empty(()).expand(self.shapes[p])
         else:
             self.params[p].data = self._empty
         self._forget(p)
