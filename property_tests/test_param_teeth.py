@@ -156,3 +156,16 @@ def test_aborted_pass_recorded_as_a_plan_is_caught(monkeypatch):
 
     monkeypatch.setattr(step, "reset", remembers)
     assert_caught("trace")
+
+
+@pytest.mark.parametrize("always", [True, False])
+def test_free_refetch_not_from_the_backward_count_is_caught(monkeypatch, always):
+    """(i) Free.refetch ignores whether the releasing module's backward fetches it again: an
+    interpreter would keep memory nothing takes (True) or drop what the backward needs (False)."""
+    real = release.free
+
+    def fixed(tx, pids, refetch=False):
+        real(tx, pids, always)
+
+    monkeypatch.setattr(release, "free", fixed)
+    assert_caught("refetch should be")

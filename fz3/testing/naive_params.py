@@ -258,6 +258,9 @@ class NaiveParams:
             self.status[p] = NA
             self.live -= self.numel[p]
         self.pass_freed |= set(ps)
+        # refetch: the module releasing them has a backward fetch still to come in this pass
+        refetch = kind in ("release", "post_backward") and self.pre[self.module] > 0
+        assert e.refetch == refetch, f"{e} during {kind} of m{self.module}: refetch should be {refetch}"
 
     # ---- agreement with the core -----------------------------------------------------------------
     def agree(self, st) -> None:
