@@ -100,8 +100,11 @@ def test_backward_regathers_reuse_the_forward_buffers():
         assert out["max_diff"] < 1e-5, (rank, out["max_diff"])
 
 
+READ_IN_BACKWARD: list[tuple] = []  # (shape, stride) of the weight each ScaleRows backward read
+
+
 class ScaleRows(torch.autograd.Function):
-    """weight[ids] * 2, saving the weight Parameter itself: its backward reads the weight."""
+    """weight[ids] * weight.sum(), saving the weight Parameter itself: its backward reads it."""
 
     @staticmethod
     def forward(ctx, weight, ids):
@@ -111,6 +114,7 @@ class ScaleRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weight, ids = ctx.saved_tensors
+        READ_IN_BACKWARD.append((tuple(weight.shape), weight.stride()))
         g = torch.zeros_like(weight).index_add_(0, ids.reshape(-1), grad.reshape(-1, weight.shape[1]))
         rows = weight[ids]
         return g * weight.sum() + (grad * rows).sum(), None
@@ -125,41 +129,6 @@ class SavesItsWeight(nn.Module):
         return ScaleRows.apply(self.weight, ids)
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.table = SavesItsWeight()
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, ids):
-        return self.head(self.table(ids)).square().mean()
-
-
-def _custom(rank: int, world: int) -> dict:
-    import fz3
-    net, ref = Net(), Net()
-    engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), fz3.Config())
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    ids = torch.arange(12).reshape(4, 3) % 16
-    seen = []
-    net.table.register_full_backward_pre_hook(lambda m, g: seen.append(engine.param_status(m.weight)))
-    for _ in range(2):
-        engine.backward(engine(ids[rank * 2:(rank + 1) * 2]))
-        engine.step()
-        opt.zero_grad()
-        torch.stack([ref(ids[r * 2:(r + 1) * 2]) for r in range(world)]).mean().backward()
-        opt.step()
-    full = engine.full_state_dict()
-    return {"seen": seen, "max_diff": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())}
-
-
-def test_a_call_whose_forward_saved_its_param_is_gathered_for_its_backward():
-    for rank, out in enumerate(launch.run(_custom, world_size=2, timeout=240)):
-        assert out["seen"] == ["AVAILABLE"] * 2, (rank, out["seen"])
-        assert out["max_diff"] < 1e-6, (rank, out["max_diff"])
-
-
 class TableWithOffset(nn.Module):
     """Token ids in, no param saved for backward: a table and a 0-d offset (add saves nothing)."""
 
@@ -172,36 +141,48 @@ class TableWithOffset(nn.Module):
         return torch.nn.functional.embedding(ids, self.weight) + self.offset
 
 
-class OffsetNet(nn.Module):
-    def __init__(self) -> None:
+class TableNet(nn.Module):
+    def __init__(self, table: type) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.table = TableWithOffset()
+        self.table = table()
         self.head = nn.Linear(8, 4)
 
     def forward(self, ids):
         return self.head(self.table(ids)).square().mean()
 
 
-def _offset(rank: int, world: int) -> float:
+def _train_table(rank: int, world: int, table: type) -> dict:
+    """Two SGD steps of TableNet(table) on 2 ranks against one process, no persistent params;
+    -> what ScaleRows' backwards read of the weight and the largest param difference."""
     import fz3
-    net, ref = OffsetNet(), OffsetNet()
+    net, ref = TableNet(table), TableNet(table)
     engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
                             fz3.Config(param_persistence_threshold=0))
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ids = torch.arange(12).reshape(4, 3) % 16
+    seen = []
     for _ in range(2):
+        before = len(READ_IN_BACKWARD)
         engine.backward(engine(ids[rank * 2:(rank + 1) * 2]))
+        seen += READ_IN_BACKWARD[before:]
         engine.step()
         opt.zero_grad()
         torch.stack([ref(ids[r * 2:(r + 1) * 2]) for r in range(world)]).mean().backward()
         opt.step()
     full = engine.full_state_dict()
-    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return {"seen": seen, "max_diff": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())}
+
+
+def test_a_call_whose_forward_saved_its_param_is_gathered_for_its_backward():
+    for rank, out in enumerate(launch.run(_train_table, world_size=2, args=(SavesItsWeight,), timeout=240)):
+        # the gathered full value, not the empty freed .data nor a shape-only placeholder
+        assert out["seen"] == [((16, 8), (8, 1))] * 2, (rank, out["seen"])
+        assert out["max_diff"] < 1e-6, (rank, out["max_diff"])
 
 
 def test_a_freed_0d_param_keeps_its_shape_until_its_grad_is_in():
     """The table's forward reads no param for backward, so both its params are freed before
     their grads arrive; AccumulateGrad needs their shapes, a 0-d one included."""
-    for rank, diff in enumerate(launch.run(_offset, world_size=2, timeout=200)):
-        assert diff < 1e-6, (rank, diff)
+    for rank, out in enumerate(launch.run(_train_table, world_size=2, args=(TableWithOffset,), timeout=200)):
+        assert out["max_diff"] < 1e-6, (rank, out["max_diff"])

@@ -159,8 +159,7 @@ class Engine:
         self.grads_awaited.clear()
         self.awaiting_since.clear()
         self.saved.log.clear()
-        for p in list(self.store.grad_due):  # a pass with grad but no backward left these
-            self.store.grad_in(p)
+        self.store.clear_grad_due()  # params no grad reached (or a pass with no backward)
         self.leaves_pending.clear()
         if [p.requires_grad for p in self.tables.params] != self.store.trainable:
             checks.requires_grad_unchanged(self.tables, self.store.trainable)
@@ -272,8 +271,7 @@ class Engine:
             self._queue_end_of_backward()
             self._grad_ready(p)
             self._grads_in(p)
-            if self.store.grad_due:
-                self.store.grad_in(p)
+            self.store.grad_in(p)
         return hook
 
     def _grads_in(self, p: int) -> None:
@@ -305,8 +303,7 @@ class Engine:
         self.callback_queued = False
         self.calls_awaiting_grads.clear()
         self.grads_awaited.clear()
-        for p in list(self.store.grad_due):  # params no grad reached in this backward
-            self.store.grad_in(p)
+        self.store.clear_grad_due()  # params no grad reached (or a pass with no backward)
         for m in sorted(self.leaves_pending):  # no grad-requiring input: post-backward never ran
             self._reduce_leaf(m)
         self._grads(epilogue(self.grads_state, config=self.config))

@@ -83,10 +83,15 @@ class TensorStore:
 
     def grad_in(self, p: int) -> None:
         """Param p's grad was accumulated: if it is freed, its .data becomes empty again."""
-        self.grad_due.discard(p)
-        data = self.params[p].data
-        if p not in self.full_key and data.numel() and data.stride() == (0,) * data.dim():
-            self.params[p].data = self._empty
+        if p in self.grad_due:
+            self.grad_due.discard(p)
+            if p not in self.full_key:  # freed: the shape-keeping placeholder goes
+                self.params[p].data = self._empty
+
+    def clear_grad_due(self) -> None:
+        """The backward is over, or never came: no freed param keeps a placeholder."""
+        for p in list(self.grad_due):
+            self.grad_in(p)
 
     def _forget(self, p: int) -> None:
         key = self.full_key.pop(p, None)
