@@ -93,6 +93,15 @@ class DistInterpreter:
         self.pool: dict[str, list[torch.Tensor]] = {}
         trainable = sum(s.numel for s, t in zip(self.spec.params, store.trainable) if t)
         self.bucket_capacity = max(1, min(config.reduce_bucket_size, trainable))
+        # [Note: one size per reduce buffer] Buckets differ in size (the grad that overflows one
+        # starts the next), and a pooled buffer is reused only for a take of the same size: a
+        # buffer per bucket size stayed in the pool through the backward, 300 MiB per rank on
+        # bench/memory.py's 0.3 B GPT. Every reduce buffer is cut from one of the largest size a
+        # bucket can need, so one buffer serves every bucket. A bucket's shards total at most
+        # capacity / W plus one element per param (each rank span rounds up), and pages a
+        # smaller bucket never touches are never resident.
+        self.shard_capacity = -(-self.bucket_capacity // self.world_size) + len(self.spec.params)
+        self.scratch_capacity = (self.world_size - 1) * self.shard_capacity
         self.counts: Counter[str] = Counter()
         # CPU: room for what the live budget can need at once, and no more than the model could:
         # the live full params (within max_live_parameters plus the unit fetched on demand past
@@ -104,9 +113,9 @@ class DistInterpreter:
         total = sum(s.numel for s in self.spec.params)
         unit = max((sum(self.spec.params[p].numel for p in m.params) for m in self.spec.modules), default=0)
         live = min(config.max_live_parameters + unit, total)
-        W, bucket = self.world_size, self.bucket_capacity
+        W = self.world_size
         inputs = 0 if self.gather_by == "p2p" else -(-live // W)
-        reduce = bucket * (W - 1) // W if self.reduce_scatter_by == "p2p" else bucket + -(-bucket // W)
+        reduce = self.scratch_capacity if self.reduce_scatter_by == "p2p" else (W + 1) * self.shard_capacity
         limit = min((live + inputs + reduce) * elem, 3 * total * elem) + (64 << 20) \
             if store.device.type == "cpu" else 0
         self.buffers_pool = BufferPool(store.device, limit_bytes=limit)
@@ -263,7 +272,7 @@ class DistInterpreter:
             if e.contiguous:
                 flat = buf[:max(s.offset + s.numel for s in e.slots)]
             else:
-                flat = self.buffers_pool.take(sum(g.numel() for g in grads), grads[0].dtype)
+                flat = self._reduce_buffer(sum(g.numel() for g in grads), grads[0].dtype, self.bucket_capacity)
                 torch.cat(grads, out=flat)
             with self._on(self.reduce_stream):
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=self.async_op)
@@ -278,7 +287,8 @@ class DistInterpreter:
             S = sum(self.spec.params[p].shard_numel for p in params)
             nbytes = W * S * grads[0].element_size()
             if self.reduce_scatter_by == "p2p":
-                keep = self.buffers_pool.take(p2p.scratch_numel([g.numel() for g in grads], r, W), grads[0].dtype)
+                keep = self._reduce_buffer(p2p.scratch_numel([g.numel() for g in grads], r, W),
+                                           grads[0].dtype, self.scratch_capacity)
                 with self._on(self.reduce_stream):
                     work, reduced = p2p.reduce_scatter(grads, keep, r, W, group=self.group,
                                                        tag=next(self.tags))
@@ -288,9 +298,10 @@ class DistInterpreter:
             else:
                 order = sorted(range(len(e.slots)), key=lambda i: params[i])
                 params = [params[i] for i in order]
-                keep = collectives.pack_reduce_scatter_into([grads[i] for i in order], W,
-                                                            self.buffers_pool.take(W * S, grads[0].dtype))
-                out = self.buffers_pool.take(S, keep.dtype)
+                keep = collectives.pack_reduce_scatter_into(
+                    [grads[i] for i in order], W,
+                    self._reduce_buffer(W * S, grads[0].dtype, W * self.shard_capacity))
+                out = self._reduce_buffer(S, keep.dtype, self.shard_capacity)
                 with self._on(self.reduce_stream):
                     work = REDUCE_SCATTER(out, keep, op=dist.ReduceOp.SUM, group=self.group,
                                           async_op=self.async_op)
@@ -304,6 +315,11 @@ class DistInterpreter:
             self.reduced[e.bucket] = finish()
         else:
             self.reduces.append((e.bucket, pending))
+
+    def _reduce_buffer(self, numel: int, dtype: torch.dtype, capacity: int) -> torch.Tensor:
+        """A pooled (numel,) buffer for a reduce, cut from one of `capacity` elements: [Note: one
+        size per reduce buffer]."""
+        return self.buffers_pool.take(max(numel, capacity), dtype)[:numel]
 
     def bucket_bytes(self) -> int:
         """Bytes of the IPG bucket buffers allocated (0 while the p2p reduce holds the grads)."""
