@@ -50,7 +50,7 @@ from fz3.core.ids import BucketId, Handle
 from fz3.data import collectives
 from fz3.data.collectives import ALL_GATHER, REDUCE_SCATTER
 from fz3.data.pool import BufferPool
-from fz3.interpreters import p2p
+from fz3.interpreters import accounting, p2p
 from fz3.shell.store import TensorStore
 
 
@@ -78,9 +78,7 @@ class DistInterpreter:
         self.rank, self.world_size = store.rank, store.world_size
         self.spec = store.tables.spec
         self.async_op = config.overlap_comm
-        gloo = device.backend == "gloo"
-        self.gather_by = config.gloo_all_gather if gloo else "native"
-        self.reduce_scatter_by = config.gloo_reduce_scatter if gloo else "native"
+        self.gather_by, self.reduce_scatter_by = accounting.carriers(config, device.backend)
         self.tags = itertools.count(1)  # p2p message tags: the same sequence on every rank (SPMD)
         self.hold_grads = self.reduce_scatter_by == "p2p" and config.reduce_scatter
         self.held: dict[BucketId, dict[int, torch.Tensor]] = {}  # bucket -> offset -> grad
@@ -173,10 +171,8 @@ class DistInterpreter:
     def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
         shards = [self.store.shards[p] for p in ps]
         S, W = sum(s.numel() for s in shards), self.world_size
-        self.counts[f"all_gather_via_{self.gather_by}"] += 1
-        self.counts["all_gather"] += 1
-        self.counts["all_gather_prefetch" if prefetch else "all_gather_on_demand"] += 1
-        self.counts["gathered_bytes"] += S * W * shards[0].element_size()
+        accounting.count_gather(self.counts, carrier=self.gather_by, shard_numel=S, world_size=W,
+                                element_size=shards[0].element_size(), prefetch=prefetch)
         if self.gather_by == "p2p":
             # a buffer per param: freeing one frees its memory (a flat buffer for the batch would
             # live until the last of its params is freed)
@@ -268,7 +264,8 @@ class DistInterpreter:
         while len(self.reduces) >= MAX_REDUCES_IN_FLIGHT:
             self._complete_oldest()  # its grads, buffers and scratch are let go
         grads, buf = self._reduce_inputs(e)
-        if e.path == "allreduce" or self.reduce_scatter_by == "all_reduce":
+        path = accounting.reduce_path(e, self.reduce_scatter_by)
+        if path == "all_reduce":
             if e.contiguous:
                 flat = buf[:max(s.offset + s.numel for s in e.slots)]
             else:
@@ -276,17 +273,15 @@ class DistInterpreter:
                 torch.cat(grads, out=flat)
             with self._on(self.reduce_stream):
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=self.async_op)
-            self.counts["reduce_all_reduce"] += 1
             spans = list(zip(collectives.slot_offsets([s.numel for s in e.slots]), [s.numel for s in e.slots])) \
                 if not e.contiguous else [(s.offset, s.numel) for s in e.slots]
             finish = lambda: dict(zip((s.param for s in e.slots),
                                       collectives.slice_allreduced(flat, spans, r, W)))
-            nbytes, keep = flat.numel() * flat.element_size(), flat
+            keep = flat
         else:
             params = [s.param for s in e.slots]
             S = sum(self.spec.params[p].shard_numel for p in params)
-            nbytes = W * S * grads[0].element_size()
-            if self.reduce_scatter_by == "p2p":
+            if path == "p2p":
                 keep = self._reduce_buffer(p2p.scratch_numel([g.numel() for g in grads], r, W),
                                            grads[0].dtype, self.scratch_capacity)
                 with self._on(self.reduce_stream):
@@ -294,7 +289,6 @@ class DistInterpreter:
                                                        tag=next(self.tags))
                 work = self._p2p(work)
                 finish = lambda: dict(zip(params, reduced()))
-                self.counts["reduce_p2p"] += 1
             else:
                 order = sorted(range(len(e.slots)), key=lambda i: params[i])
                 params = [params[i] for i in order]
@@ -307,9 +301,7 @@ class DistInterpreter:
                                           async_op=self.async_op)
                 finish = lambda: dict(zip(params, collectives.unpack_reduce_scatter(
                     out, [self.spec.params[p].numel for p in params], W)))
-                self.counts["reduce_reduce_scatter"] += 1
-        self.counts["reduce"] += 1
-        self.counts["reduced_bytes"] += nbytes
+        accounting.count_reduce(self.counts, e, path=path, spec=self.spec, element_size=grads[0].element_size())
         pending = _Reduce(work, finish, keep)
         if work is None:
             self.reduced[e.bucket] = finish()
@@ -320,6 +312,17 @@ class DistInterpreter:
         """A pooled (numel,) buffer for a reduce, cut from one of `capacity` elements: [Note: one
         size per reduce buffer]."""
         return self.buffers_pool.take(max(numel, capacity), dtype)[:numel]
+
+    def end_of_backward(self) -> None:
+        """Nothing is taken from the pool again before the next pass (fz3/data/pool.py)."""
+        self.buffers_pool.release()
+
+    def pool_bytes(self) -> int:
+        return self.buffers_pool.bytes
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
 
     def bucket_bytes(self) -> int:
         """Bytes of the IPG bucket buffers allocated (0 while the p2p reduce holds the grads)."""

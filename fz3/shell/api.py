@@ -8,6 +8,7 @@ from torch import nn
 from fz3.core.config import Config
 from fz3.shell import init, meta, registry
 from fz3.shell.pick import check_group_backend, pick_device
+from fz3.interpreters.dist import DistInterpreter
 from fz3.shell.engine import Engine
 
 
@@ -40,7 +41,10 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     if meta.has_meta(model):  # built on torch.device("meta"): one module at a time (meta.py)
         meta.materialize(model, device.torch_device, group)
     _to_device(model, device.torch_device)
-    engine = Engine(model, optimizer, config, device=device, group=group, lr_scheduler=lr_scheduler)
+    _sync_from_rank0(model, group)
+    engine = Engine(model, optimizer, config, device=device, rank=dist.get_rank(group),
+                    world_size=dist.get_world_size(group), group=group, lr_scheduler=lr_scheduler,
+                    interpreter=lambda store: DistInterpreter(store, config=config, device=device, group=group))
     registry.register(engine)
     return engine
 
@@ -55,3 +59,11 @@ def _to_device(model: nn.Module, device: torch.device) -> None:
         for name, b in module._buffers.items():
             if b is not None:
                 module._buffers[name] = b.to(device)
+
+
+def _sync_from_rank0(model: nn.Module, group) -> None:
+    """Every rank starts from rank 0's values (DeepSpeed's zero.Init broadcasts them too); params
+    built under fz3.Init already hold shards of rank 0's values."""
+    whole = [p for p in model.parameters() if init.shard_of(p) is None]
+    for t in whole + list(model.buffers()):
+        dist.broadcast(t.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)

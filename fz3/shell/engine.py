@@ -16,9 +16,9 @@ handles (in the interpreter) and the forward stack.
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fz3.core import backward as core_bwd
@@ -30,8 +30,8 @@ from fz3.core.ids import Status, TraceMode
 from fz3.core.release import release
 from fz3.core.state import GRADS_REMAINING, STATUS, initial_state
 from fz3.core.step import end_of_step, finish_backward, reset_step
-from fz3.interpreters.dist import DistInterpreter
-from fz3.shell import checks, init, pytree
+from fz3.interpreters.protocol import Interpreter
+from fz3.shell import checks, pytree
 from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, wrap_leaves, wrap_tensors
 from fz3.shell.memory import memory_stats
 from fz3.shell.saved import SavedParams
@@ -50,18 +50,21 @@ class Engine:
     """What `fz3.initialize` returns. Call it like the model."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, *,
-                 device, group=None, lr_scheduler=None) -> None:
+                 device, rank: int, world_size: int, interpreter: Callable[[TensorStore], Interpreter],
+                 group=None, lr_scheduler=None) -> None:
+        """`interpreter(store)` builds what runs the core's effects on this rank's tensor store
+        (fz3/interpreters/protocol.py): DistInterpreter under fz3.initialize, PlanInterpreter under
+        fz3.plan. `group` is the process group of the real run (consolidation, checkpoints)."""
         self.module, self.optimizer, self.config, self.device = model, optimizer, config, device
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)
         self.grad_norm: torch.Tensor | None = None  # at the last boundary, before clipping
         self.group = group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        _sync_from_rank0(model, group)
+        self.rank, self.world_size = rank, world_size
         self.tables = read_tables(model, world_size=self.world_size, config=config)
         self.spec = self.tables.spec
         self.store = TensorStore(self.tables, rank=self.rank, world_size=self.world_size,
                                  compute_dtype=config.compute_dtype, device=device.torch_device)
-        self.interp = DistInterpreter(self.store, config=config, device=device, group=group)
+        self.interp = interpreter(self.store)
         self.params_state = initial_state(self.spec)
         self.grads_state = init_grad_state(self.spec)
         self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
@@ -308,7 +311,7 @@ class Engine:
             self._reduce_leaf(m)
         self._grads(epilogue(self.grads_state, config=self.config))
         self._params(finish_backward(self.params_state, config=self.config))
-        self.interp.buffers_pool.release()  # nothing is taken again before the next pass (pool.py)
+        self.interp.end_of_backward()
         if self.config.debug_checks:
             checks.quiescent(self.params_state)
 
@@ -333,7 +336,7 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             return
         self.store.bind_grads()
-        norm = global_grad_norm(self.store, self.group)
+        norm = global_grad_norm(self.store, self.interp.all_reduce_sum)
         if self.config.gradient_clipping > 0:
             clip_grad_norm(self.store, self.config.gradient_clipping, norm)
         self.optimizer.step()
@@ -383,14 +386,6 @@ class Engine:
 
     def param_status(self, param: nn.Parameter) -> str:
         return Status(self.params_state.param_rows[self.param_ids[id(param)]][STATUS]).name
-
-
-def _sync_from_rank0(model: nn.Module, group) -> None:
-    """Every rank starts from rank 0's values (DeepSpeed's zero.Init broadcasts them too); params
-    built under fz3.Init already hold shards of rank 0's values."""
-    whole = [p for p in model.parameters() if init.shard_of(p) is None]
-    for t in whole + list(model.buffers()):
-        dist.broadcast(t.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
 
 
 def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:

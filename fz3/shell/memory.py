@@ -34,7 +34,7 @@ def memory_stats(engine) -> dict[str, int]:
         "optimizer_state_bytes": tensor_bytes(state_tensors),
         "buffer_bytes": tensor_bytes(engine.module.buffers()),
         "reduce_buffer_bytes": engine.interp.bucket_bytes(),
-        "pool_bytes": engine.interp.buffers_pool.bytes,
+        "pool_bytes": engine.interp.pool_bytes(),
         "device_allocated_bytes": engine.device.memory_allocated(),
         "device_peak_bytes": engine.device.max_memory_allocated(),
     }
@@ -45,5 +45,5 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
-        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+        seen[storage._cdata] = storage.nbytes()  # the storage itself: meta tensors have no data_ptr
     return sum(seen.values())

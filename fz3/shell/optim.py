@@ -7,8 +7,9 @@ kept, so any torch.optim optimizer works unchanged. DeepSpeed: the fp32 flat par
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fz3.shell.store import TensorStore
@@ -51,7 +52,7 @@ def check_scheduler(lr_scheduler, optimizer: torch.optim.Optimizer):
     return lr_scheduler
 
 
-def global_grad_norm(store: TensorStore, group=None) -> torch.Tensor:
+def global_grad_norm(store: TensorStore, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The L2 norm of the whole averaged gradient, () fp32, the same on every rank.
 
     Each rank sums the squares of its partitions (padding holds zeros), one all-reduce makes the
@@ -67,8 +68,7 @@ def global_grad_norm(store: TensorStore, group=None) -> torch.Tensor:
     if whole < flat.numel():
         sq = sq + torch.linalg.vector_norm(flat[whole:]).double().square()
     sq = sq.reshape(1)
-    dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
-    return sq.sqrt().to(torch.float32)[0]
+    return all_reduce_sum(sq).sqrt().to(torch.float32)[0]
 
 
 ROW = 4096  # elements per fp32 partial norm in global_grad_norm

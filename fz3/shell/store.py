@@ -66,7 +66,7 @@ class TensorStore:
         """Param p becomes AVAILABLE: its .data is the gathered full value (numel,)."""
         self.params[p].data = flat.view(self.shapes[p])
         self._forget(p)
-        key = flat.untyped_storage().data_ptr()
+        key = flat.untyped_storage()._cdata  # the storage: meta tensors (fz3.plan) have no data_ptr
         self.full_spans.setdefault(key, []).append((flat.storage_offset(), flat.numel(), p))
         self.full_key[p] = key
 
@@ -104,7 +104,7 @@ class TensorStore:
 
     def full_of(self, t: torch.Tensor) -> tuple[int, int] | None:
         """(param, offset of t in its full value) if t lies in a gathered param's full value."""
-        spans = self.full_spans.get(t.untyped_storage().data_ptr())
+        spans = self.full_spans.get(t.untyped_storage()._cdata)
         if spans is not None:
             off = t.storage_offset()
             for start, n, p in spans:

@@ -1,0 +1,57 @@
+"""Which carrier runs each collective, and what one counts: shared by the interpreter that runs
+the collectives (dist.py) and the one that only plans them (planned.py), so a plan's counts and
+bytes are the real run's by construction.
+
+    carriers(config, backend)   -> (gather_by, reduce_scatter_by): "p2p" | "all_reduce" | "native"
+                                   (gloo: Config.gloo_all_gather / gloo_reduce_scatter; nccl and
+                                   hccl: their own collectives)
+    count_gather(counts, ...)    all_gather, all_gather_via_<carrier>, _prefetch | _on_demand,
+                                 gathered_bytes (W x the shards' bytes: what lands in the full
+                                 values, padding included)
+    count_reduce(counts, ...)    reduce, reduce_<path>, reduced_bytes (the flat bucket for an
+                                 all-reduce; W x the partitions' bytes for a reduce-scatter)
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from fz3.core.config import Config
+from fz3.core.effects import ReduceBucket
+from fz3.core.spec import ModelSpec
+
+
+def carriers(config: Config, backend: str) -> tuple[str, str]:
+    """How this backend carries all-gathers and reduce-scatters."""
+    if backend == "gloo":
+        return config.gloo_all_gather, config.gloo_reduce_scatter
+    return "native", "native"
+
+
+def count_gather(counts: Counter, *, carrier: str, shard_numel: int, world_size: int,
+                 element_size: int, prefetch: bool) -> None:
+    """One AllGather of params whose shards total `shard_numel` elements on each rank."""
+    counts[f"all_gather_via_{carrier}"] += 1
+    counts["all_gather"] += 1
+    counts["all_gather_prefetch" if prefetch else "all_gather_on_demand"] += 1
+    counts["gathered_bytes"] += shard_numel * world_size * element_size
+
+
+def reduce_path(e: ReduceBucket, reduce_scatter_by: str) -> str:
+    """What runs `e`: "all_reduce" (its path, or a reduce-scatter carried as one), "p2p" or
+    "reduce_scatter" (the backend's own)."""
+    if e.path == "allreduce" or reduce_scatter_by == "all_reduce":
+        return "all_reduce"
+    return "p2p" if reduce_scatter_by == "p2p" else "reduce_scatter"
+
+
+def count_reduce(counts: Counter, e: ReduceBucket, *, path: str, spec: ModelSpec,
+                 element_size: int) -> None:
+    """One ReduceBucket run as `path` (reduce_path), its grads `element_size` bytes each."""
+    if path == "all_reduce":
+        # contiguous: the bucket up to its last slot; else the grads packed back to back
+        numel = max(s.offset + s.numel for s in e.slots) if e.contiguous else sum(s.numel for s in e.slots)
+    else:
+        numel = spec.world_size * sum(spec.params[s.param].shard_numel for s in e.slots)
+    counts["reduce"] += 1
+    counts[f"reduce_{path}"] += 1
+    counts["reduced_bytes"] += numel * element_size

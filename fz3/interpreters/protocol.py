@@ -1,0 +1,42 @@
+"""What the engine asks of the interpreter it is given (issue #12: an injected interpreter).
+
+    Engine(model, optimizer, config, device=..., rank=r, world_size=W,
+           interpreter=lambda store: SomeInterpreter(store, ...))
+
+The engine builds its tensor store, then the interpreter over it, and from then on hands it every
+effect the core returns. Two interpreters implement this:
+
+    DistInterpreter  (dist.py)     torch.distributed: gloo (point-to-point or gloo's own
+                                   collectives), nccl, hccl; what fz3.initialize runs
+    PlanInterpreter  (planned.py)  a meta-device store, no process group, no data: what fz3.plan
+                                   runs to count a run of any world size before it happens
+
+Both count their collectives with fz3/interpreters/accounting.py, so engine.stats() means the
+same under either. (The simulated world, simulated.py, runs effects for N ranks at once on bare
+tensors, below the engine: the core's property machines drive it.)
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable, Protocol
+
+import torch
+
+
+class Interpreter(Protocol):
+    counts: Counter  # the COUNTERS of engine.stats() (fz3/shell/engine.py), and more
+
+    def run(self, effects: Iterable[object]) -> None:
+        """Carry out the core's effects, in order."""
+
+    def end_of_backward(self) -> None:
+        """The backward is over: let go of what only it needed (the CPU buffer pool's free buffers)."""
+
+    def bucket_bytes(self) -> int:
+        """Bytes of IPG bucket buffers allocated (engine.stats()["reduce_buffer_bytes"])."""
+
+    def pool_bytes(self) -> int:
+        """Bytes the buffer pool holds (engine.stats()["pool_bytes"])."""
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of `t` over ranks (the global grad norm's squares), in place where it can."""
