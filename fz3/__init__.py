@@ -5,15 +5,17 @@
     with fz3.Init(): model = build()           # optional: built already sharded
     engine = fz3.initialize(model, optimizer, cfg)
     loss = f(engine(batch)); engine.backward(loss); engine.step()
+    print(fz3.plan(model, cfg, world_size=64, example_inputs=(batch,)))   # before any of it
 
 The shell's names load on first use, so `import fz3.core` stays free of torch.
 """
 from fz3.core.config import Config
 
-__all__ = ["Config", "Init", "initialize", "gathered_parameters", "set_leaf_modules", "load_weights"]
+__all__ = ["Config", "Init", "initialize", "gathered_parameters", "set_leaf_modules", "load_weights", "plan"]
 
 _LAZY = {"Init": "fz3.shell.init", "initialize": "fz3.shell.api", "gathered_parameters": "fz3.shell.consolidate",
-         "set_leaf_modules": "fz3.shell.tables", "load_weights": "fz3.shell.weights"}
+         "set_leaf_modules": "fz3.shell.tables", "load_weights": "fz3.shell.weights",
+         "plan": "fz3.shell.plan"}
 
 
 def __getattr__(name: str):

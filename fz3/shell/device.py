@@ -191,6 +191,31 @@ class CpuDevice:
             pass
 
 
+class MetaDevice(CpuDevice):
+    """Shapes without memory, for fz3.plan: tensors live on torch's meta device and no work runs.
+    `backend` is the one being planned for (it picks the carriers counted)."""
+
+    type = "meta"
+    torch_device = torch.device("meta")
+
+    def __init__(self, backend: str = "gloo") -> None:
+        super().__init__()
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        return f"MetaDevice(backend={self.backend!r})"
+
+    def memory_allocated(self) -> int:
+        """Meta tensors hold no memory."""
+        return 0
+
+    def max_memory_allocated(self) -> int:
+        return 0
+
+    def reset_peak_memory_stats(self) -> None:
+        """Nothing to reset."""
+
+
 def _proc_status_bytes(field: str) -> int | None:
     """A kB field of /proc/self/status (Linux) in bytes, or None where it cannot be read."""
     try:

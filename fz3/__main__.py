@@ -1,0 +1,123 @@
+"""fz3's command line.
+
+    python -m fz3 plan MODULE:FUNCTION --world-size N [--config ds.json] [--steps K]
+                       [--optimizer adamw|adam|sgd] [--backend gloo|nccl|hccl]
+        FUNCTION() returns (model, example_inputs); MODULE is an importable module or a .py file.
+        Prints fz3.plan's table: per step and per rank, gathers, bytes moved, buckets, peak live
+        params and resident bytes, without a process group (any world size on one machine).
+    python -m fz3 consolidate CKPT_DIR OUT.safetensors [--tag TAG]
+        A sharded checkpoint -> one fp32 safetensors file (DeepSpeed's zero_to_fp32).
+
+Usage errors (an unknown command, a MODULE:FUNCTION that does not import or returns the wrong
+thing, an invalid config, a world size < 1) print one line naming the value and what is allowed
+and exit with status 2, without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+
+
+class UsageError(Exception):
+    """A bad argument: printed as one line, exit status 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fz3", description="fz3: ZeRO-3 as pure state transitions")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,consolidate}")
+    p = sub.add_parser("plan", help="what a run will do, per step and per rank, before it runs")
+    p.add_argument("target", metavar="MODULE:FUNCTION", help="FUNCTION() -> (model, example_inputs)")
+    p.add_argument("--world-size", type=int, required=True, help="ranks to plan for (>= 1)")
+    p.add_argument("--config", default=None, help="a DeepSpeed JSON config (default: DeepSpeed's defaults)")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps to plan (default 2: the first "
+                   "records the trace, the next prefetch along it)")
+    p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd (default adamw)")
+    p.add_argument("--backend", default=None, help="gloo | nccl | hccl (default: this machine's)")
+    c = sub.add_parser("consolidate", help="a sharded checkpoint -> one fp32 safetensors file")
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "consolidate":
+            from fz3.consolidate import main as consolidate
+            return consolidate(args.rest)
+        return _plan(args)
+    except UsageError as e:
+        print(f"python -m fz3 {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def _plan(args) -> int:
+    import fz3
+    if args.world_size < 1:
+        raise UsageError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    config = _config(args.config)
+    model, inputs = _call(args.target)
+    try:
+        plan = fz3.plan(model, config, world_size=args.world_size, example_inputs=inputs,
+                        optimizer=args.optimizer, steps=args.steps, backend=args.backend)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    print(plan.table())
+    return 0
+
+
+def _config(path: str | None):
+    import fz3
+    if path is None:
+        return fz3.Config()
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except OSError as e:
+        raise UsageError(f"--config {path!r}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--config {path!r} is not JSON: {e}") from None
+    if not isinstance(ds, dict):
+        raise UsageError(f"--config {path!r} holds a {type(ds).__name__}; a DeepSpeed config is a JSON object")
+    try:
+        return fz3.Config.from_deepspeed(ds)
+    except (TypeError, ValueError, KeyError) as e:
+        raise UsageError(f"--config {path!r} is not a valid DeepSpeed config: {e}") from None
+
+
+def _call(target: str):
+    """Import MODULE (a dotted name or a .py file) and call FUNCTION() -> (model, example_inputs)."""
+    from torch import nn
+    module_name, sep, fn_name = target.rpartition(":")
+    if not sep or not module_name or not fn_name:
+        raise UsageError(f"{target!r} is not MODULE:FUNCTION (e.g. mypkg.models:small_gpt or models.py:small_gpt)")
+    try:
+        if module_name.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            if spec is None or not os.path.exists(module_name):
+                raise UsageError(f"{module_name!r}: no such file")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except UsageError:
+        raise
+    except Exception as e:  # the user's module failed to import: say which and why, no traceback
+        raise UsageError(f"cannot import {module_name!r}: {type(e).__name__}: {e}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise UsageError(f"{module_name!r} has no function {fn_name!r}")
+    try:
+        got = fn()
+    except Exception as e:
+        raise UsageError(f"{target}() raised {type(e).__name__}: {e}") from None
+    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], nn.Module)):
+        raise UsageError(f"{target}() must return (model, example_inputs), an nn.Module and its inputs; "
+                         f"got {type(got).__name__}")
+    return got
+
+
+if __name__ == "__main__":
+    sys.exit(main())

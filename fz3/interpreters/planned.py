@@ -1,0 +1,93 @@
+"""The planning interpreter: runs the core's effects on a store of meta tensors, moving no data
+and needing no process group, and counts what the real interpreter (dist.py) would count.
+
+fz3.plan builds the real engine on a meta copy of the model, as rank 0 of any world size, with
+this interpreter: every decision is the core's, so the gathers, prefetches, buckets and reduces
+are the run's own, and fz3/interpreters/accounting.py counts them as DistInterpreter does. A
+gathered param gets a meta full value (shape, no memory), a reduce only its counters; grads are
+taken out of param.grad where the real interpreter takes them (CopyToBucket, a non-contiguous
+ReduceBucket). Every rank runs the same effects on shards of the same size (I6), so rank 0's
+figures are every rank's.
+
+What it cannot know is runtime: the process's memory, the CPU buffer pool's cache (pool_bytes),
+how long anything takes.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable
+
+import torch
+
+from fz3.core.config import Config
+from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
+                              ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
+from fz3.core.ids import Handle
+from fz3.interpreters import accounting
+from fz3.shell.store import TensorStore
+
+
+class PlanInterpreter:
+    def __init__(self, store: TensorStore, *, config: Config, backend: str) -> None:
+        self.store, self.config = store, config
+        self.spec = store.tables.spec
+        self.gather_by, self.reduce_scatter_by = accounting.carriers(config, backend)
+        # the p2p reduce-scatter holds each grad instead of copying it into a bucket buffer
+        self.hold_grads = self.reduce_scatter_by == "p2p" and config.reduce_scatter
+        trainable = sum(s.numel for s, t in zip(self.spec.params, store.trainable) if t)
+        self.bucket_capacity = max(1, min(config.reduce_bucket_size, trainable))
+        self.bucket_dtypes: set[str] = set()  # one IPG buffer per comm dtype, made at first use
+        self.gathers: dict[Handle, tuple[int, ...]] = {}
+        self.counts: Counter[str] = Counter()
+        self.log: list[object] = []  # every effect run, in order (the plan reads it per step)
+
+    def run(self, effects: Iterable[object]) -> None:
+        for e in effects:
+            self.log.append(e)
+            match e:
+                case AllGather(handle=h, params=ps, prefetch=pre):
+                    accounting.count_gather(self.counts, carrier=self.gather_by,
+                                            shard_numel=sum(self.spec.params[p].shard_numel for p in ps),
+                                            world_size=self.spec.world_size,
+                                            element_size=self.store.dtype.itemsize, prefetch=pre)
+                    self.gathers[h] = ps
+                case Wait(handle=h):
+                    for p in self.gathers.pop(h):
+                        self.store.set_full(p, torch.empty(self.spec.params[p].numel, dtype=self.store.dtype,
+                                                           device=self.store.device))
+                case Free(params=ps):
+                    for p in ps:
+                        self.store.free(p)
+                case CopyToBucket(param=p, dtype=dtype):
+                    if not self.hold_grads:
+                        self.bucket_dtypes.add(dtype)
+                    self.store.params[p].grad = None
+                case ReduceBucket():
+                    accounting.count_reduce(self.counts, e, path=accounting.reduce_path(e, self.reduce_scatter_by),
+                                            spec=self.spec, element_size=getattr(torch, e.dtype).itemsize)
+                    if not e.contiguous:  # the reduce takes param.grad (dist.py)
+                        for s in e.slots:
+                            self.store.params[s.param].grad = None
+                case WritePartition() | ZeroPartitions() | AverageGrads():
+                    self.store.ensure_partitions()
+                case FreePartitions():
+                    self.store.free_partitions()
+                case DropGrads() | WaitReduce():
+                    pass
+                case _:
+                    raise TypeError(f"PlanInterpreter: unknown effect {e!r}")
+
+    def end_of_backward(self) -> None:
+        """No pool to release."""
+
+    def bucket_bytes(self) -> int:
+        """The IPG bucket buffers the real interpreter would have made: one per comm dtype."""
+        return sum(self.bucket_capacity * getattr(torch, d).itemsize for d in self.bucket_dtypes)
+
+    def pool_bytes(self) -> int:
+        """No pool: what the CPU pool caches is runtime, not planned."""
+        return 0
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """No peers: the values of a meta tensor are nobody's."""
+        return t

@@ -1,0 +1,269 @@
+"""fz3.plan: what a run will do, per step and per rank, before it runs.
+
+    p = fz3.plan(model, cfg, world_size=64, example_inputs=(x,))   # no process group, no data
+    print(p)                # the table: gathers, bytes moved, buckets, peak live, resident bytes
+    p.steps[i]              # per optimizer step (per rank: every rank runs the same effects)
+    p.stats                 # the keys of engine.stats() the plan can know, after the planned steps
+
+How: the real engine (hooks, core, every decision) runs as rank 0 of `world_size` on a meta copy
+of the model (shapes, no memory: the user's model is not touched) with the planning interpreter
+(fz3/interpreters/planned.py), which counts each effect as the real interpreter does
+(fz3/interpreters/accounting.py). For a model whose call order does not depend on the data, the
+counts and bytes equal engine.stats() after the same steps of a real run (tests/test_plan.py).
+
+The example inputs are one micro-batch: positional args (a tuple), keyword args (a dict) or one
+tensor. Trailing positional args that model.forward does not take are targets and are not passed
+(`example_inputs=(x, y)` for a model called as model(x)). The loss the plan backpropagates is
+the output's `.loss` (Hugging Face), a scalar output, or else the sum of every floating output:
+any of them reaches the same params, which is all that the counts depend on.
+
+Not planned: activations, the CPU buffer pool's cache, the process's memory, time. The optimizer
+state is measured on two tiny real probes of the same optimizer (bytes = a + b x numel per
+param), so any torch optimizer, or a factory for one, is planned exactly.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Union
+
+import torch
+from torch import nn
+
+from fz3.core.config import Config
+from fz3.core.effects import AllGather, Free
+from fz3.shell import registry
+from fz3.shell.hooks import flatten
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+NOT_PLANNED = ("pool_bytes", "device_allocated_bytes", "device_peak_bytes")
+"""engine.stats() keys that are runtime, not decided by the core: the plan leaves them out."""
+STEP_COUNTS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "gathered_bytes",
+               "reduce", "reduced_bytes")
+
+
+@dataclass
+class Plan:
+    world_size: int
+    backend: str
+    config: Config
+    params: int  # elements of the model (a tied param once)
+    persistent_params: int  # elements of the params never sharded (param_persistence_threshold)
+    steps: list[dict[str, int]] = field(default_factory=list)  # per optimizer step, per rank
+    stats: dict[str, Any] = field(default_factory=dict)  # engine.stats() keys, after the steps
+
+    def table(self) -> str:
+        """The plan as a text table, per rank, one column per step."""
+        return _table(self)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def plan(model: nn.Module, config: Config | None = None, *, world_size: int, example_inputs,
+         optimizer: Union[str, Callable[..., torch.optim.Optimizer]] = "adamw", steps: int = 1,
+         gradient_accumulation_steps: int | None = None, backend: str | None = None) -> Plan:
+    """Plan `steps` optimizer steps of `model` under `config` on `world_size` ranks."""
+    config = Config() if config is None else config
+    _check(model, config, world_size, optimizer, steps, backend)
+    backend = backend or _default_backend()
+    from fz3.interpreters.planned import PlanInterpreter
+    from fz3.shell.engine import Engine
+    from fz3.shell.device import MetaDevice
+    shadow = _meta_copy(model)
+    engine = Engine(shadow, torch.optim.SGD(shadow.parameters(), lr=0.0), config, device=MetaDevice(backend),
+                    rank=0, world_size=world_size,
+                    interpreter=lambda store: PlanInterpreter(store, config=config, backend=backend))
+    state_bytes = _optimizer_state_bytes(optimizer, engine.store)
+    args, kwargs = _inputs(shadow, example_inputs)
+    interp = engine.interp
+    elem = engine.store.dtype.itemsize
+    out = Plan(world_size, backend, config, params=sum(p.numel for p in engine.spec.params),
+               persistent_params=sum(p.numel for p in engine.spec.params if p.persistent))
+    grads = engine.store.grad_flat.numel() * engine.store.grad_flat.element_size()  # in a window
+    live = 0
+    for _ in range(steps):
+        before, start = dict(interp.counts), len(interp.log)
+        peak = live
+        for _ in range(config.gradient_accumulation_steps):
+            engine.backward(_loss(engine(*args, **kwargs)))
+            live, peak = _replay_live(interp.log[start:], live, peak, engine.spec)
+            start = len(interp.log)
+        engine.step()
+        live, peak = _replay_live(interp.log[start:], live, peak, engine.spec)
+        stats = _stats(engine, state_bytes)
+        step = {k: interp.counts[k] - before.get(k, 0) for k in STEP_COUNTS}
+        step.update(peak_live_numel=peak, peak_live_bytes=peak * elem,
+                    param_shards=stats["param_shards"], grad_partitions=grads,
+                    optimizer_state_bytes=state_bytes,
+                    persistent_param_bytes=out.persistent_params * elem,
+                    buffer_bytes=stats["buffer_bytes"], reduce_buffer_bytes=stats["reduce_buffer_bytes"])
+        step["model_state_peak_bytes"] = (step["param_shards"] + grads + state_bytes + step["peak_live_bytes"]
+                                          + step["reduce_buffer_bytes"] + step["buffer_bytes"])
+        out.steps.append(step)
+    out.stats = _stats(engine, state_bytes)
+    return out
+
+
+def config_differences(config: Config) -> dict[str, Any]:
+    """The fields of `config` that differ from Config()'s, in field order."""
+    default = dataclasses.asdict(Config())
+    return {k: v for k, v in dataclasses.asdict(config).items() if v != default[k]}
+
+
+def _stats(engine, state_bytes: int) -> dict[str, Any]:
+    s = {k: v for k, v in engine.stats().items() if k not in NOT_PLANNED}
+    s["optimizer_state_bytes"] = state_bytes  # the stand-in optimizer keeps none
+    return s
+
+
+def _replay_live(effects, live: int, peak: int, spec) -> tuple[int, int]:
+    """Gathered (or in-flight) numel after `effects`, and its peak: the core's live count."""
+    for e in effects:
+        if isinstance(e, AllGather):
+            live += sum(spec.params[p].numel for p in e.params)
+            peak = max(peak, live)
+        elif isinstance(e, Free):
+            live -= sum(spec.params[p].numel for p in e.params)
+    return live, peak
+
+
+def _check(model, config, world_size, optimizer, steps, backend) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fz3.plan expects an nn.Module, got {type(model).__name__}")
+    if not isinstance(config, Config):
+        raise TypeError(f"fz3.plan expects a fz3.Config (Config.from_deepspeed for a DeepSpeed dict), "
+                        f"got {type(config).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"fz3.plan: world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"fz3.plan: steps must be an int >= 1, got {steps!r}")
+    if not callable(optimizer) and optimizer not in OPTIMIZERS:
+        raise ValueError(f"fz3.plan: optimizer must be one of {', '.join(OPTIMIZERS)} or a callable "
+                         f"that builds a torch optimizer from params, got {optimizer!r}")
+    if backend not in (None, "gloo", "nccl", "hccl"):
+        raise ValueError(f"fz3.plan: backend must be gloo, nccl or hccl (None: this machine's), got {backend!r}")
+    taken = registry.managed(model.parameters())
+    if taken is not None:
+        raise RuntimeError(f"fz3.plan: {type(model).__name__} is already sharded by an fz3 engine; plan "
+                           "the model before fz3.initialize (or build another)")
+
+
+def _default_backend() -> str:
+    """The backend fz3.initialize would pick on this machine (fz3/shell/pick.py)."""
+    from fz3.shell.pick import pick_device
+    return pick_device().backend
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose params and buffers are meta tensors of the same shapes, dtypes and
+    requires_grad; ties stay ties (one memo entry per tensor). Nothing is copied but structure."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if id(t) not in memo:
+            m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            memo[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
+    return copy.deepcopy(model, memo)
+
+
+def _optimizer_state_bytes(optimizer, store) -> int:
+    """Bytes of optimizer state this rank will hold: every trainable fp32 master shard gets the
+    state the optimizer keeps for a param, a + b x numel bytes, with a and b read off one step of
+    the same optimizer on two real probes (1 and 2 elements)."""
+    make = OPTIMIZERS.get(optimizer, optimizer) if isinstance(optimizer, str) else optimizer
+    probes = [nn.Parameter(torch.zeros(n)) for n in (1, 2)]
+    for p in probes:
+        p.grad = torch.zeros_like(p)
+    opt = make(probes, lr=1e-3) if isinstance(optimizer, str) else make(probes)
+    opt.step()
+    from fz3.shell.memory import tensor_bytes
+    one, two = (tensor_bytes(v for v in opt.state[p].values() if isinstance(v, torch.Tensor)) for p in probes)
+    per_elem, const = two - one, 2 * one - two
+    return sum(const + per_elem * m.numel() for m, t in zip(store.masters, store.trainable) if t)
+
+
+def _inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
+    """(args, kwargs) on the meta device; trailing positional args forward does not take dropped."""
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(example_inputs), {}
+    elif isinstance(example_inputs, torch.Tensor):
+        args, kwargs = (example_inputs,), {}
+    else:
+        raise TypeError(f"fz3.plan: example_inputs must be a tuple of args, a dict of kwargs or a tensor, "
+                        f"got {type(example_inputs).__name__}")
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin forward: pass everything
+        sig = None
+    if sig is not None and args:
+        n = len(args)
+        while n and not _binds(sig, args[:n], kwargs):
+            n -= 1  # a trailing target the model does not take
+        if not n and not _binds(sig, (), kwargs):
+            raise TypeError(f"fz3.plan: {type(model).__name__}.forward{sig} cannot take example_inputs "
+                            f"({len(args)} positional, keywords {sorted(kwargs)})")
+        args = args[:n]
+    to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x
+    return tuple(to_meta(a) for a in args), {k: to_meta(v) for k, v in kwargs.items()}
+
+
+def _binds(sig: inspect.Signature, args: tuple, kwargs: dict) -> bool:
+    try:
+        sig.bind(*args, **kwargs)
+        return True
+    except TypeError:
+        return False
+
+
+def _loss(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    leaves, _ = flatten(out)
+    floats = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad]
+    if not floats:
+        raise ValueError("fz3.plan: the model's output has no floating tensor that requires grad, so "
+                         "there is no backward to plan")
+    return sum(x.float().sum() for x in floats)
+
+
+ROWS = (("all-gathers", "all_gather"), ("  on demand", "all_gather_on_demand"),
+        ("  prefetched", "all_gather_prefetch"), ("bytes gathered", "gathered_bytes"),
+        ("reduce buckets", "reduce"), ("bytes reduced", "reduced_bytes"),
+        ("peak live params (numel)", "peak_live_numel"), ("peak live params", "peak_live_bytes"),
+        ("param shards (fp32 masters)", "param_shards"), ("grad partitions (in a window)", "grad_partitions"),
+        ("optimizer state", "optimizer_state_bytes"), ("persistent params (full)", "persistent_param_bytes"),
+        ("module buffers", "buffer_bytes"), ("IPG bucket buffers", "reduce_buffer_bytes"),
+        ("model states at the peak", "model_state_peak_bytes"))
+
+
+def _table(p: Plan) -> str:
+    changed = [f"{k}={v!r}" for k, v in config_differences(p.config).items()]
+    head = (f"fz3 plan: {p.params:,} params ({p.persistent_params:,} persistent) on {p.world_size} "
+            f"ranks, backend {p.backend}, compute {p.config.compute_dtype}; config: "
+            f"{', '.join(changed) or 'defaults'}")
+    names = [f"step {i + 1}" for i in range(len(p.steps))]
+    width = max(len(r[0]) for r in ROWS)
+    lines = [head, "per rank (every rank runs the same effects)", " " * width + "".join(f"{n:>16}" for n in names)]
+    for label, key in ROWS:
+        cells = [_fmt(key, s[key]) for s in p.steps]
+        lines.append(f"{label:<{width}}" + "".join(f"{c:>16}" for c in cells))
+    lines.append("model states at the peak = shards + grad partitions + optimizer state + peak live params "
+                 "+ bucket buffers + module buffers (activations not included)")
+    return "\n".join(lines)
+
+
+def _fmt(key: str, v: int) -> str:
+    if key.endswith("bytes") or key in ("param_shards", "grad_partitions"):
+        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if v >= size:
+                return f"{v / size:.2f} {unit}"
+        return f"{v} B"
+    return f"{v:,}"

@@ -1,0 +1,57 @@
+"""python -m fz3: the plan printed for a model given as MODULE:FUNCTION, and usage errors as one
+line naming the value, exit status 2, no traceback (fz3/__main__.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = "examples/05_plan.py:small_gpt"
+pytestmark = pytest.mark.timeout(300)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fz3", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_plan_prints_the_table_for_64_ranks(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 200000}}))
+    got = _run("plan", TARGET, "--world-size", "64", "--config", str(cfg))
+    assert got.returncode == 0, got.stderr
+    assert "on 64 ranks" in got.stdout and "reduce_bucket_size=200000" in got.stdout
+    assert "step 1" in got.stdout and "step 2" in got.stdout and "all-gathers" in got.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("plan", "no_such_module_fz3:f", "--world-size", "2"), "cannot import 'no_such_module_fz3'"),
+    (("plan", "examples/05_plan.py:nope", "--world-size", "2"), "has no function 'nope'"),
+    (("plan", "examples/05_plan.py", "--world-size", "2"), "is not MODULE:FUNCTION"),
+    (("plan", "fz3.testing.gpt:markov_batch", "--world-size", "2"), "markov_batch() raised TypeError"),
+    (("plan", "fz3.core.config:Config", "--world-size", "2"), "must return (model, example_inputs)"),
+    (("plan", TARGET, "--world-size", "0"), "--world-size must be >= 1, got 0"),
+    (("plan", TARGET, "--world-size", "two"), "invalid int value: 'two'"),
+    (("plan", TARGET, "--world-size", "2", "--config", "/nonexistent/ds.json"), "cannot read it"),
+    (("plan", TARGET, "--world-size", "2", "--optimizer", "lion"), "optimizer must be one of adamw, adam, sgd"),
+    (("frobnicate",), "invalid choice: 'frobnicate'"),
+])
+def test_usage_errors_are_one_line_and_exit_2(args, message):
+    got = _run(*args)
+    assert got.returncode == 2, (got.returncode, got.stdout, got.stderr)
+    assert message in got.stderr, got.stderr
+    assert "Traceback" not in got.stderr
+
+
+def test_a_config_that_is_not_valid_is_named(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_sise": 5}}))
+    got = _run("plan", TARGET, "--world-size", "2", "--config", str(bad))
+    assert got.returncode == 2 and "reduce_bucket_sise" in got.stderr and "Traceback" not in got.stderr
+    bad.write_text("{not json")
+    got = _run("plan", TARGET, "--world-size", "2", "--config", str(bad))
+    assert got.returncode == 2 and "is not JSON" in got.stderr
