@@ -87,7 +87,7 @@ def register_external(st: ParamState, module: ModuleId, pids: tuple[ParamId, ...
         return st, ()
     tx = Txn(st)
     if tx.trace.mode is TraceMode.COMPLETE:
-        invalidate(tx)  # the plan's fetch units changed
+        invalidate(tx, module, externals=True)  # the plan's fetch units changed
     missing = []
     for p in new:
         s = tx.slots[p]

@@ -155,3 +155,11 @@ def _check_int(name: str, value: object, *, low: int) -> None:
         raise TypeError(f"Config.{name} must be an int (numel), got {value!r}")
     if value < low:
         raise ValueError(f"Config.{name} must be >= {low}, got {value}")
+
+
+def differences(config: Config) -> dict[str, object]:
+    """The fields of `config` that differ from Config()'s (DeepSpeed's defaults), in field order:
+    what the log and the plan print."""
+    default = Config()
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if getattr(config, f.name) != getattr(default, f.name)}

@@ -59,7 +59,7 @@ def fetch_into(tx: Txn, module: ModuleId, *, forward: bool, config: Config, grad
         if s[STATUS] == NOT_AVAILABLE:
             missing.append(p)
     if departed:  # after counting this module in: its own prefetched params stay
-        invalidate(tx)
+        invalidate(tx, module)
     if missing:
         gather(tx, tuple(missing), prefetch=False, forward=forward, fetched_for=(step,) * len(missing))
     wait_for(tx, pids)
@@ -90,7 +90,7 @@ def prefetch(tx: Txn, step: int, *, forward: bool, config: Config) -> None:
             numel += n
         i += 1
     tx.trace = TraceState(tr.mode, tr.step_id, tr.recording, tr.plan, i, tr.invalidations, tr.kind,
-                          tr.parked)
+                          tr.parked, tr.departure)
     if chosen:
         pids = tuple(sorted(chosen))
         gather(tx, pids, prefetch=True, forward=forward, fetched_for=tuple(chosen[p] for p in pids))

@@ -14,7 +14,7 @@ modules fetched in this pass (the trace's recording), never the whole model.
 from __future__ import annotations
 
 from fz3.core.config import Config
-from fz3.core.ids import ParamId
+from fz3.core.ids import ModuleId, ParamId
 from fz3.core.state import (AVAILABLE, EXTERNAL, EXTERNALS, FETCHED_FOR, HANDLE, IDLE_ROW, STATUS,
                             USERS, Effects, ParamState, Txn, drain, free, gather, unit_params, wait)
 from fz3.core.pvec import Log
@@ -47,10 +47,10 @@ def sweep(tx: Txn, *, force: bool) -> None:
     free(tx, tuple(sorted(to_free)))
 
 
-def invalidate(tx: Txn) -> None:
+def invalidate(tx: Txn, module: ModuleId = -1, *, externals: bool = False) -> None:
     """The pass left its plan: no prefetch from here on, and no prefetched param left behind.
     DeepSpeed: _invalidate_trace (+ the release of in-flight params in reset_step)."""
-    tx.trace = invalidated(tx.trace)
+    tx.trace = invalidated(tx.trace, module, externals=externals)
     sweep(tx, force=False)
 
 

@@ -53,9 +53,12 @@ class TraceState(NamedTuple):
     invalidations: int  # how many times a pass departed from its plan (over every kind)
     kind: str = "train"  # the pass kind this trace records (see `pass_kind`)
     parked: tuple[tuple[str, "TraceState"], ...] = ()  # the other kinds' traces, by kind
+    departure: tuple[int, int, int] = ()  # the last invalidation: (fetch index in its pass, module
+    # fetched or -1 if the pass ended early, module the plan expected there or -1 past its end)
 
 
 TRAIN = "train"
+EXTERNALS = -2  # departure's "expected" when a module took params it does not own
 
 
 def pass_kind(grad_enabled: bool, training: bool) -> str:
@@ -75,14 +78,21 @@ def on_fetch(tr: TraceState, module: ModuleId) -> tuple[TraceState, bool]:
     departed = tr.mode is TraceMode.COMPLETE and (
         tr.step_id >= len(tr.plan.order) or tr.plan.order[tr.step_id] != module)
     return TraceState(tr.mode, tr.step_id + 1, tr.recording.extend((module,)), tr.plan, tr.cursor,
-                      tr.invalidations, tr.kind, tr.parked), departed
+                      tr.invalidations, tr.kind, tr.parked, tr.departure), departed
 
 
-def invalidated(tr: TraceState) -> TraceState:
-    """Drop the plan: no prefetch, no reuse-keeping, for the rest of this pass.
-    DeepSpeed: _invalidate_trace."""
+def invalidated(tr: TraceState, module: ModuleId = -1, *, externals: bool = False) -> TraceState:
+    """Drop the plan: no prefetch, no reuse-keeping, for the rest of this pass. `module` is the
+    one fetched where the order departed (-1: none, the pass ended early), recorded with what the
+    plan expected there in `departure` (the log names both); with `externals`, the module whose
+    fetch unit grew (expected EXTERNALS). DeepSpeed: _invalidate_trace."""
+    step = tr.step_id - 1 if module >= 0 else tr.step_id  # on_fetch has counted the fetch already
+    if externals:
+        expected = EXTERNALS
+    else:
+        expected = tr.plan.order[step] if tr.plan is not None and 0 <= step < len(tr.plan.order) else -1
     return tr._replace(mode=TraceMode.INVALID, plan=None, cursor=0,
-                       invalidations=tr.invalidations + 1)
+                       invalidations=tr.invalidations + 1, departure=(step, module, expected))
 
 
 def reset(tr: TraceState, unit: Callable[[ModuleId], tuple[ParamId, ...]],
@@ -100,7 +110,8 @@ def reset(tr: TraceState, unit: Callable[[ModuleId], tuple[ParamId, ...]],
     parked[tr.kind] = closed._replace(parked=())
     mine = parked.pop(kind, None) or initial_trace(kind)
     mine = _close(mine, unit, numel, max_reuse_distance, False)  # INVALID -> RECORD; else as is
-    return mine._replace(invalidations=closed.invalidations, parked=tuple(sorted(parked.items())))
+    return mine._replace(invalidations=closed.invalidations, departure=closed.departure,
+                         parked=tuple(sorted(parked.items())))
 
 
 def _close(tr: TraceState, unit: Callable[[ModuleId], tuple[ParamId, ...]],
@@ -110,14 +121,16 @@ def _close(tr: TraceState, unit: Callable[[ModuleId], tuple[ParamId, ...]],
     mode, plan, invalidations = tr.mode, tr.plan, tr.invalidations
     if aborted:
         return TraceState(TraceMode.RECORD if mode is TraceMode.INVALID else mode, 0, Log(), plan, 0,
-                          invalidations, tr.kind, tr.parked)
+                          invalidations, tr.kind, tr.parked, tr.departure)
+    departure = tr.departure
     if mode is TraceMode.COMPLETE and tr.step_id not in (0, len(plan.order)):
-        mode, plan, invalidations = TraceMode.INVALID, None, invalidations + 1  # ended early
+        departure = invalidated(tr).departure  # ended early
+        mode, plan, invalidations = TraceMode.INVALID, None, invalidations + 1
     if mode is TraceMode.INVALID:
         mode = TraceMode.RECORD
     elif mode is TraceMode.RECORD and len(tr.recording):
         mode, plan = TraceMode.COMPLETE, build_plan(tuple(tr.recording), unit, numel, max_reuse_distance)
-    return TraceState(mode, 0, Log(), plan, 0, invalidations, tr.kind, tr.parked)
+    return TraceState(mode, 0, Log(), plan, 0, invalidations, tr.kind, tr.parked, departure)
 
 
 def build_plan(order: tuple[ModuleId, ...], unit: Callable[[ModuleId], tuple[ParamId, ...]],

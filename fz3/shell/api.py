@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fz3.core.config import Config
-from fz3.shell import init, meta, registry
+from fz3.shell import init, log, meta, registry
 from fz3.shell.pick import check_group_backend, pick_device
 from fz3.interpreters.dist import DistInterpreter
 from fz3.shell.engine import Engine
@@ -46,6 +46,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
                     world_size=dist.get_world_size(group), group=group, lr_scheduler=lr_scheduler,
                     interpreter=lambda store: DistInterpreter(store, config=config, device=device, group=group))
     registry.register(engine)
+    log.initialized(engine)
     return engine
 
 

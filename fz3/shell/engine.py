@@ -32,6 +32,7 @@ from fz3.core.state import GRADS_REMAINING, STATUS, initial_state
 from fz3.core.step import end_of_step, finish_backward, reset_step
 from fz3.interpreters.protocol import Interpreter
 from fz3.shell import checks, pytree
+from fz3.shell.log import StepLog
 from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, wrap_leaves, wrap_tensors
 from fz3.shell.memory import memory_stats
 from fz3.shell.saved import SavedParams
@@ -93,6 +94,7 @@ class Engine:
         self.grads_awaited: dict[int, set[int]] = {}  # module -> its params' grads still due
         self.callback_queued = False
         self.optimizer_steps = 0
+        self.step_log = StepLog()
         self.saved = SavedParams(self.store, self.tables.names, self.param_ids)
         self.saved_hooks = None  # entered for each root forward
         if config.compute_dtype != "fp32":
@@ -168,6 +170,7 @@ class Engine:
             checks.requires_grad_unchanged(self.tables, self.store.trainable)
         self._params(reset_step(self.params_state, config=self.config, grad_enabled=torch.is_grad_enabled(),
                                 training=root.training, aborted=aborted))
+        self.step_log.new_pass(self)
 
     def _post_forward(self, module, args, kwargs, output):
         if output is None and sys.exc_info()[1] is not None:
@@ -347,6 +350,7 @@ class Engine:
         self.grad_norm = norm
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.step_log.step(self)
 
     def get_global_grad_norm(self) -> float | None:
         """The global L2 norm of the averaged gradient at the last accumulation boundary, before

@@ -40,6 +40,14 @@ def memory_stats(engine) -> dict[str, int]:
     }
 
 
+def human_bytes(n: int) -> str:
+    """1.23 GiB, 4.50 MiB, 12.00 KiB or 7 B."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors` (a view counts its storage once)."""
     seen: dict[int, int] = {}

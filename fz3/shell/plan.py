@@ -24,7 +24,6 @@ param), so any torch optimizer, or a factory for one, is planned exactly.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import inspect
 import itertools
 from dataclasses import dataclass, field
@@ -33,9 +32,10 @@ from typing import Any, Callable, Union
 import torch
 from torch import nn
 
-from fz3.core.config import Config
+from fz3.core.config import Config, differences
 from fz3.core.effects import AllGather, Free
 from fz3.shell import registry
+from fz3.shell.memory import human_bytes
 from fz3.shell.hooks import flatten
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
@@ -106,12 +106,6 @@ def plan(model: nn.Module, config: Config | None = None, *, world_size: int, exa
         out.steps.append(step)
     out.stats = _stats(engine, state_bytes)
     return out
-
-
-def config_differences(config: Config) -> dict[str, Any]:
-    """The fields of `config` that differ from Config()'s, in field order."""
-    default = dataclasses.asdict(Config())
-    return {k: v for k, v in dataclasses.asdict(config).items() if v != default[k]}
 
 
 def _stats(engine, state_bytes: int) -> dict[str, Any]:
@@ -245,7 +239,7 @@ ROWS = (("all-gathers", "all_gather"), ("  on demand", "all_gather_on_demand"),
 
 
 def _table(p: Plan) -> str:
-    changed = [f"{k}={v!r}" for k, v in config_differences(p.config).items()]
+    changed = [f"{k}={v!r}" for k, v in differences(p.config).items()]
     head = (f"fz3 plan: {p.params:,} params ({p.persistent_params:,} persistent) on {p.world_size} "
             f"ranks, backend {p.backend}, compute {p.config.compute_dtype}; config: "
             f"{', '.join(changed) or 'defaults'}")
@@ -262,8 +256,5 @@ def _table(p: Plan) -> str:
 
 def _fmt(key: str, v: int) -> str:
     if key.endswith("bytes") or key in ("param_shards", "grad_partitions"):
-        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-            if v >= size:
-                return f"{v / size:.2f} {unit}"
-        return f"{v} B"
+        return human_bytes(v)
     return f"{v:,}"

@@ -1,0 +1,101 @@
+"""fz3's log: `logging.getLogger("fz3")` (silent until the application configures logging).
+
+    INFO     at fz3.initialize, rank 0: world size, device, backend and the carriers of the
+             gathers and reduces, params sharded and persistent, bytes per rank, and the config's
+             differences from DeepSpeed's defaults
+    DEBUG    after each optimizer step, every rank: gathers (on demand / prefetched), bytes
+             gathered and reduced, reduces, the trace's state and invalidations, peak live params
+    WARNING  when a recorded module order is dropped twice or more in a row, no pass keeping to a
+             plan in between (prefetch never gets going): where the order changed, and what the
+             plan expected there
+
+The DEBUG line costs nothing unless DEBUG is enabled for "fz3"; the WARNING check is one integer
+comparison per pass.
+"""
+from __future__ import annotations
+
+import logging
+
+from fz3.core.config import differences
+from fz3.core.ids import TraceMode
+from fz3.core.trace import EXTERNALS
+from fz3.interpreters import accounting
+from fz3.shell.memory import human_bytes
+
+LOG = logging.getLogger("fz3")
+STEP_KEYS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "gathered_bytes", "reduce",
+             "reduced_bytes")
+
+
+def initialized(engine) -> None:
+    """The INFO summary of a new engine (rank 0)."""
+    if engine.rank != 0 or not LOG.isEnabledFor(logging.INFO):
+        return
+    spec, store = engine.spec, engine.store
+    persistent = [p for p in spec.params if p.persistent]
+    gather_by, reduce_by = accounting.carriers(engine.config, engine.device.backend)
+    shards = store.shard_bytes()["param_shards"]
+    grads = store.grad_flat.numel() * store.grad_flat.element_size()
+    changed = ", ".join(f"{k}={v!r}" for k, v in differences(engine.config).items()) or "none"
+    LOG.info("fz3: %d ranks on %s, backend %s (all-gather by %s, reduce-scatter by %s); %d params "
+             "sharded (%s elements), %d persistent (%s elements); per rank: param shards %s, grad "
+             "partitions %s; config differences from the defaults: %s",
+             engine.world_size, engine.device.torch_device, engine.device.backend, gather_by, reduce_by,
+             len(spec.params) - len(persistent), f"{sum(p.numel for p in spec.params if not p.persistent):,}",
+             len(persistent), f"{sum(p.numel for p in persistent):,}", human_bytes(shards), human_bytes(grads), changed)
+
+
+class StepLog:
+    """What the per-step DEBUG line and the in-a-row WARNING remember between calls."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.invalidations = 0  # the trace's count at the last pass start
+        self.in_a_row = 0  # plans dropped since a pass last kept to one
+        self.on_plan = False  # the pass now running started on a recorded plan (COMPLETE)
+
+    def new_pass(self, engine) -> None:
+        """After the core's reset_step. The pass that closed departed from its plan (the count
+        went up: one more in a row), or ran on a plan and kept to it (the row ends), or recorded
+        (no plan to keep to: the row goes on)."""
+        trace = engine.params_state.trace
+        kept, self.on_plan = self.on_plan, trace.mode is TraceMode.COMPLETE
+        if trace.invalidations == self.invalidations:
+            if kept:
+                self.in_a_row = 0
+            return
+        self.invalidations = trace.invalidations
+        self.in_a_row += 1
+        if self.in_a_row >= 2:
+            LOG.warning("fz3 rank %d: the module order changed again (%d recorded plans in a row "
+                        "dropped): %s. Each change drops the recorded trace, so passes gather on "
+                        "demand, without prefetch. Is the control flow data-dependent?", engine.rank,
+                        self.in_a_row, departure(engine, trace.departure))
+
+    def step(self, engine) -> None:
+        """After an optimizer step."""
+        if not LOG.isEnabledFor(logging.DEBUG):
+            return
+        s = engine.stats()
+        d = {k: s[k] - self.counts.get(k, 0) for k in STEP_KEYS}
+        self.counts = {k: s[k] for k in STEP_KEYS}
+        LOG.debug("fz3 rank %d step %d: %d all-gathers (%d on demand, %d prefetched), %s gathered, %d "
+                  "reduces, %s reduced; trace %s, %d invalidations; peak live %s params", engine.rank,
+                  s["optimizer_steps"], d["all_gather"], d["all_gather_on_demand"], d["all_gather_prefetch"],
+                  human_bytes(d["gathered_bytes"]), d["reduce"], human_bytes(d["reduced_bytes"]), s["trace"],
+                  s["trace_invalidations"], f"{s['peak_live_numel']:,}")
+
+
+def departure(engine, where: tuple[int, int, int]) -> str:
+    """(fetch index, module fetched or -1, module the plan expected or -1) in words."""
+    if not where:
+        return "where is not known"
+    step, got, expected = where
+    name = lambda m: repr(engine.tables.module_names[m] or "<root>")  # noqa: E731
+    if expected == EXTERNALS:
+        return f"{name(got)} took params it does not own (external params), so the plan's fetch units changed"
+    if got < 0:
+        return f"the pass ended after {step} fetches, where the plan expected {name(expected)} next"
+    if expected < 0:
+        return f"fetch {step} was {name(got)}, past the end of the plan"
+    return f"fetch {step} was {name(got)} where the plan expected {name(expected)}"
