@@ -5,6 +5,9 @@
         FUNCTION() returns (model, example_inputs); MODULE is an importable module or a .py file.
         Prints fz3.plan's table: per step and per rank, gathers, bytes moved, buckets, peak live
         params and resident bytes, without a process group (any world size on one machine).
+    python -m fz3 timeline RUN.json RUN.png
+        fz3.timeline's trace-event file drawn with matplotlib: per rank, bars for compute,
+        communication and the core, and the live bytes over time.
     python -m fz3 consolidate CKPT_DIR OUT.safetensors [--tag TAG]
         A sharded checkpoint -> one fp32 safetensors file (DeepSpeed's zero_to_fp32).
 
@@ -28,7 +31,7 @@ class UsageError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fz3", description="fz3: ZeRO-3 as pure state transitions")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,consolidate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,timeline,consolidate}")
     p = sub.add_parser("plan", help="what a run will do, per step and per rank, before it runs")
     p.add_argument("target", metavar="MODULE:FUNCTION", help="FUNCTION() -> (model, example_inputs)")
     p.add_argument("--world-size", type=int, required=True, help="ranks to plan for (>= 1)")
@@ -37,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                    "records the trace, the next prefetch along it)")
     p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd (default adamw)")
     p.add_argument("--backend", default=None, help="gloo | nccl | hccl (default: this machine's)")
+    t = sub.add_parser("timeline", help="draw fz3.timeline's JSON file as a PNG (matplotlib)")
+    t.add_argument("json", help="the file fz3.timeline wrote")
+    t.add_argument("png", help="the picture to write")
     c = sub.add_parser("consolidate", help="a sharded checkpoint -> one fp32 safetensors file")
     c.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -44,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "consolidate":
             from fz3.consolidate import main as consolidate
             return consolidate(args.rest)
+        if args.command == "timeline":
+            return _timeline(args)
         return _plan(args)
     except UsageError as e:
         print(f"python -m fz3 {args.command}: {e}", file=sys.stderr)
@@ -64,6 +72,16 @@ def _plan(args) -> int:
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     print(plan.table())
+    return 0
+
+
+def _timeline(args) -> int:
+    from fz3.shell.timeline_draw import DrawError, draw
+    try:
+        got = draw(args.json, args.png)
+    except DrawError as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {args.png}: {got['ranks']} ranks, {got['spans']} spans, {got['counters']} live-bytes samples")
     return 0
 
 

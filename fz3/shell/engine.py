@@ -104,14 +104,18 @@ class Engine:
 
     # ---- running effects ----------------------------------------------------------------------
 
-    def _params(self, result) -> None:
-        self.params_state, effects = result
+    def _params(self, transition, *args, **kwargs) -> None:
+        """Run a parameter-lifecycle transition of the core on the current state, then its effects:
+        `self._params(fetch, m, forward=True)` is `fetch(self.params_state, m, forward=True,
+        config=self.config)`. The one door every transition goes through (fz3.timeline times it)."""
+        self.params_state, effects = transition(self.params_state, *args, config=self.config, **kwargs)
         self.interp.run(effects)
         if self.config.debug_checks:
             checks.after_param_event(self.params_state, effects, self.config)
 
-    def _grads(self, result) -> None:
-        self.grads_state, effects = result
+    def _grads(self, transition, *args, **kwargs) -> None:
+        """The same for a gradient-lifecycle transition."""
+        self.grads_state, effects = transition(self.grads_state, *args, config=self.config, **kwargs)
         self.interp.run(effects)
         if self.config.debug_checks:
             checks.after_grad_event(self.grads_state, self.config)
@@ -146,7 +150,7 @@ class Engine:
             self.calls_awaiting_grads[m] = self.calls_awaiting_grads.get(m, 0) + 1
             if self.saved_hooks is not None:  # [Note: backward reads no param] (_post_forward)
                 self.awaiting_since[m] = len(self.saved.log)
-        self._params(fetch(self.params_state, m, forward=True, config=self.config, grad_inputs=int(wrapped)))
+        self._params(fetch, m, forward=True, grad_inputs=int(wrapped))
         if self.config.debug_checks:
             checks.fetched(self.params_state, m)
         if self.spec.modules[m].is_leaf and torch.is_grad_enabled():
@@ -168,8 +172,7 @@ class Engine:
         self.leaves_pending.clear()
         if [p.requires_grad for p in self.tables.params] != self.store.trainable:
             checks.requires_grad_unchanged(self.tables, self.store.trainable)
-        self._params(reset_step(self.params_state, config=self.config, grad_enabled=torch.is_grad_enabled(),
-                                training=root.training, aborted=aborted))
+        self._params(reset_step, grad_enabled=torch.is_grad_enabled(), training=root.training, aborted=aborted)
         self.step_log.new_pass(self)
 
     def _post_forward(self, module, args, kwargs, output):
@@ -188,7 +191,7 @@ class Engine:
             wrapped = False
         else:
             output, wrapped = wrap_leaves(output, leaves, treedef, PreBackward, lambda: self._pre_backward(m))
-        self._params(release(self.params_state, m, config=self.config, grad_outputs=wrapped))
+        self._params(release, m, grad_outputs=wrapped)
         if reads_none:
             self._backward_reads_none(m)
         if m == 0:
@@ -212,7 +215,7 @@ class Engine:
             self.calls_awaiting_grads[m] = left
         else:
             del self.calls_awaiting_grads[m]
-        self._params(core_bwd.post_backward(self.params_state, m, config=self.config))
+        self._params(core_bwd.post_backward, m)
 
     def _end_saved_hooks(self) -> None:
         if self.saved_hooks is not None and torch._C._current_graph_task_id() == -1:
@@ -234,7 +237,7 @@ class Engine:
         self.awaiting_since.pop(m, None)
         if torch._C._current_graph_task_id() == -1:
             self.aborted = True
-        self._params(release(self.params_state, m, config=self.config))
+        self._params(release, m)
         if m == 0:
             self._end_saved_hooks()
 
@@ -247,18 +250,18 @@ class Engine:
 
     def _register_external(self, m: int, pids: list[int]) -> None:
         self.units[m].update(pids)
-        self._params(core_bwd.register_external(self.params_state, m, tuple(pids), config=self.config))
+        self._params(core_bwd.register_external, m, tuple(pids))
 
     def _pre_backward(self, m: int) -> None:
         self._queue_end_of_backward()
-        self._params(core_bwd.pre_backward(self.params_state, m, config=self.config))
+        self._params(core_bwd.pre_backward, m)
 
     def _post_backward(self, m: int) -> None:
         self._queue_end_of_backward()
         if self.spec.modules[m].is_leaf and m in self.leaves_pending and \
                 self.params_state.module_rows[m][GRADS_REMAINING] <= 1:  # its last call's backward
             self._reduce_leaf(m)
-        self._params(core_bwd.post_backward(self.params_state, m, config=self.config))
+        self._params(core_bwd.post_backward, m)
 
     def _reduce_leaf(self, m: int) -> None:
         """A leaf's params are reduced together when its backward is done, zeros standing in
@@ -292,13 +295,12 @@ class Engine:
                 if not waiting:
                     del self.grads_awaited[m]
                     for _ in range(self.calls_awaiting_grads.pop(m)):
-                        self._params(core_bwd.post_backward(self.params_state, m, config=self.config))
+                        self._params(core_bwd.post_backward, m)
 
     def _grad_ready(self, p: int) -> None:
         grad = self.tables.params[p].grad
         dtype = str(grad.dtype).removeprefix("torch.")
-        self._grads(bucket_add(self.grads_state, p, config=self.config, dtype=dtype,
-                               graph_task=torch._C._current_graph_task_id()))
+        self._grads(bucket_add, p, dtype=dtype, graph_task=torch._C._current_graph_task_id())
 
     def _queue_end_of_backward(self) -> None:
         if not self.callback_queued:
@@ -312,8 +314,8 @@ class Engine:
         self.store.clear_grad_due()  # params no grad reached (or a pass with no backward)
         for m in sorted(self.leaves_pending):  # no grad-requiring input: post-backward never ran
             self._reduce_leaf(m)
-        self._grads(epilogue(self.grads_state, config=self.config))
-        self._params(finish_backward(self.params_state, config=self.config))
+        self._grads(epilogue)
+        self._params(finish_backward)
         self.interp.end_of_backward()
         if self.config.debug_checks:
             checks.quiescent(self.params_state)
@@ -344,8 +346,8 @@ class Engine:
             clip_grad_norm(self.store, self.config.gradient_clipping, norm)
         self.optimizer.step()
         self.store.refresh_shards()
-        self._grads(optimizer_step(self.grads_state, config=self.config))
-        self._params(end_of_step(self.params_state, config=self.config))
+        self._grads(optimizer_step)
+        self._params(end_of_step)
         self.optimizer_steps += 1
         self.grad_norm = norm
         if self.lr_scheduler is not None:
