@@ -12,11 +12,12 @@ The shell's names load on first use, so `import fz3.core` stays free of torch.
 from fz3.core.config import Config
 
 __all__ = ["Config", "Init", "initialize", "gathered_parameters", "set_leaf_modules", "load_weights", "plan",
-           "timeline"]
+           "timeline", "DivergenceError"]
 
 _LAZY = {"Init": "fz3.shell.init", "initialize": "fz3.shell.api", "gathered_parameters": "fz3.shell.consolidate",
          "set_leaf_modules": "fz3.shell.tables", "load_weights": "fz3.shell.weights",
-         "plan": "fz3.shell.plan", "timeline": "fz3.shell.timeline"}
+         "plan": "fz3.shell.plan", "timeline": "fz3.shell.timeline",
+         "DivergenceError": "fz3.interpreters.agreement"}
 
 
 def __getattr__(name: str):

@@ -50,7 +50,7 @@ from fz3.core.ids import BucketId, Handle
 from fz3.data import collectives
 from fz3.data.collectives import ALL_GATHER, REDUCE_SCATTER
 from fz3.data.pool import BufferPool
-from fz3.interpreters import accounting, p2p
+from fz3.interpreters import accounting, agreement, p2p
 from fz3.shell.store import TensorStore
 
 
@@ -101,6 +101,13 @@ class DistInterpreter:
         self.shard_capacity = -(-self.bucket_capacity // self.world_size) + len(self.spec.params)
         self.scratch_capacity = (self.world_size - 1) * self.shard_capacity
         self.counts: Counter[str] = Counter()
+        owner = [""] * len(self.spec.params)
+        for m, ms in enumerate(self.spec.modules):
+            for p in ms.params:
+                owner[p] = store.tables.module_names[m]
+        # [Note: ranks agree before data moves] fz3/interpreters/agreement.py
+        self.agreement = agreement.Agreement.for_group(group, self.rank, self.world_size,
+                                                       agreement.describe_with(store.tables.names, owner))
         # CPU: room for what the live budget can need at once, and no more than the model could:
         # the live full params (within max_live_parameters plus the unit fetched on demand past
         # it, fz3/core/fetch.py), the gathers' packed inputs (not for p2p, which sends from the
@@ -163,12 +170,16 @@ class DistInterpreter:
                     self.store.grad_flat.div_(d)
                 case FreePartitions():
                     self.store.free_partitions()
+                    if self.agreement is not None:
+                        self.agreement.next_step()
                 case _:
                     raise TypeError(f"DistInterpreter: unknown effect {e!r}")
 
     # ---- parameters ---------------------------------------------------------------------------
 
     def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
+        if self.agreement is not None:
+            self.agreement.check(agreement.GATHER, ps, sum(self.spec.params[p].numel for p in ps))
         shards = [self.store.shards[p] for p in ps]
         S, W = sum(s.numel() for s in shards), self.world_size
         accounting.count_gather(self.counts, carrier=self.gather_by, shard_numel=S, world_size=W,
@@ -261,6 +272,8 @@ class DistInterpreter:
 
     def _reduce(self, e: ReduceBucket) -> None:
         W, r = self.world_size, self.rank
+        if self.agreement is not None:
+            self.agreement.check(agreement.REDUCE, [s.param for s in e.slots], sum(s.numel for s in e.slots))
         while len(self.reduces) >= MAX_REDUCES_IN_FLIGHT:
             self._complete_oldest()  # its grads, buffers and scratch are let go
         grads, buf = self._reduce_inputs(e)
@@ -321,6 +334,8 @@ class DistInterpreter:
         return self.buffers_pool.bytes
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.agreement is not None:
+            self.agreement.check(agreement.NORM, (), t.numel())
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 

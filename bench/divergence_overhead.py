@@ -1,0 +1,91 @@
+"""What the always-on divergence check costs (issue #13: at most 2 % of step time): the small
+benchmark GPT trained by two fz3 engines in the same 2 ranks, one built with the check
+(fz3/interpreters/agreement.py) and one without (FZ3_DIVERGENCE_CHECK=0), stepping in turn.
+
+    python3 bench/divergence_overhead.py [--steps 30]
+
+2 gloo ranks x 1 thread, fz3 defaults (a tiny model per rank is cheap: both engines fit), 3
+warm-up steps each; step time = the slower rank's; the order alternates every step. Writes its
+section of bench/RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+if __name__ == "__main__":
+    from bench_env import ensure_env
+    ensure_env(__file__)
+
+
+def worker(rank: int, world: int, steps: int, model_name: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    import fz3
+    from systems.common import batches, loss_fn, make_model, make_optimizer
+    engines = {}
+    for label, flag in (("on", "1"), ("off", "0")):
+        os.environ["FZ3_DIVERGENCE_CHECK"] = flag
+        model = make_model(model_name)
+        engines[label] = fz3.initialize(model, make_optimizer(model.parameters()), fz3.Config())
+    assert engines["on"].interp.agreement is not None and engines["off"].interp.agreement is None
+    data = batches(model_name, rank, world, 4)
+
+    def step(engine, i: int) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        x, y = data[i % len(data)]
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+        t = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    times = {"on": [], "off": []}
+    for i in range(3 + steps):
+        for label in (("on", "off") if i % 2 == 0 else ("off", "on")):
+            t = step(engines[label], i)
+            if i >= 3:
+                times[label].append(t)
+    ag = engines["on"].interp.agreement
+    return {**times, "checks_per_step": ag.checks / (3 + steps), "check_ms_per_step": 1e3 * ag.seconds / (3 + steps)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--model", default="small")
+    args = ap.parse_args()
+    import fz3.launch
+    out = fz3.launch.run(worker, world_size=2, args=(args.steps, args.model), timeout=1800, threads=1)[0]
+    on, off = statistics.median(out["on"]), statistics.median(out["off"])
+    text = (f"`python3 bench/divergence_overhead.py --steps {args.steps} --model {args.model}`, "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, 2 gloo ranks x 1 thread, fz3 "
+            f"defaults, two engines stepping in turn ({args.steps} measured steps each).\n\n"
+            f"| divergence check | median step ms | min–max ms |\n|---|---:|---:|\n"
+            f"| on (always, the default) | {1e3 * on:.1f} | {1e3 * min(out['on']):.1f}–{1e3 * max(out['on']):.1f} |\n"
+            f"| off (FZ3_DIVERGENCE_CHECK=0) | {1e3 * off:.1f} | {1e3 * min(out['off']):.1f}–{1e3 * max(out['off']):.1f} |\n\n"
+            f"Check on ÷ off: **{on / off:.3f}** ({100 * (on / off - 1):+.1f} %; target ≤ +2 %), "
+            f"{out['checks_per_step']:.1f} descriptor exchanges per step, {out['check_ms_per_step']:.2f} ms per "
+            "step inside them on rank 0 (mostly waiting for the other rank to reach the same collective).")
+    print(text)
+    md = os.path.join(HERE, "RESULTS.md")
+    begin, end = "<!-- divergence_overhead:begin -->", "<!-- divergence_overhead:end -->"
+    body = open(md).read()
+    section = f"{begin}\n## The divergence check: what it costs\n\n{text}\n{end}"
+    if begin in body:
+        body = body[:body.index(begin)] + section + body[body.index(end) + len(end):]
+    else:
+        body = body.rstrip("\n") + "\n\n" + section + "\n"
+    open(md, "w").write(body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
