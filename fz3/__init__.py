@@ -6,6 +6,7 @@
     engine = fz3.initialize(model, optimizer, cfg)
     loss = f(engine(batch)); engine.backward(loss); engine.step()
     print(fz3.plan(model, cfg, world_size=64, example_inputs=(batch,)))   # before any of it
+    with fz3.timeline(engine, "run.json"): ...  # what it did; fz3.DivergenceError if ranks diverge
 
 The shell's names load on first use, so `import fz3.core` stays free of torch.
 """
