@@ -15,7 +15,6 @@ import datetime
 import os
 import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -25,10 +24,8 @@ if __name__ == "__main__":
 
 
 def worker(rank: int, world: int, steps: int, model_name: str) -> dict:
-    import torch
-    import torch.distributed as dist
     import fz3
-    from systems.common import batches, loss_fn, make_model, make_optimizer
+    from systems.common import batches, engine_step_seconds, make_model, make_optimizer
     engines = {}
     for label, flag in (("on", "1"), ("off", "0")):
         os.environ["FZ3_DIVERGENCE_CHECK"] = flag
@@ -38,14 +35,7 @@ def worker(rank: int, world: int, steps: int, model_name: str) -> dict:
     data = batches(model_name, rank, world, 4)
 
     def step(engine, i: int) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        x, y = data[i % len(data)]
-        engine.backward(loss_fn(engine(x), y))
-        engine.step()
-        t = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+        return engine_step_seconds(engine, *data[i % len(data)])
 
     times = {"on": [], "off": []}
     for i in range(3 + steps):
@@ -75,15 +65,9 @@ def main() -> int:
             f"{out['checks_per_step']:.1f} descriptor exchanges per step, {out['check_ms_per_step']:.2f} ms per "
             "step inside them on rank 0 (mostly waiting for the other rank to reach the same collective).")
     print(text)
-    md = os.path.join(HERE, "RESULTS.md")
+    from bench_env import replace_section
     begin, end = "<!-- divergence_overhead:begin -->", "<!-- divergence_overhead:end -->"
-    body = open(md).read()
-    section = f"{begin}\n## The divergence check: what it costs\n\n{text}\n{end}"
-    if begin in body:
-        body = body[:body.index(begin)] + section + body[body.index(end) + len(end):]
-    else:
-        body = body.rstrip("\n") + "\n\n" + section + "\n"
-    open(md, "w").write(body)
+    replace_section(os.path.join(HERE, "RESULTS.md"), f"{begin}\n## The divergence check: what it costs\n\n{text}\n{end}", begin, end)
     return 0
 
 

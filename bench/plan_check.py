@@ -101,15 +101,9 @@ def main() -> int:
                      f"{deepspeed_estimate(name, world) / GiB:.3f} |")
     text = "\n".join(lines)
     print(text)
-    md = os.path.join(HERE, "RESULTS.md")
+    from bench_env import replace_section
     begin, end = "<!-- plan_check:begin -->", "<!-- plan_check:end -->"
-    body = open(md).read()
-    section = f"{begin}\n## fz3.plan against real runs and DeepSpeed's estimator\n\n{text}\n{end}"
-    if begin in body:
-        body = body[:body.index(begin)] + section + body[body.index(end) + len(end):]
-    else:
-        body = body.rstrip("\n") + "\n\n" + section + "\n"
-    open(md, "w").write(body)
+    replace_section(os.path.join(HERE, "RESULTS.md"), f"{begin}\n## fz3.plan against real runs and DeepSpeed's estimator\n\n{text}\n{end}", begin, end)
     for b in bad:
         print(b, file=sys.stderr)
     return 1 if bad else 0

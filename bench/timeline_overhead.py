@@ -26,23 +26,14 @@ if __name__ == "__main__":
 
 
 def worker(rank: int, world: int, rounds: int, steps: int, path: str) -> dict:
-    import torch
-    import torch.distributed as dist
     import fz3
-    from systems.common import batches, loss_fn, make_model, make_optimizer
+    from systems.common import batches, engine_step_seconds, make_model, make_optimizer
     model = make_model("small")
     engine = fz3.initialize(model, make_optimizer(model.parameters()), fz3.Config())
     data = batches("small", rank, world, 4)
 
     def step(i: int) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        x, y = data[i % len(data)]
-        engine.backward(loss_fn(engine(x), y))
-        engine.step()
-        t = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+        return engine_step_seconds(engine, *data[i % len(data)])
 
     for i in range(3):
         step(i)  # warm-up: the trace is recorded
@@ -84,15 +75,9 @@ def main() -> int:
             f"(events gathered to rank 0, JSON written: {out['events']} events for {args.steps} steps): "
             f"median {1e3 * statistics.median(out['exits']):.0f} ms, once per block.")
     print(text)
-    md = os.path.join(HERE, "RESULTS.md")
+    from bench_env import replace_section
     begin, end = "<!-- timeline_overhead:begin -->", "<!-- timeline_overhead:end -->"
-    body = open(md).read()
-    section = f"{begin}\n## fz3.timeline: what it costs when on\n\n{text}\n{end}"
-    if begin in body:
-        body = body[:body.index(begin)] + section + body[body.index(end) + len(end):]
-    else:
-        body = body.rstrip("\n") + "\n\n" + section + "\n"
-    open(md, "w").write(body)
+    replace_section(os.path.join(HERE, "RESULTS.md"), f"{begin}\n## fz3.timeline: what it costs when on\n\n{text}\n{end}", begin, end)
     return 0
 
 

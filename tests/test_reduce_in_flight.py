@@ -21,30 +21,36 @@ LAYER = 32 * 32 + 32
 CARRIERS = [{}, {"gloo_reduce_scatter": "native"}, {"reduce_scatter": False}]
 
 
-def _run(rank: int, world: int) -> list[dict]:
+def _train_watching(rank: int, widths: list[int], extra: dict, look):
+    """A chain of Linear layers (widths[i] -> widths[i + 1]), buckets of about two 32x32 layers,
+    `look(engine)` called at every grad; two steps. -> the engine."""
     import fz3
+    torch.manual_seed(0)
+    net = nn.Sequential(*(nn.Linear(a, b) for a, b in zip(widths, widths[1:])))
+    engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                            fz3.Config(reduce_bucket_size=2 * LAYER, param_persistence_threshold=0, **extra))
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(lambda _param: look(engine))
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        engine.backward(engine(x[rank * 2:(rank + 1) * 2]).square().mean())
+        engine.step()
+    return engine
+
+
+def _run(rank: int, world: int) -> list[dict]:
     out = []
     for extra in CARRIERS:
-        torch.manual_seed(0)
-        net = nn.Sequential(*(nn.Linear(32, 32) for _ in range(12)))
-        engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
-                                fz3.Config(reduce_bucket_size=2 * LAYER, param_persistence_threshold=0, **extra))
         seen = {"in_flight": 0, "held": 0, "reduces": 0}
 
-        def look(_param) -> None:
+        def look(engine) -> None:
             it = engine.interp
             seen["in_flight"] = max(seen["in_flight"], len(it.reduces))
             held = sum(g.numel() for d in it.held.values() for g in d.values())
             held += sum(b.numel() for b in it.buffers.values())
             seen["held"] = max(seen["held"], held)
 
-        for p in net.parameters():
-            p.register_post_accumulate_grad_hook(look)
-        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
-        for _ in range(2):
-            engine.backward(engine(x[rank * 2:(rank + 1) * 2]).square().mean())
-            engine.step()
-        seen["reduces"] = engine.stats()["reduce"]
+        seen["reduces"] = _train_watching(rank, [32] * 13, extra, look).stats()["reduce"]
         out.append(seen)
     return out
 
@@ -60,28 +66,16 @@ def test_at_most_one_reduce_in_flight_and_two_buckets_held():
 def _reduce_buffers(rank: int, world: int) -> list[int]:
     """Most pooled buffers at once that are not a param's size (a reduce's), per reduce carrier,
     over two steps of a stack whose layers (and so buckets) differ in size."""
-    import fz3
     out = []
     for extra in CARRIERS[:2]:
-        torch.manual_seed(0)
-        widths = [32, 48, 24, 40, 32, 56, 16, 32]
-        net = nn.Sequential(*(nn.Linear(a, b) for a, b in zip(widths, widths[1:] + widths[:1])))
-        engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
-                                fz3.Config(reduce_bucket_size=2 * LAYER, param_persistence_threshold=0, **extra))
         most = [0]
 
-        def look(_param) -> None:  # the gathers' buffers (all_gather p2p) are one per param
+        def look(engine) -> None:  # the gathers' buffers (all_gather p2p) are one per param
+            sizes = {p.numel for p in engine.store.tables.spec.params}
             pooled = [t for held in engine.interp.buffers_pool.buffers.values() for t in held]
             most[0] = max(most[0], sum(t.numel() not in sizes for t in pooled))
 
-        sizes = {p.numel for p in engine.store.tables.spec.params}
-
-        for p in net.parameters():
-            p.register_post_accumulate_grad_hook(look)
-        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
-        for _ in range(2):
-            engine.backward(engine(x[rank * 2:(rank + 1) * 2]).square().mean())
-            engine.step()
+        _train_watching(rank, [32, 48, 24, 40, 32, 56, 16, 32, 32], extra, look)
         out.append(most[0])
     return out
 

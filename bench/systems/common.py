@@ -68,6 +68,18 @@ def fz3_step(engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def engine_step_seconds(engine, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One fz3 step (forward, backward, optimizer) between barriers: the slower rank's seconds."""
+    import torch.distributed as dist
+    dist.barrier()
+    t0 = time.perf_counter()
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    t = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def batches(name: str, rank: int, world: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's slice of the global batch of each step (the whole batch when world == 1)."""
     cfg, global_batch = MODELS[name]
