@@ -31,7 +31,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,7 @@ class Agreement:
         self.step = 0  # optimizer steps so far
         self.seq = 0  # collectives in this step
         self.checks = 0  # collectives checked in all
+        self.failed: DivergenceError | None = None  # once raised, every later collective raises it
         self.seconds = 0.0  # spent checking (bench/divergence_overhead.py reports it)
 
     @classmethod
@@ -98,6 +99,13 @@ class Agreement:
 
     def check(self, kind: int, params: Sequence[int], numel: int) -> None:
         """Raise DivergenceError unless every rank is about to run this same collective."""
+        self.resolve(self.post(kind, params, numel))
+
+    def post(self, kind: int, params: Sequence[int], numel: int) -> "Posted":
+        """Send this collective's descriptor to every peer and post the receives of theirs;
+        `resolve` compares them. Between the two, nothing of the collective may be posted."""
+        if self.failed is not None:
+            raise self.failed
         start = time.perf_counter()
         self.seq += 1
         self.checks += 1
@@ -109,16 +117,38 @@ class Agreement:
         got = {j: torch.empty(FIELDS, dtype=torch.int64) for j in self.peers}
         recvs = {j: dist.irecv(got[j], group=self.group, group_src=j) for j in self.peers}
         sends = [dist.isend(mine, group=self.group, group_dst=j) for j in self.peers]
+        self.seconds += time.perf_counter() - start
+        return Posted(mine, got, recvs, sends)
+
+    @staticmethod
+    def arrived(posted: "Posted") -> bool:
+        """Every peer's descriptor is here (resolve will not wait)."""
+        return all(w.is_completed() for w in posted.recvs.values())
+
+    def resolve(self, posted: "Posted") -> None:
+        """Wait for the peers' descriptors; raise DivergenceError unless they equal this rank's.
+        After a DivergenceError the ranks are out of step for good: every later call raises it."""
+        if self.failed is not None:
+            raise self.failed
+        try:
+            self._resolve(posted)
+        except DivergenceError as e:
+            self.failed = e
+            raise
+
+    def _resolve(self, posted: "Posted") -> None:
+        start = time.perf_counter()
+        mine, got = posted.mine, posted.got
         for j in self.peers:
             try:
-                recvs[j].wait(timeout=self.timeout)
+                posted.recvs[j].wait(timeout=self.timeout)
             except RuntimeError as e:
                 raise DivergenceError(
                     f"rank {self.rank}: rank {j} did not reach a collective within "
                     f"{self.timeout.total_seconds():.0f} s while this rank was at {self.describe(mine.tolist())} "
                     f"({type(e).__name__}: {e}). Ranks must run the same modules in the same order "
                     "(set FZ3_DIVERGENCE_TIMEOUT for a shorter wait)") from None
-        for w in sends:
+        for w in posted.sends:
             w.wait(timeout=self.timeout)
         self.seconds += time.perf_counter() - start
         differ = [j for j in self.peers if not torch.equal(got[j], mine)]
@@ -129,6 +159,14 @@ class Agreement:
                                   f"it): each rank's next collective is\n{lines}\nEvery rank must run the same "
                                   "modules, in the same order, with the same params requiring grad; fz3 stopped "
                                   "before any data of this collective moved.")
+
+
+class Posted(NamedTuple):
+    """A descriptor exchange in flight."""
+    mine: torch.Tensor
+    got: dict
+    recvs: dict
+    sends: list
 
 
 def describe_with(names: Sequence[str], owner: Sequence[str]) -> Callable[[Sequence[int]], str]:

@@ -63,6 +63,27 @@ class _Reduce:
         self.work, self.finish, self.deferred, self.keep = work, finish, [], keep
 
 
+class _Agreed:
+    """A point-to-point collective whose data is posted only once the ranks agreed on it
+    ([Note: agreement off the critical path]): `post` at the first interpreter entry after the
+    peers' descriptors arrived, or at the latest when the collective is waited."""
+
+    __slots__ = ("agreement", "posted", "start", "work", "result")
+
+    def __init__(self, agreement, posted, start) -> None:
+        self.agreement, self.posted, self.start = agreement, posted, start
+        self.work = self.result = None
+
+    def post(self) -> None:
+        if self.work is None:
+            self.agreement.resolve(self.posted)  # raises DivergenceError: nothing was posted
+            self.work, self.result = self.start()
+
+    def wait(self) -> bool:
+        self.post()
+        return self.work.wait()
+
+
 MAX_REDUCES_IN_FLIGHT = 1
 """A bucket's reduce is issued once the previous one completed (it has had a bucket's worth of
 backward to do so). Without a bound every bucket of a backward stayed in flight until its end,
@@ -108,6 +129,12 @@ class DistInterpreter:
         # [Note: ranks agree before data moves] fz3/interpreters/agreement.py
         self.agreement = agreement.Agreement.for_group(group, self.rank, self.world_size,
                                                        agreement.describe_with(store.tables.names, owner))
+        # [Note: agreement off the critical path] An async point-to-point collective does not
+        # wait for the descriptors: it is posted (data sends and receives) once they arrived and
+        # matched, polled at every interpreter entry. A check that waited at issue cost the small
+        # benchmark GPT 1-8 % of its step (bench/RESULTS.md). Native collectives (gloo's own,
+        # NCCL, HCCL) cannot be half posted: those and the grad norm's all-reduce check at issue.
+        self.agreeing: "deque[_Agreed]" = deque()
         # CPU: room for what the live budget can need at once, and no more than the model could:
         # the live full params (within max_live_parameters plus the unit fetched on demand past
         # it, fz3/core/fetch.py), the gathers' packed inputs (not for p2p, which sends from the
@@ -136,6 +163,8 @@ class DistInterpreter:
         return self._run(effects)
 
     def _run(self, effects: Iterable[object]) -> None:
+        if self.agreeing:
+            self._poll_agreements()
         for e in effects:
             match e:
                 case AllGather(handle=h, params=ps, prefetch=pre):
@@ -178,7 +207,8 @@ class DistInterpreter:
     # ---- parameters ---------------------------------------------------------------------------
 
     def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
-        if self.agreement is not None:
+        deferred = self.agreement is not None and self.gather_by == "p2p" and self.async_op
+        if self.agreement is not None and not deferred:
             self.agreement.check(agreement.GATHER, ps, sum(self.spec.params[p].numel for p in ps))
         shards = [self.store.shards[p] for p in ps]
         S, W = sum(s.numel() for s in shards), self.world_size
@@ -188,9 +218,15 @@ class DistInterpreter:
             # a buffer per param: freeing one frees its memory (a flat buffer for the batch would
             # live until the last of its params is freed)
             fulls = [self.buffers_pool.take(self.spec.params[p].numel, shards[0].dtype) for p in ps]
-            with self._on(self.gather_stream):
-                work = self._p2p(p2p.all_gather(fulls, shards, self.rank, W, group=self.group,
-                                                tag=next(self.tags)))
+            tag = next(self.tags)
+
+            def start():
+                with self._on(self.gather_stream):
+                    return self._p2p(p2p.all_gather(fulls, shards, self.rank, W, group=self.group, tag=tag)), None
+            if deferred:
+                work = self._agreed(agreement.GATHER, ps, sum(self.spec.params[p].numel for p in ps), start)
+            else:
+                work, _ = start()
             self.gathers[h] = (work, ps, lambda: fulls)
             return
         out = self.buffers_pool.take(S * W, shards[0].dtype)
@@ -272,12 +308,13 @@ class DistInterpreter:
 
     def _reduce(self, e: ReduceBucket) -> None:
         W, r = self.world_size, self.rank
-        if self.agreement is not None:
+        path = accounting.reduce_path(e, self.reduce_scatter_by)
+        deferred = self.agreement is not None and path == "p2p" and self.async_op
+        if self.agreement is not None and not deferred:
             self.agreement.check(agreement.REDUCE, [s.param for s in e.slots], sum(s.numel for s in e.slots))
         while len(self.reduces) >= MAX_REDUCES_IN_FLIGHT:
             self._complete_oldest()  # its grads, buffers and scratch are let go
         grads, buf = self._reduce_inputs(e)
-        path = accounting.reduce_path(e, self.reduce_scatter_by)
         if path == "all_reduce":
             if e.contiguous:
                 flat = buf[:max(s.offset + s.numel for s in e.slots)]
@@ -297,11 +334,18 @@ class DistInterpreter:
             if path == "p2p":
                 keep = self._reduce_buffer(p2p.scratch_numel([g.numel() for g in grads], r, W),
                                            grads[0].dtype, self.scratch_capacity)
-                with self._on(self.reduce_stream):
-                    work, reduced = p2p.reduce_scatter(grads, keep, r, W, group=self.group,
-                                                       tag=next(self.tags))
-                work = self._p2p(work)
-                finish = lambda: dict(zip(params, reduced()))
+                tag = next(self.tags)
+
+                def start():
+                    with self._on(self.reduce_stream):
+                        posted, reduced = p2p.reduce_scatter(grads, keep, r, W, group=self.group, tag=tag)
+                    return self._p2p(posted), reduced
+                if deferred:
+                    work = agreed = self._agreed(agreement.REDUCE, params, sum(s.numel for s in e.slots), start)
+                    finish = lambda: dict(zip(params, agreed.result()))
+                else:
+                    work, reduced = start()
+                    finish = lambda: dict(zip(params, reduced()))
             else:
                 order = sorted(range(len(e.slots)), key=lambda i: params[i])
                 params = [params[i] for i in order]
@@ -343,6 +387,21 @@ class DistInterpreter:
         """Bytes of the IPG bucket buffers allocated (0 while the p2p reduce holds the grads)."""
         bufs = [b for bs in self.pool.values() for b in bs] + list(self.buffers.values())
         return sum(b.numel() * b.element_size() for b in bufs)
+
+    def _agreed(self, kind: int, params, numel: int, start) -> _Agreed:
+        """Post this collective's descriptors now and its data once they match."""
+        agreed = _Agreed(self.agreement, self.agreement.post(kind, params, numel), start)
+        self.agreeing.append(agreed)
+        return agreed
+
+    def _poll_agreements(self) -> None:
+        """Post every collective whose peers' descriptors have arrived (in issue order)."""
+        if self.agreement.failed is not None:  # diverged: nothing more is posted (nor waited)
+            self.agreeing.clear()
+            return
+        while self.agreeing and (self.agreeing[0].work is not None
+                                 or self.agreement.arrived(self.agreeing[0].posted)):
+            self.agreeing.popleft().post()
 
     def _p2p(self, work: p2p.P2PWork) -> Optional[p2p.P2PWork]:
         """Point-to-point work is always async; without overlap_comm it is waited here."""

@@ -232,7 +232,7 @@ def apply(engine, loaded: dict, parts: dict = ALL_PARTS) -> None:
     window, backward = (meta["grads"]["window"], meta["grads"]["backward"]) if parts["counters"] else \
         (engine.grads_state.window, engine.grads_state.backward)
     engine.grads_state = init_grad_state(engine.spec)._replace(window=window, backward=backward)
-    engine._params(end_of_step(engine.params_state, config=engine.config))  # re-gather persistent
+    engine._params(end_of_step)  # re-gather persistent
 
 
 def _clone(obj):

@@ -65,7 +65,7 @@ def gathered_parameters(params: Union[nn.Module, nn.Parameter, Iterable[nn.Param
         if modifier_rank is not None and not 0 <= modifier_rank < engine.world_size:
             raise ValueError(f"modifier_rank={modifier_rank}: expected None or a rank in "
                              f"[0, {engine.world_size})")
-        engine._params(hold(engine.params_state, tuple(sorted(set(pids))), config=engine.config))
+        engine._params(hold, tuple(sorted(set(pids))))
     try:
         yield
     finally:
@@ -76,5 +76,4 @@ def gathered_parameters(params: Union[nn.Module, nn.Parameter, Iterable[nn.Param
                     full = engine.tables.params[p].data
                     dist.broadcast(full, src=modifier_rank, group=engine.group)
                     engine.store.write_full(p, full)
-            engine._params(unhold(engine.params_state, pids, config=engine.config,
-                                  stale=modifier_rank is not None))
+            engine._params(unhold, pids, stale=modifier_rank is not None)

@@ -227,4 +227,4 @@ def _write(engine, targets: list[Target], parts: dict[int, torch.Tensor]) -> Non
         if i in parts:
             master[:parts[i].numel()].copy_(parts[i])
     store.refresh_shards()
-    engine._params(end_of_step(engine.params_state, config=engine.config))
+    engine._params(end_of_step)

@@ -24,10 +24,10 @@ class LiveWatch:
         self.persistent = [p.persistent for p in engine.spec.params]
         self.budget_max = self.pinned_max = self.peak = 0
         self.detail = ""
-        engine._params = self  # the hooks call self._params(result): the instance's comes first
+        engine._params = self  # the hooks call self._params(transition, ...): the instance's comes first
 
-    def __call__(self, result) -> None:
-        self.run(result)
+    def __call__(self, transition, *args, **kwargs) -> None:
+        self.run(transition, *args, **kwargs)
         st, numel = self.engine.params_state, self.numel
         live = [p for p, row in enumerate(st.param_rows) if row[STATUS] != NOT_AVAILABLE]
         active = [m for m, row in enumerate(st.module_rows) if row[ACTIVE]]
