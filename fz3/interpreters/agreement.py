@@ -17,8 +17,10 @@ created at initialize, as point-to-point messages: the k-th descriptor of one ra
 with the k-th of every other. So a rank that runs an extra module, skips one, or runs a backward
 the others do not is caught at the first collective where the descriptors differ. Every rank then
 raises DivergenceError, naming each rank's step, collective and params (and the module that owns
-them), before the collective's data is posted. The descriptors are compared as soon as they
-arrive.
+them), before the collective's data is posted. Native collectives and the grad norm's
+all-reduce wait for the descriptors when they are issued. Point-to-point ones post their data
+once the descriptors have arrived and matched, which the interpreter looks at on each of its
+entries ([Note: agreement off the critical path], `Agreement.defer`).
 
 A rank that issues no collective at all (it left the training loop, or blocks in code of its
 own) is reported once the others have waited `FZ3_DIVERGENCE_TIMEOUT` seconds (default: torch's
@@ -31,6 +33,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from collections import deque
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -77,6 +80,7 @@ class Agreement:
         self.seq = 0  # collectives in this step
         self.checks = 0  # collectives checked in all
         self.failed: DivergenceError | None = None  # once raised, every later collective raises it
+        self.deferred: "deque[Deferred]" = deque()  # posted descriptors, data not yet posted
         self.seconds = 0.0  # spent checking (bench/divergence_overhead.py reports it)
 
     @classmethod
@@ -120,6 +124,25 @@ class Agreement:
         self.seconds += time.perf_counter() - start
         return Posted(mine, got, recvs, sends)
 
+    def defer(self, kind: int, params: Sequence[int], numel: int, start: Callable) -> "Deferred":
+        """[Note: agreement off the critical path] Post this collective's descriptors now and call
+        `start()` (which posts its data: -> (work, result)) once they arrived and matched: at the
+        first `poll` that finds them, or when the collective is waited. A check that waited at
+        issue cost the small benchmark GPT 1-8 % of its step (bench/RESULTS.md). Only
+        point-to-point collectives can wait this way; native ones (gloo's own, NCCL, HCCL) and
+        the grad norm's all-reduce `check` at issue."""
+        d = Deferred(self, self.post(kind, params, numel), start)
+        self.deferred.append(d)
+        return d
+
+    def poll(self) -> None:
+        """Post every deferred collective whose peers' descriptors have arrived, in issue order."""
+        if self.failed is not None:  # diverged: nothing more is posted (nor waited)
+            self.deferred.clear()
+            return
+        while self.deferred and (self.deferred[0].work is not None or self.arrived(self.deferred[0].posted)):
+            self.deferred.popleft().post()
+
     @staticmethod
     def arrived(posted: "Posted") -> bool:
         """Every peer's descriptor is here (resolve will not wait)."""
@@ -159,6 +182,26 @@ class Agreement:
                                   f"it): each rank's next collective is\n{lines}\nEvery rank must run the same "
                                   "modules, in the same order, with the same params requiring grad; fz3 stopped "
                                   "before any data of this collective moved.")
+
+
+class Deferred:
+    """A point-to-point collective whose data is posted only once the ranks agreed on it; waited
+    like the work it stands for."""
+
+    __slots__ = ("agreement", "posted", "start", "work", "result")
+
+    def __init__(self, agreement: Agreement, posted: "Posted", start: Callable) -> None:
+        self.agreement, self.posted, self.start = agreement, posted, start
+        self.work = self.result = None
+
+    def post(self) -> None:
+        if self.work is None:
+            self.agreement.resolve(self.posted)  # raises DivergenceError: nothing was posted
+            self.work, self.result = self.start()
+
+    def wait(self) -> bool:
+        self.post()
+        return self.work.wait()
 
 
 class Posted(NamedTuple):

@@ -63,27 +63,6 @@ class _Reduce:
         self.work, self.finish, self.deferred, self.keep = work, finish, [], keep
 
 
-class _Agreed:
-    """A point-to-point collective whose data is posted only once the ranks agreed on it
-    ([Note: agreement off the critical path]): `post` at the first interpreter entry after the
-    peers' descriptors arrived, or at the latest when the collective is waited."""
-
-    __slots__ = ("agreement", "posted", "start", "work", "result")
-
-    def __init__(self, agreement, posted, start) -> None:
-        self.agreement, self.posted, self.start = agreement, posted, start
-        self.work = self.result = None
-
-    def post(self) -> None:
-        if self.work is None:
-            self.agreement.resolve(self.posted)  # raises DivergenceError: nothing was posted
-            self.work, self.result = self.start()
-
-    def wait(self) -> bool:
-        self.post()
-        return self.work.wait()
-
-
 MAX_REDUCES_IN_FLIGHT = 1
 """A bucket's reduce is issued once the previous one completed (it has had a bucket's worth of
 backward to do so). Without a bound every bucket of a backward stayed in flight until its end,
@@ -129,12 +108,6 @@ class DistInterpreter:
         # [Note: ranks agree before data moves] fz3/interpreters/agreement.py
         self.agreement = agreement.Agreement.for_group(group, self.rank, self.world_size,
                                                        agreement.describe_with(store.tables.names, owner))
-        # [Note: agreement off the critical path] An async point-to-point collective does not
-        # wait for the descriptors: it is posted (data sends and receives) once they arrived and
-        # matched, polled at every interpreter entry. A check that waited at issue cost the small
-        # benchmark GPT 1-8 % of its step (bench/RESULTS.md). Native collectives (gloo's own,
-        # NCCL, HCCL) cannot be half posted: those and the grad norm's all-reduce check at issue.
-        self.agreeing: "deque[_Agreed]" = deque()
         # CPU: room for what the live budget can need at once, and no more than the model could:
         # the live full params (within max_live_parameters plus the unit fetched on demand past
         # it, fz3/core/fetch.py), the gathers' packed inputs (not for p2p, which sends from the
@@ -163,8 +136,8 @@ class DistInterpreter:
         return self._run(effects)
 
     def _run(self, effects: Iterable[object]) -> None:
-        if self.agreeing:
-            self._poll_agreements()
+        if self.agreement is not None and self.agreement.deferred:
+            self.agreement.poll()
         for e in effects:
             match e:
                 case AllGather(handle=h, params=ps, prefetch=pre):
@@ -224,7 +197,7 @@ class DistInterpreter:
                 with self._on(self.gather_stream):
                     return self._p2p(p2p.all_gather(fulls, shards, self.rank, W, group=self.group, tag=tag)), None
             if deferred:
-                work = self._agreed(agreement.GATHER, ps, sum(self.spec.params[p].numel for p in ps), start)
+                work = self.agreement.defer(agreement.GATHER, ps, sum(self.spec.params[p].numel for p in ps), start)
             else:
                 work, _ = start()
             self.gathers[h] = (work, ps, lambda: fulls)
@@ -341,7 +314,7 @@ class DistInterpreter:
                         posted, reduced = p2p.reduce_scatter(grads, keep, r, W, group=self.group, tag=tag)
                     return self._p2p(posted), reduced
                 if deferred:
-                    work = agreed = self._agreed(agreement.REDUCE, params, sum(s.numel for s in e.slots), start)
+                    work = agreed = self.agreement.defer(agreement.REDUCE, params, sum(s.numel for s in e.slots), start)
                     finish = lambda: dict(zip(params, agreed.result()))
                 else:
                     work, reduced = start()
@@ -387,21 +360,6 @@ class DistInterpreter:
         """Bytes of the IPG bucket buffers allocated (0 while the p2p reduce holds the grads)."""
         bufs = [b for bs in self.pool.values() for b in bs] + list(self.buffers.values())
         return sum(b.numel() * b.element_size() for b in bufs)
-
-    def _agreed(self, kind: int, params, numel: int, start) -> _Agreed:
-        """Post this collective's descriptors now and its data once they match."""
-        agreed = _Agreed(self.agreement, self.agreement.post(kind, params, numel), start)
-        self.agreeing.append(agreed)
-        return agreed
-
-    def _poll_agreements(self) -> None:
-        """Post every collective whose peers' descriptors have arrived (in issue order)."""
-        if self.agreement.failed is not None:  # diverged: nothing more is posted (nor waited)
-            self.agreeing.clear()
-            return
-        while self.agreeing and (self.agreeing[0].work is not None
-                                 or self.agreement.arrived(self.agreeing[0].posted)):
-            self.agreeing.popleft().post()
 
     def _p2p(self, work: p2p.P2PWork) -> Optional[p2p.P2PWork]:
         """Point-to-point work is always async; without overlap_comm it is waited here."""
