@@ -65,8 +65,11 @@ class Plan:
 
 def plan(model: nn.Module, config: Config | None = None, *, world_size: int, example_inputs,
          optimizer: Union[str, Callable[..., torch.optim.Optimizer]] = "adamw", steps: int = 1,
-         gradient_accumulation_steps: int | None = None, backend: str | None = None) -> Plan:
-    """Plan `steps` optimizer steps of `model` under `config` on `world_size` ranks."""
+         backend: str | None = None) -> Plan:
+    """Plan `steps` optimizer steps of `model` under `config` on `world_size` ranks, each of
+    config.gradient_accumulation_steps forward and backward passes on `example_inputs`.
+    `optimizer`: "adamw", "adam", "sgd" or a callable that builds a torch optimizer from params;
+    `backend`: the one to plan for (gloo, nccl, hccl; None: what fz3.initialize would pick here)."""
     config = Config() if config is None else config
     _check(model, config, world_size, optimizer, steps, backend)
     backend = backend or _default_backend()
