@@ -1,4 +1,4 @@
-"""Ranks agree on each collective before any data moves; ranks that diverge raise
+"""Ranks agree on each collective before any of its data is received; ranks that diverge raise
 DivergenceError instead of hanging.
 
 ZeRO-3 is SPMD: every rank must issue the same collectives in the same order. If their control
@@ -12,15 +12,26 @@ rank sends the others a descriptor of it, eight integers:
     kind, optimizer step, collective number in that step, params, first and last ParamId,
     a hash of the ParamIds, elements
 
-It then compares what it receives with its own. The exchange goes over a gloo side group
-created at initialize, as point-to-point messages: the k-th descriptor of one rank always pairs
-with the k-th of every other. So a rank that runs an extra module, skips one, or runs a backward
-the others do not is caught at the first collective where the descriptors differ. Every rank then
-raises DivergenceError, naming each rank's step, collective and params (and the module that owns
-them), before the collective's data is posted. Native collectives and the grad norm's
-all-reduce wait for the descriptors when they are issued. Point-to-point ones post their data
-once the descriptors have arrived and matched, which the interpreter looks at on each of its
-entries ([Note: agreement off the critical path], `Agreement.defer`).
+and compares what it receives with its own. The exchange is point-to-point messages under one
+tag of their own, `DESCRIPTORS`: the k-th descriptor of one rank always pairs with the k-th of
+every other. On gloo they go over the training group itself (sharing its connections costs less
+than a second group's: [Note: descriptors beside the data]); on NCCL and HCCL, whose
+point-to-point messages have no tags, over a gloo side group created at initialize. So a rank
+that runs an extra module, skips one, or runs a backward the others do not is caught at the
+first collective where the descriptors differ. Every rank then raises
+DivergenceError, naming each rank's step, collective and params (and the module that owns them).
+
+No data meant for another collective is ever received:
+
+- Point-to-point collectives (gloo's default carrier) post their data at once, in messages whose
+  tag is made from the descriptor (`Posted.tag`). A receive matches only a send of the same tag,
+  so data moves only between ranks that are at the same collective; the descriptors are compared
+  when the collective is waited, before its result is used (`Guarded`). This adds no round trip:
+  the descriptors travel beside the data ([Note: descriptors beside the data]).
+- Native collectives (gloo's own, NCCL, HCCL) have no tags: they wait for the descriptors at
+  issue, before their data is posted (`check`).
+- The grad norm's all-reduce is itself the exchange: its one float64 rides in the descriptor
+  message (`all_reduce_sum`), so it costs no more than the all-reduce it replaces.
 
 A rank that issues no collective at all (it left the training loop, or blocks in code of its
 own) is reported once the others have waited `FZ3_DIVERGENCE_TIMEOUT` seconds (default: torch's
@@ -33,7 +44,6 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections import deque
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -41,14 +51,15 @@ import torch.distributed as dist
 
 GATHER, REDUCE, NORM = 1, 2, 3
 KINDS = {GATHER: "all-gather", REDUCE: "reduce", NORM: "grad-norm all-reduce"}
-FIELDS = 8
+FIELDS = 8  # compared
+MESSAGE = FIELDS + 1  # and one int64 of payload (the grad norm's all-reduce)
 MOD = (1 << 61) - 1
 
 
 class DivergenceError(RuntimeError):
     """Ranks issued different collectives: a different module order, different params, or one
     rank stopped issuing them. Raised on every rank, before any data of the mismatched
-    collective moves; the message gives each rank's position."""
+    collective is received; the message gives each rank's position."""
 
 
 def enabled() -> bool:
@@ -73,6 +84,7 @@ class Agreement:
 
     def __init__(self, group, rank: int, world_size: int,
                  describe: Callable[[Sequence[int]], str]) -> None:
+        """`group`: where the descriptors travel (a gloo group; None: the default group)."""
         self.group, self.rank, self.world_size, self.describe = group, rank, world_size, describe
         self.peers = [j for j in range(world_size) if j != rank]
         self.timeout = datetime.timedelta(seconds=timeout_s())
@@ -80,16 +92,17 @@ class Agreement:
         self.seq = 0  # collectives in this step
         self.checks = 0  # collectives checked in all
         self.failed: DivergenceError | None = None  # once raised, every later collective raises it
-        self.deferred: "deque[Deferred]" = deque()  # posted descriptors, data not yet posted
         self.seconds = 0.0  # spent checking (bench/divergence_overhead.py reports it)
 
     @classmethod
     def for_group(cls, group, rank: int, world_size: int,
                   describe: Callable[[Sequence[int]], str]) -> "Agreement | None":
         """The check for `group` (None: the default group); None when off or alone. Every rank
-        must call it (it creates the side group)."""
+        must call it (it may create a side group)."""
         if world_size < 2 or not enabled():
             return None
+        if dist.get_backend(group) == "gloo":
+            return cls(group, rank, world_size, describe)
         if group is None:
             side = dist.new_group(backend="gloo")
         else:  # only the group's ranks call this
@@ -105,9 +118,10 @@ class Agreement:
         """Raise DivergenceError unless every rank is about to run this same collective."""
         self.resolve(self.post(kind, params, numel))
 
-    def post(self, kind: int, params: Sequence[int], numel: int) -> "Posted":
-        """Send this collective's descriptor to every peer and post the receives of theirs;
-        `resolve` compares them. Between the two, nothing of the collective may be posted."""
+    def post(self, kind: int, params: Sequence[int], numel: int, payload: int = 0) -> "Posted":
+        """Send this collective's descriptor (and one int64 of `payload`, not compared) to every
+        peer and post the receives of theirs; `resolve` compares them. Until then, the
+        collective's data may travel only under `Posted.tag`."""
         if self.failed is not None:
             raise self.failed
         start = time.perf_counter()
@@ -116,37 +130,39 @@ class Agreement:
         h = 0
         for p in params:
             h = (h * 1000003 + p + 1) % MOD
-        mine = torch.tensor([kind, self.step, self.seq, len(params), params[0] if params else -1,
-                             params[-1] if params else -1, h, numel], dtype=torch.int64)
-        got = {j: torch.empty(FIELDS, dtype=torch.int64) for j in self.peers}
-        recvs = {j: dist.irecv(got[j], group=self.group, group_src=j) for j in self.peers}
-        sends = [dist.isend(mine, group=self.group, group_dst=j) for j in self.peers]
+        fields = (kind, self.step, self.seq, len(params), params[0] if params else -1,
+                  params[-1] if params else -1, h, numel)
+        mine = torch.tensor([*fields, payload], dtype=torch.int64)
+        got = {j: torch.empty(MESSAGE, dtype=torch.int64) for j in self.peers}
+        recvs = {j: dist.irecv(got[j], group=self.group, group_src=j, tag=DESCRIPTORS) for j in self.peers}
+        sends = [dist.isend(mine, group=self.group, group_dst=j, tag=DESCRIPTORS) for j in self.peers]
         self.seconds += time.perf_counter() - start
-        return Posted(mine, got, recvs, sends)
+        return Posted(mine, got, recvs, sends, tag_of(fields))
 
-    def defer(self, kind: int, params: Sequence[int], numel: int, start: Callable) -> "Deferred":
-        """[Note: agreement off the critical path] Post this collective's descriptors now and call
-        `start()` (which posts its data: -> (work, result)) once they arrived and matched: at the
-        first `poll` that finds them, or when the collective is waited. A check that waited at
-        issue cost the small benchmark GPT 1-8 % of its step (bench/RESULTS.md). Only
-        point-to-point collectives can wait this way; native ones (gloo's own, NCCL, HCCL) and
-        the grad norm's all-reduce `check` at issue."""
-        d = Deferred(self, self.post(kind, params, numel), start)
-        self.deferred.append(d)
-        return d
+    def guard(self, posted: "Posted", work) -> "Guarded":
+        """[Note: descriptors beside the data] `work` was posted under `posted.tag`: waiting the
+        result first waits for the peers' descriptors and raises DivergenceError unless they
+        match. A check that waited for them before posting the data (as native collectives
+        must) cost the small benchmark GPT 1-8 % of its step, and one that posted the data
+        once the descriptors had arrived, 3.5 % (bench/RESULTS.md, "The divergence check").
+        An on-demand 1 MiB gather between 2 gloo ranks took 1.0 ms unchecked, 1.5 ms with its
+        descriptors on a gloo side group and 1.2 ms with them on the training group itself, one
+        connection and one transport thread per pair instead of two (bench/agreement_latency.py)."""
+        return Guarded(self, posted, work)
 
-    def poll(self) -> None:
-        """Post every deferred collective whose peers' descriptors have arrived, in issue order."""
-        if self.failed is not None:  # diverged: nothing more is posted (nor waited)
-            self.deferred.clear()
-            return
-        while self.deferred and (self.deferred[0].work is not None or self.arrived(self.deferred[0].posted)):
-            self.deferred.popleft().post()
-
-    @staticmethod
-    def arrived(posted: "Posted") -> bool:
-        """Every peer's descriptor is here (resolve will not wait)."""
-        return all(w.is_completed() for w in posted.recvs.values())
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The SUM over ranks of a one-element CPU float64 tensor, in its descriptor exchange:
+        each rank adds the values in rank order, so every rank gets the same bits."""
+        if t.numel() != 1 or t.dtype != torch.float64 or t.device.type != "cpu":
+            raise ValueError(f"Agreement.all_reduce_sum takes one CPU float64 element, not {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+        posted = self.post(NORM, (), 1, payload=int(t.view(torch.int64)))
+        self.resolve(posted)
+        values = {self.rank: t.reshape(()), **{j: posted.got[j][FIELDS:].view(torch.float64)[0] for j in self.peers}}
+        total = values[0].clone()
+        for j in range(1, self.world_size):
+            total += values[j]
+        return t.copy_(total.reshape(t.shape))
 
     def resolve(self, posted: "Posted") -> None:
         """Wait for the peers' descriptors; raise DivergenceError unless they equal this rank's.
@@ -161,7 +177,7 @@ class Agreement:
 
     def _resolve(self, posted: "Posted") -> None:
         start = time.perf_counter()
-        mine, got = posted.mine, posted.got
+        mine, got = posted.mine[:FIELDS], {j: g[:FIELDS] for j, g in posted.got.items()}
         for j in self.peers:
             try:
                 posted.recvs[j].wait(timeout=self.timeout)
@@ -181,26 +197,33 @@ class Agreement:
             raise DivergenceError(f"ranks diverged (seen on rank {self.rank}; ranks {sorted(differ)} differ from "
                                   f"it): each rank's next collective is\n{lines}\nEvery rank must run the same "
                                   "modules, in the same order, with the same params requiring grad; fz3 stopped "
-                                  "before any data of this collective moved.")
+                                  "before any data of this collective was received.")
 
 
-class Deferred:
-    """A point-to-point collective whose data is posted only once the ranks agreed on it; waited
-    like the work it stands for."""
+DESCRIPTORS = 2**31 - 1
+"""The tag of the descriptor messages (gloo takes 0 <= tag < 2**31); no data tag is this one."""
 
-    __slots__ = ("agreement", "posted", "start", "work", "result")
 
-    def __init__(self, agreement: Agreement, posted: "Posted", start: Callable) -> None:
-        self.agreement, self.posted, self.start = agreement, posted, start
-        self.work = self.result = None
+def tag_of(fields: Sequence[int]) -> int:
+    """A point-to-point tag made from a descriptor, below DESCRIPTORS: ranks at different
+    collectives post different tags, so their messages never match."""
+    h = 0
+    for f in fields:
+        h = (h * 1000003 + f + 1) % MOD
+    return h % DESCRIPTORS
 
-    def post(self) -> None:
-        if self.work is None:
-            self.agreement.resolve(self.posted)  # raises DivergenceError: nothing was posted
-            self.work, self.result = self.start()
+
+class Guarded:
+    """Point-to-point work posted under a descriptor's tag, waited like it: the descriptors are
+    compared first (DivergenceError: the data was never received)."""
+
+    __slots__ = ("agreement", "posted", "work")
+
+    def __init__(self, agreement: Agreement, posted: "Posted", work) -> None:
+        self.agreement, self.posted, self.work = agreement, posted, work
 
     def wait(self) -> bool:
-        self.post()
+        self.agreement.resolve(self.posted)
         return self.work.wait()
 
 
@@ -210,6 +233,7 @@ class Posted(NamedTuple):
     got: dict
     recvs: dict
     sends: list
+    tag: int
 
 
 def describe_with(names: Sequence[str], owner: Sequence[str]) -> Callable[[Sequence[int]], str]:

@@ -105,7 +105,7 @@ class DistInterpreter:
         for m, ms in enumerate(self.spec.modules):
             for p in ms.params:
                 owner[p] = store.tables.module_names[m]
-        # [Note: ranks agree before data moves] fz3/interpreters/agreement.py
+        # [Note: descriptors beside the data] fz3/interpreters/agreement.py
         self.agreement = agreement.Agreement.for_group(group, self.rank, self.world_size,
                                                        agreement.describe_with(store.tables.names, owner))
         # CPU: room for what the live budget can need at once, and no more than the model could:
@@ -136,8 +136,6 @@ class DistInterpreter:
         return self._run(effects)
 
     def _run(self, effects: Iterable[object]) -> None:
-        if self.agreement is not None and self.agreement.deferred:
-            self.agreement.poll()
         for e in effects:
             match e:
                 case AllGather(handle=h, params=ps, prefetch=pre):
@@ -180,8 +178,7 @@ class DistInterpreter:
     # ---- parameters ---------------------------------------------------------------------------
 
     def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
-        deferred = self.agreement is not None and self.gather_by == "p2p" and self.async_op
-        if self.agreement is not None and not deferred:
+        if self.agreement is not None and self.gather_by != "p2p":
             self.agreement.check(agreement.GATHER, ps, sum(self.spec.params[p].numel for p in ps))
         shards = [self.store.shards[p] for p in ps]
         S, W = sum(s.numel() for s in shards), self.world_size
@@ -191,16 +188,10 @@ class DistInterpreter:
             # a buffer per param: freeing one frees its memory (a flat buffer for the batch would
             # live until the last of its params is freed)
             fulls = [self.buffers_pool.take(self.spec.params[p].numel, shards[0].dtype) for p in ps]
-            tag = next(self.tags)
-
-            def start():
-                with self._on(self.gather_stream):
-                    return self._p2p(p2p.all_gather(fulls, shards, self.rank, W, group=self.group, tag=tag)), None
-            if deferred:
-                work = self.agreement.defer(agreement.GATHER, ps, sum(self.spec.params[p].numel for p in ps), start)
-            else:
-                work, _ = start()
-            self.gathers[h] = (work, ps, lambda: fulls)
+            posted, tag = self._tag(agreement.GATHER, ps, sum(self.spec.params[p].numel for p in ps))
+            with self._on(self.gather_stream):
+                work = p2p.all_gather(fulls, shards, self.rank, W, group=self.group, tag=tag)
+            self.gathers[h] = (self._p2p(work, posted), ps, lambda: fulls)
             return
         out = self.buffers_pool.take(S * W, shards[0].dtype)
         if self.gather_by == "native":
@@ -282,8 +273,7 @@ class DistInterpreter:
     def _reduce(self, e: ReduceBucket) -> None:
         W, r = self.world_size, self.rank
         path = accounting.reduce_path(e, self.reduce_scatter_by)
-        deferred = self.agreement is not None and path == "p2p" and self.async_op
-        if self.agreement is not None and not deferred:
+        if self.agreement is not None and path != "p2p":
             self.agreement.check(agreement.REDUCE, [s.param for s in e.slots], sum(s.numel for s in e.slots))
         while len(self.reduces) >= MAX_REDUCES_IN_FLIGHT:
             self._complete_oldest()  # its grads, buffers and scratch are let go
@@ -307,18 +297,11 @@ class DistInterpreter:
             if path == "p2p":
                 keep = self._reduce_buffer(p2p.scratch_numel([g.numel() for g in grads], r, W),
                                            grads[0].dtype, self.scratch_capacity)
-                tag = next(self.tags)
-
-                def start():
-                    with self._on(self.reduce_stream):
-                        posted, reduced = p2p.reduce_scatter(grads, keep, r, W, group=self.group, tag=tag)
-                    return self._p2p(posted), reduced
-                if deferred:
-                    work = agreed = self.agreement.defer(agreement.REDUCE, params, sum(s.numel for s in e.slots), start)
-                    finish = lambda: dict(zip(params, agreed.result()))
-                else:
-                    work, reduced = start()
-                    finish = lambda: dict(zip(params, reduced()))
+                posted, tag = self._tag(agreement.REDUCE, params, sum(s.numel for s in e.slots))
+                with self._on(self.reduce_stream):
+                    work, reduced = p2p.reduce_scatter(grads, keep, r, W, group=self.group, tag=tag)
+                work = self._p2p(work, posted)
+                finish = lambda: dict(zip(params, reduced()))
             else:
                 order = sorted(range(len(e.slots)), key=lambda i: params[i])
                 params = [params[i] for i in order]
@@ -352,6 +335,8 @@ class DistInterpreter:
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.agreement is not None:
+            if t.numel() == 1 and t.dtype == torch.float64 and t.device.type == "cpu":
+                return self.agreement.all_reduce_sum(t)  # the descriptor exchange carries it
             self.agreement.check(agreement.NORM, (), t.numel())
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
@@ -361,8 +346,20 @@ class DistInterpreter:
         bufs = [b for bs in self.pool.values() for b in bs] + list(self.buffers.values())
         return sum(b.numel() * b.element_size() for b in bufs)
 
-    def _p2p(self, work: p2p.P2PWork) -> Optional[p2p.P2PWork]:
-        """Point-to-point work is always async; without overlap_comm it is waited here."""
+    def _tag(self, kind: int, params, numel: int):
+        """-> (posted descriptors or None, tag) for a point-to-point collective: with the
+        divergence check the tag is made from its descriptor ([Note: descriptors beside the
+        data]), else the next of a counter."""
+        if self.agreement is None:
+            return None, next(self.tags)
+        posted = self.agreement.post(kind, params, numel)
+        return posted, posted.tag
+
+    def _p2p(self, work: p2p.P2PWork, posted) -> Optional[object]:
+        """Point-to-point work is always async; without overlap_comm it is waited here. Waiting
+        it first compares the descriptors it was posted under (`posted`, None when unchecked)."""
+        if posted is not None:
+            work = self.agreement.guard(posted, work)
         if not self.async_op:
             work.wait()
         return work if self.async_op else None
