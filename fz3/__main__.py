@@ -10,6 +10,10 @@
         communication and the core, and the live bytes over time.
     python -m fz3 consolidate CKPT_DIR OUT.safetensors [--tag TAG]
         A sharded checkpoint -> one fp32 safetensors file (DeepSpeed's zero_to_fp32).
+    python -m fz3 verify [--examples N] [--steps K] [--machines params,grads,layout]
+        The Hypothesis machines against their naive models, N examples each (up to K rules per
+        example), then what each invariant covered: checks and situations. Exit status 1 with
+        the shrunk counterexample when a property fails (fz3/testing/verify.py).
 
 Usage errors (an unknown command, a MODULE:FUNCTION that does not import or returns the wrong
 thing, an invalid config, a world size < 1) print one line naming the value and what is allowed
@@ -31,7 +35,7 @@ class UsageError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fz3", description="fz3: ZeRO-3 as pure state transitions")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,timeline,consolidate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,timeline,consolidate,verify}")
     p = sub.add_parser("plan", help="what a run will do, per step and per rank, before it runs")
     p.add_argument("target", metavar="MODULE:FUNCTION", help="FUNCTION() -> (model, example_inputs)")
     p.add_argument("--world-size", type=int, required=True, help="ranks to plan for (>= 1)")
@@ -45,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("png", help="the picture to write")
     c = sub.add_parser("consolidate", help="a sharded checkpoint -> one fp32 safetensors file")
     c.add_argument("rest", nargs=argparse.REMAINDER)
+    v = sub.add_parser("verify", help="run the Hypothesis machines; print what each invariant covered")
+    v.add_argument("--examples", type=int, default=100, help="Hypothesis examples per machine (default 100)")
+    v.add_argument("--steps", type=int, default=20, help="most rules per state-machine example (default 20)")
+    v.add_argument("--machines", default="params,grads,layout",
+                   help="comma-separated, of params, grads, layout (default: all)")
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":
@@ -52,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             return consolidate(args.rest)
         if args.command == "timeline":
             return _timeline(args)
+        if args.command == "verify":
+            return _verify(args)
         return _plan(args)
     except UsageError as e:
         print(f"python -m fz3 {args.command}: {e}", file=sys.stderr)
@@ -73,6 +84,19 @@ def _plan(args) -> int:
         raise UsageError(str(e)) from None
     print(plan.table())
     return 0
+
+
+def _verify(args) -> int:
+    import traceback
+    from fz3.testing.verify import verify
+    try:
+        report = verify(args.examples, args.steps, tuple(m for m in args.machines.split(",") if m))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if report.failure is not None:
+        print("".join(traceback.format_exception(report.failure[1])), file=sys.stderr)
+    print(report.table())
+    return 1 if report.failure is not None else 0
 
 
 def _timeline(args) -> int:

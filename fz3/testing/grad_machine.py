@@ -28,6 +28,7 @@ from fz3.core.grads import GradError
 from fz3.core.ids import ParamId
 from fz3.core.invariants_grad import check_drained, check_grad_state, check_reduce_log
 from fz3.interpreters.simulated import SimulatedWorld
+from fz3.testing.coverage import covered
 from fz3.testing.grad_naive import (COMMS, DTYPES, PATHS, PREDIVIDES, NaiveGrads, bucket_sizes,
                                     grad_multiple, grad_spec, small_int_grads)
 
@@ -59,6 +60,8 @@ class GradMachine(RuleBasedStateMachine):
         self.gen = torch.Generator().manual_seed(seed)
         self.task, self.seen, self.reported, self.log_start = 0, set(), [], 0
         note(f"W={world_size} params={params} path={path} {self.config}")
+        self.situation = f"{path}, W={world_size}, {gas} micro-step{'s' if gas > 1 else ''}"
+        covered("examples", "gradient lifecycle")
 
     def _run(self, effects: tuple) -> None:
         note(f"  -> {list(effects)}")
@@ -110,6 +113,7 @@ class GradMachine(RuleBasedStateMachine):
                              graph_task=self.task)
         except GradError as err:
             assert f"'p{p}'" in str(err), f"the error does not name p{p}: {err}"
+            covered("misuse refused", "a grad reported twice in one graph task")
         else:
             raise AssertionError(f"p{p} reported twice in one graph task was accepted")
 
@@ -133,10 +137,12 @@ class GradMachine(RuleBasedStateMachine):
         self._run(eff)
         check_drained(self.state, eff, config=self.config)
         check_reduce_log(self.world.log[self.log_start:], self.reported, config=self.config)
+        covered("reduced once", self.situation)
         self.task, self.seen, self.reported, self.log_start = 0, set(), [], len(self.world.log)
         if ep.at_boundary(self.state, config=self.config):
             self.naive.check(self.world, self.state.spec.world_size
                              * self.config.gradient_accumulation_steps)
+            covered("I3", self.situation)
 
     @precondition(lambda self: not self._window_open())
     @rule()
@@ -156,6 +162,7 @@ class GradMachine(RuleBasedStateMachine):
             try:
                 call()
             except GradError:
+                covered("misuse refused", "grads past the accumulation window")
                 continue
             raise AssertionError("a complete accumulation window accepted more grads")
 
@@ -166,6 +173,7 @@ class GradMachine(RuleBasedStateMachine):
         try:
             ep.optimizer_step(self.state, config=self.config)
         except GradError:
+            covered("misuse refused", "an optimizer step inside the window")
             return
         raise AssertionError("optimizer_step accepted before the accumulation boundary")
 

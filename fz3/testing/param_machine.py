@@ -36,7 +36,9 @@ from fz3.core import invariants as _inv
 from fz3.core import release as _release
 from fz3.core import step as _step
 from fz3.core.config import Config
+from fz3.core.effects import AllGather
 from fz3.core.state import ParamState, initial_state
+from fz3.testing.coverage import covered
 from fz3.testing.models import Case, Call, backward_events, cases, count_calls, forward_events
 from fz3.testing.naive_params import NaiveParams
 
@@ -117,6 +119,7 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
     def setup(self, case: Case) -> None:
         note(f"case: {case}")
         self.start(case)
+        covered("examples", "parameter lifecycle")
 
     def start(self, case: Case) -> None:
         self.case, self.config = case, case.config
@@ -136,17 +139,24 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
         log.append(f"  {ev} -> {list(effects)}")
         self.model.on_event(ev, effects)
         self.model.agree(self.state)
+        covered("naive model", ev[0])
         _inv.check_state(self.state)
+        mode = before.trace.mode.name.lower()
         if ev[0] in ("fetch", "compute"):
             _inv.check_fetched(self.state, ev[1])
+            covered("I5", f"{ev[0]}, trace {mode}")
         if ev[0] in ("fetch", "pre_backward"):
             _inv.check_live_budget(self.state, effects, config=self.config)
+            prefetch = any(isinstance(e, AllGather) and e.prefetch for e in effects)
+            covered("I1", f"{ev[0]}, trace {mode}, {'with' if prefetch else 'no'} prefetch")
         assert snapshot(before) == seen, f"{ev} changed the state it was given"  # purity
         again, again_effects = apply_event(before, ev, self.config)  # an old version replays
         assert again_effects == effects and snapshot(again) == snapshot(self.state), (
             f"{ev} replayed from the old state differently")
+        covered("purity", ev[0])
         self.twin, twin_effects = apply_event(self.twin, ev, self.config)
         assert twin_effects == effects, f"I6: twin emitted {twin_effects}, core {effects}"
+        covered("I6", ev[0])
         return effects
 
     @rule(again=st.integers(0, 3), which=st.sampled_from([0, 0, 1, 2]),
@@ -226,6 +236,7 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
             out.append((ev, self.event(ev, log)))
         if events[-1][0] == "finish":
             _inv.check_quiescent(self.state)  # I2
+            covered("I2", f"{backward} backward")
         self.finished = events[-1][0] == "finish"
         return out
 
