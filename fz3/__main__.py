@@ -88,7 +88,10 @@ def _plan(args) -> int:
 
 def _verify(args) -> int:
     import traceback
-    from fz3.testing.verify import verify
+    try:
+        from fz3.testing.verify import verify
+    except ImportError as e:
+        raise UsageError(f"needs Hypothesis ({e}): pip install 'fz3[test]'") from None
     try:
         report = verify(args.examples, args.steps, tuple(m for m in args.machines.split(",") if m))
     except ValueError as e:
