@@ -34,18 +34,20 @@ def worker(rank: int, world: int, reps: int, mib: float) -> dict:
     import torch
     import torch.distributed as dist
     from fz3.interpreters import agreement, p2p
-    same = agreement.Agreement(None, rank, world, str)
-    side = agreement.Agreement(dist.new_group(backend="gloo"), rank, world, str)
+    from fz3.interpreters.transport import TorchTransport
+    comm = TorchTransport()
+    same = agreement.Agreement(comm, str)
+    side = agreement.Agreement(TorchTransport(dist.new_group(backend="gloo")), str)
     n = int(mib * (1 << 20)) // 4
     fulls, shards = [torch.empty(n)], [torch.ones(-(-n // world))]
 
     def gather(check):
         def run(i: int) -> None:
             if check is None:
-                p2p.all_gather(fulls, shards, rank, world, group=None, tag=1 + i % 1000).wait()
+                p2p.all_gather(fulls, shards, comm, tag=1 + i % 1000).wait()
                 return
             posted = check.post(agreement.GATHER, (1, 2, 3), n)
-            work = p2p.all_gather(fulls, shards, rank, world, group=None, tag=posted.tag)
+            work = p2p.all_gather(fulls, shards, comm, tag=posted.tag)
             check.guard(posted, work).wait()
         return run
 

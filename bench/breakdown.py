@@ -96,10 +96,10 @@ def instrument(timers: Timers) -> None:
                       ("_copy_to_bucket", "bucket_copy"), ("_reduce", "reduce_issue"),
                       ("_complete_oldest", "reduce_finish"), ("_write", "reduce_finish")):
         setattr(DistInterpreter, name, timers.wrap(cat, getattr(DistInterpreter, name)))
-    # the interpreter binds its collectives at import (ALL_GATHER, REDUCE_SCATTER): patch those
-    import fz3.interpreters.dist as interp
-    for name, cat in (("ALL_GATHER", "gather_wait"), ("REDUCE_SCATTER", "reduce_wait")):
-        setattr(interp, name, _timed_work(getattr(interp, name), timers.wrap(cat, lambda w: w.wait())))
+    # gloo's own collectives, through the interpreter's transport (fz3/interpreters/transport.py)
+    from fz3.interpreters.transport import TorchTransport
+    for name, cat in (("all_gather_into", "gather_wait"), ("reduce_scatter_into", "reduce_wait")):
+        setattr(TorchTransport, name, _timed_work(getattr(TorchTransport, name), timers.wrap(cat, lambda w: w.wait())))
     # all_reduce carries reduces, and on gloo large all-gathers too: charge it by its issuer
     in_gather = [False]
     issue_gather = DistInterpreter._all_gather

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fz3.interpreters import p2p
+from fz3.interpreters.transport import TorchTransport
 from fz3.launch import run
 
 
@@ -38,10 +39,10 @@ def worker(rank: int, world: int, numel: int, repeats: int) -> dict:
         return dist.all_reduce(out_full, async_op=True)
 
     def gather_p2p():
-        return p2p.all_gather([out_full], [shard], rank, world, group=None, tag=1)
+        return p2p.all_gather([out_full], [shard], TorchTransport(), tag=1)
 
     def reduce_p2p():
-        work, result = p2p.reduce_scatter([full], scratch, rank, world, group=None, tag=2)
+        work, result = p2p.reduce_scatter([full], scratch, TorchTransport(), tag=2)
         return _Then(work, result)
 
     scratch = torch.empty(p2p.scratch_numel([n], rank, world))

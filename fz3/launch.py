@@ -4,6 +4,10 @@
     # fn(rank, world_size, *args) runs in N fresh processes with the default process group
     # initialised; results[r] is what rank r returned (picklable)
 
+    results = fz3.launch.run_threads(fn, world_size=3, args=(...,))
+    # the same fn on N threads of this process, no process group: the real engine and
+    # interpreter on an in-memory world (CPU; fz3/interpreters/threads.py)
+
 Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR set) use `init_from_env()` instead. Both pick
 each rank's device as fz3.initialize will (`pick_device`: FZ3_DEVICE, LOCAL_RANK, what is
 present), make it current, and init the group with its backend: gloo on CPU, nccl on CUDA, hccl
@@ -27,7 +31,10 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
+from fz3.interpreters import threads
 from fz3.shell.pick import backend_for, pick_device
+
+run_threads = threads.run_threads  # fn on N threads of this process (fz3/interpreters/threads.py)
 
 
 def free_port() -> int:

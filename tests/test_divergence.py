@@ -101,37 +101,43 @@ def test_ranks_that_agree_train_on_with_the_check_on():
 def _exchange(rank: int, world: int, mine: int) -> dict:
     """Rank r posts the descriptor of a gather of param `mine * r` (the ranks differ when `mine`
     is 1 and agree when it is 0) and sends its data to the peer under the descriptor's tag."""
-    import torch.distributed as dist
     from fz3 import DivergenceError
-    from fz3.interpreters import agreement
-    ag = agreement.Agreement.for_group(None, rank, world, lambda v: str(v))
+    from fz3.interpreters import agreement, threads
+    from fz3.interpreters.transport import TorchTransport
+    comm = threads.current() or TorchTransport()
+    ag = agreement.Agreement.for_transport(comm, lambda v: str(v))
     posted = ag.post(agreement.GATHER, (mine * rank,), 4)
     got = torch.full((4,), -1.0)
     peer = 1 - rank
-    recv = dist.irecv(got, group_src=peer, tag=posted.tag)
-    send = dist.isend(torch.full((4,), float(rank)), group_dst=peer, tag=posted.tag)
+    recv = comm.irecv(got, peer, posted.tag)
+    send = comm.isend(torch.full((4,), float(rank)), peer, posted.tag)
     work = ag.guard(posted, recv)
     try:
         work.wait()
     except DivergenceError as e:
-        time.sleep(1.0)  # the peer's data had every chance to arrive
-        return {"error": str(e), "received": recv.is_completed(), "got": got.tolist(),
-                "norm": None, "send": send.is_completed()}
+        if threads.current() is None:
+            time.sleep(1.0)  # the peer's data had every chance to arrive
+        return {"error": str(e), "received": recv.is_completed(), "got": got.tolist(), "norm": None}
     send.wait()
     norm = ag.all_reduce_sum(torch.tensor([0.1 + rank], dtype=torch.float64))
     return {"error": None, "received": True, "got": got.tolist(), "norm": norm.item()}
 
 
-def test_data_posted_under_a_mismatched_descriptor_is_never_received():
+RUNNERS = {"processes": lambda fn, args: launch.run(fn, world_size=2, args=args, timeout=120),
+           "threads": lambda fn, args: launch.run_threads(fn, 2, args)}
+
+
+@pytest.mark.parametrize("runner", sorted(RUNNERS))
+def test_data_posted_under_a_mismatched_descriptor_is_never_received(runner):
     """[Note: descriptors beside the data] the data travels under a tag made from the descriptor:
     ranks at different collectives post different tags, so nothing of the other's arrives."""
-    for rank, out in enumerate(launch.run(_exchange, world_size=2, args=(1,), timeout=120)):
+    for rank, out in enumerate(RUNNERS[runner](_exchange, (1,))):
         assert out["error"] is not None and "ranks diverged" in out["error"], out
         assert not out["received"] and out["got"] == [-1.0] * 4, out
 
 
-def test_agreeing_ranks_exchange_their_data_and_sum_the_norm_in_rank_order():
-    outs = launch.run(_exchange, world_size=2, args=(0,), timeout=120)
-    for rank, out in enumerate(outs):
+@pytest.mark.parametrize("runner", sorted(RUNNERS))
+def test_agreeing_ranks_exchange_their_data_and_sum_the_norm_in_rank_order(runner):
+    for rank, out in enumerate(RUNNERS[runner](_exchange, (0,))):
         assert out["error"] is None and out["got"] == [float(1 - rank)] * 4, out
         assert out["norm"] == 0.1 + 1.1  # the same bits on every rank: rank 0's value plus rank 1's

@@ -1,5 +1,6 @@
 """The teaching examples run alone, in one process, and print what they claim to show
-(examples/01_func_spec.py, 02_effect_log.py, 03_grad_buckets.py, 05_plan.py, 06_timeline.py;
+(examples/01_func_spec.py, 02_effect_log.py, 03_grad_buckets.py, 04_simulated_engine.py,
+05_plan.py, 06_timeline.py;
 issue #12's reading path)."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ EXPECT = {
     "01_func_spec.py": "partitions equal fz3.func's mean grads: True",
     "02_effect_log.py": "after the optimizer step only persistent params are live",
     "03_grad_buckets.py": "every partition equals its slice of the mean gradient, bit for bit",
+    "04_simulated_engine.py": "matches single-process training: True",
     "05_plan.py": "on 64 ranks",
     "06_timeline.py": "wrote /tmp/fz3_run.json",
 }

@@ -13,6 +13,7 @@ import torch
 from fz3.data import layout
 from fz3.data.layout import rank_span
 from fz3.interpreters import p2p
+from fz3.interpreters.transport import TorchTransport
 from fz3.launch import run
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,9 +34,9 @@ def _worker(rank: int, world: int, dtype: torch.dtype) -> dict:
     grads = [_full(i, n, rank, dtype) for i, n in enumerate(NUMELS)]
     before = [g.clone() for g in grads]
     scratch = torch.full((p2p.scratch_numel(NUMELS, rank, world),), float("nan"), dtype=dtype)
-    a = p2p.all_gather(fulls_a, shards, rank, world, group=None, tag=1)
-    rs, result = p2p.reduce_scatter(grads, scratch, rank, world, group=None, tag=2)
-    b = p2p.all_gather(fulls_b, shards, rank, world, group=None, tag=3)
+    a = p2p.all_gather(fulls_a, shards, TorchTransport(), tag=1)
+    rs, result = p2p.reduce_scatter(grads, scratch, TorchTransport(), tag=2)
+    b = p2p.all_gather(fulls_b, shards, TorchTransport(), tag=3)
     for w in (b, rs, a):  # waited out of issue order
         w.wait()
     return {"gathered": fulls_a, "gathered_again": fulls_b, "reduced": result(), "grads": grads,
@@ -78,8 +79,8 @@ def _subgroup_worker(rank: int, world: int) -> dict | None:
     fulls = [torch.full((n,), float("nan")) for n in NUMELS]
     grads = [_full(i, n, me) for i, n in enumerate(NUMELS)]
     scratch = torch.empty(p2p.scratch_numel(NUMELS, me, 2))
-    p2p.all_gather(fulls, shards, me, 2, group=group, tag=1).wait()
-    work, result = p2p.reduce_scatter(grads, scratch, me, 2, group=group, tag=2)
+    p2p.all_gather(fulls, shards, TorchTransport(group), tag=1).wait()
+    work, result = p2p.reduce_scatter(grads, scratch, TorchTransport(group), tag=2)
     work.wait()
     return {"me": me, "gathered": fulls, "reduced": result()}
 

@@ -49,6 +49,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from fz3.interpreters.transport import Transport
+
 GATHER, REDUCE, NORM = 1, 2, 3
 KINDS = {GATHER: "all-gather", REDUCE: "reduce", NORM: "grad-norm all-reduce"}
 FIELDS = 8  # compared
@@ -82,11 +84,10 @@ def timeout_s() -> float:
 class Agreement:
     """One rank's side of the descriptor exchange."""
 
-    def __init__(self, group, rank: int, world_size: int,
-                 describe: Callable[[Sequence[int]], str]) -> None:
-        """`group`: where the descriptors travel (a gloo group; None: the default group)."""
-        self.group, self.rank, self.world_size, self.describe = group, rank, world_size, describe
-        self.peers = [j for j in range(world_size) if j != rank]
+    def __init__(self, comm: Transport, describe: Callable[[Sequence[int]], str]) -> None:
+        """`comm`: where the descriptors travel (its point-to-point messages must have tags)."""
+        self.comm, self.rank, self.world_size, self.describe = comm, comm.rank, comm.world_size, describe
+        self.peers = [j for j in range(self.world_size) if j != self.rank]
         self.timeout = datetime.timedelta(seconds=timeout_s())
         self.step = 0  # optimizer steps so far
         self.seq = 0  # collectives in this step
@@ -95,20 +96,12 @@ class Agreement:
         self.seconds = 0.0  # spent checking (bench/divergence_overhead.py reports it)
 
     @classmethod
-    def for_group(cls, group, rank: int, world_size: int,
-                  describe: Callable[[Sequence[int]], str]) -> "Agreement | None":
-        """The check for `group` (None: the default group); None when off or alone. Every rank
-        must call it (it may create a side group)."""
-        if world_size < 2 or not enabled():
+    def for_transport(cls, comm: Transport, describe: Callable[[Sequence[int]], str]) -> "Agreement | None":
+        """The check for the collectives `comm` carries; None when off or alone. Every rank must
+        call it (it may create a side group: Transport.side)."""
+        if comm.world_size < 2 or not enabled():
             return None
-        if dist.get_backend(group) == "gloo":
-            return cls(group, rank, world_size, describe)
-        if group is None:
-            side = dist.new_group(backend="gloo")
-        else:  # only the group's ranks call this
-            side = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
-                                  use_local_synchronization=True)
-        return cls(side, rank, world_size, describe)
+        return cls(comm.side(), describe)
 
     def next_step(self) -> None:
         self.step += 1
@@ -134,8 +127,8 @@ class Agreement:
                   params[-1] if params else -1, h, numel)
         mine = torch.tensor([*fields, payload], dtype=torch.int64)
         got = {j: torch.empty(MESSAGE, dtype=torch.int64) for j in self.peers}
-        recvs = {j: dist.irecv(got[j], group=self.group, group_src=j, tag=DESCRIPTORS) for j in self.peers}
-        sends = [dist.isend(mine, group=self.group, group_dst=j, tag=DESCRIPTORS) for j in self.peers]
+        recvs = {j: self.comm.irecv(got[j], j, DESCRIPTORS) for j in self.peers}
+        sends = [self.comm.isend(mine, j, DESCRIPTORS) for j in self.peers]
         self.seconds += time.perf_counter() - start
         return Posted(mine, got, recvs, sends, tag_of(fields))
 

@@ -41,16 +41,15 @@ from collections import Counter, deque
 from typing import Iterable, Optional
 
 import torch
-import torch.distributed as dist
 
 from fz3.core.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle
 from fz3.data import collectives
-from fz3.data.collectives import ALL_GATHER, REDUCE_SCATTER
 from fz3.data.pool import BufferPool
 from fz3.interpreters import accounting, agreement, p2p
+from fz3.interpreters.transport import Transport
 from fz3.shell.store import TensorStore
 
 
@@ -73,8 +72,10 @@ buffer is reused."""
 
 
 class DistInterpreter:
-    def __init__(self, store: TensorStore, *, config: Config, device, group=None) -> None:
-        self.store, self.config, self.device, self.group = store, config, device, group
+    def __init__(self, store: TensorStore, *, config: Config, device, transport: Transport) -> None:
+        """`transport` moves the bytes (fz3/interpreters/transport.py): torch.distributed on a
+        process group, or a rank of a ThreadWorld (N ranks in one process)."""
+        self.store, self.config, self.device, self.comm = store, config, device, transport
         self.rank, self.world_size = store.rank, store.world_size
         self.spec = store.tables.spec
         self.async_op = config.overlap_comm
@@ -106,8 +107,7 @@ class DistInterpreter:
             for p in ms.params:
                 owner[p] = store.tables.module_names[m]
         # [Note: descriptors beside the data] fz3/interpreters/agreement.py
-        self.agreement = agreement.Agreement.for_group(group, self.rank, self.world_size,
-                                                       agreement.describe_with(store.tables.names, owner))
+        self.agreement = agreement.Agreement.for_transport(transport, agreement.describe_with(store.tables.names, owner))
         # CPU: room for what the live budget can need at once, and no more than the model could:
         # the live full params (within max_live_parameters plus the unit fetched on demand past
         # it, fz3/core/fetch.py), the gathers' packed inputs (not for p2p, which sends from the
@@ -190,7 +190,7 @@ class DistInterpreter:
             fulls = [self.buffers_pool.take(self.spec.params[p].numel, shards[0].dtype) for p in ps]
             posted, tag = self._tag(agreement.GATHER, ps, sum(self.spec.params[p].numel for p in ps))
             with self._on(self.gather_stream):
-                work = p2p.all_gather(fulls, shards, self.rank, W, group=self.group, tag=tag)
+                work = p2p.all_gather(fulls, shards, self.comm, tag=tag)
             self.gathers[h] = (self._p2p(work, posted), ps, lambda: fulls)
             return
         out = self.buffers_pool.take(S * W, shards[0].dtype)
@@ -200,14 +200,14 @@ class DistInterpreter:
             else:
                 inp = torch.cat(shards, out=self.buffers_pool.take(S, shards[0].dtype))
             with self._on(self.gather_stream):
-                work = ALL_GATHER(out, inp, group=self.group, async_op=self.async_op)
+                work = self.comm.all_gather_into(out, inp, async_op=self.async_op)
         else:  # all_reduce
             rows = out.view(W, S)
             rows[:self.rank].zero_()
             rows[self.rank + 1:].zero_()
             inp = torch.cat(shards, out=rows[self.rank])
             with self._on(self.gather_stream):
-                work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=self.async_op)
+                work = self.comm.all_reduce(out, async_op=self.async_op)
         self.gathers[h] = (work, ps, lambda: self._unpack(out, ps, inp))  # inp alive until done
 
     def _unpack(self, out: torch.Tensor, ps: tuple[int, ...], inp: torch.Tensor) -> list[torch.Tensor]:
@@ -285,7 +285,7 @@ class DistInterpreter:
                 flat = self._reduce_buffer(sum(g.numel() for g in grads), grads[0].dtype, self.bucket_capacity)
                 torch.cat(grads, out=flat)
             with self._on(self.reduce_stream):
-                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=self.async_op)
+                work = self.comm.all_reduce(flat, async_op=self.async_op)
             spans = list(zip(collectives.slot_offsets([s.numel for s in e.slots]), [s.numel for s in e.slots])) \
                 if not e.contiguous else [(s.offset, s.numel) for s in e.slots]
             finish = lambda: dict(zip((s.param for s in e.slots),
@@ -299,7 +299,7 @@ class DistInterpreter:
                                            grads[0].dtype, self.scratch_capacity)
                 posted, tag = self._tag(agreement.REDUCE, params, sum(s.numel for s in e.slots))
                 with self._on(self.reduce_stream):
-                    work, reduced = p2p.reduce_scatter(grads, keep, r, W, group=self.group, tag=tag)
+                    work, reduced = p2p.reduce_scatter(grads, keep, self.comm, tag=tag)
                 work = self._p2p(work, posted)
                 finish = lambda: dict(zip(params, reduced()))
             else:
@@ -310,8 +310,7 @@ class DistInterpreter:
                     self._reduce_buffer(W * S, grads[0].dtype, W * self.shard_capacity))
                 out = self._reduce_buffer(S, keep.dtype, self.shard_capacity)
                 with self._on(self.reduce_stream):
-                    work = REDUCE_SCATTER(out, keep, op=dist.ReduceOp.SUM, group=self.group,
-                                          async_op=self.async_op)
+                    work = self.comm.reduce_scatter_into(out, keep, async_op=self.async_op)
                 finish = lambda: dict(zip(params, collectives.unpack_reduce_scatter(
                     out, [self.spec.params[p].numel for p in params], W)))
         accounting.count_reduce(self.counts, e, path=path, spec=self.spec, element_size=grads[0].element_size())
@@ -338,7 +337,7 @@ class DistInterpreter:
             if t.numel() == 1 and t.dtype == torch.float64 and t.device.type == "cpu":
                 return self.agreement.all_reduce_sum(t)  # the descriptor exchange carries it
             self.agreement.check(agreement.NORM, (), t.numel())
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        self.comm.all_reduce(t)
         return t
 
     def bucket_bytes(self) -> int:

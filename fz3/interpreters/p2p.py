@@ -22,11 +22,11 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from fz3.core.spec import shard_numel
 from fz3.data.layout import rank_span
+from fz3.interpreters.transport import Transport
 
 
 class P2PWork:
@@ -44,9 +44,10 @@ class P2PWork:
         return True
 
 
-def all_gather(fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], rank: int,
-               world_size: int, *, group, tag: int) -> P2PWork:
+def all_gather(fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], comm: Transport, *,
+               tag: int) -> P2PWork:
     """fulls[i] (n_i,) gets param i's full value, shards[i] (s_i,) being this rank's shard."""
+    rank, world_size = comm.rank, comm.world_size
     peers = [j for j in range(world_size) if j != rank]
     mine = []
     for full, shard in zip(fulls, shards):
@@ -58,19 +59,19 @@ def all_gather(fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], ra
         for full in fulls:
             lo, hi = rank_span(full.numel(), j, world_size)
             if hi > lo:
-                works.append(dist.irecv(full[lo:hi], group=group, group_src=j, tag=tag))
+                works.append(comm.irecv(full[lo:hi], j, tag))
     for j in peers:
-        works += [dist.isend(m, group=group, group_dst=j, tag=tag) for m in mine if m.numel()]
+        works += [comm.isend(m, j, tag) for m in mine if m.numel()]
     return P2PWork(works)
 
 
-def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, rank: int,
-                   world_size: int, *, group, tag: int
-                   ) -> tuple[P2PWork, Callable[[], list[torch.Tensor]]]:
+def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, comm: Transport, *,
+                   tag: int) -> tuple[P2PWork, Callable[[], list[torch.Tensor]]]:
     """SUM over ranks of this rank's partition of each flat grad (n_i,). `scratch` holds the
     peers' partitions: (W - 1) * scratch_numel(...) elements. -> (work, result): after the work
     is waited, result() adds them into the grads' own partitions (written in place) and returns
     the partitions, zero-padded to s_i."""
+    rank, world_size = comm.rank, comm.world_size
     peers = [j for j in range(world_size) if j != rank]
     own = [g[slice(*rank_span(g.numel(), rank, world_size))] for g in grads]
     works, got, off = [], [], 0
@@ -80,12 +81,12 @@ def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, rank: i
             got.append(scratch[off:off + n])
             off += n
             if n:
-                works.append(dist.irecv(got[-1], group=group, group_src=j, tag=tag))
+                works.append(comm.irecv(got[-1], j, tag))
     for j in peers:
         for g in grads:
             lo, hi = rank_span(g.numel(), j, world_size)
             if hi > lo:
-                works.append(dist.isend(g[lo:hi], group=group, group_dst=j, tag=tag))
+                works.append(comm.isend(g[lo:hi], j, tag))
 
     def result() -> list[torch.Tensor]:
         for k, o in enumerate(own * len(peers)):  # peer after peer, in rank order

@@ -12,7 +12,10 @@ effect the core returns. Two interpreters implement this:
                                    runs to count a run of any world size before it happens
 
 Both count their collectives with fz3/interpreters/accounting.py, so engine.stats() means the
-same under either. (The simulated world, simulated.py, runs effects for N ranks at once on bare
+same under either. DistInterpreter moves its bytes through a transport (transport.py):
+torch.distributed on a process group, or a rank of a ThreadWorld (threads.py: N ranks as
+threads of one process, fz3.launch.run_threads), so the same engine and interpreter also run
+without processes. (The simulated world, simulated.py, runs effects for N ranks at once on bare
 tensors, below the engine: the core's property machines drive it.)
 """
 from __future__ import annotations

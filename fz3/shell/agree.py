@@ -5,12 +5,11 @@ process group's timeout)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 
 def failed_ranks(engine, failed: bool) -> list[int]:
     """The ranks of `engine`'s group that report `failed`, the same list on every rank."""
     flags = torch.zeros(engine.world_size, dtype=torch.int32, device=engine.store.device)  # (W,)
     flags[engine.rank] = int(failed)
-    dist.all_reduce(flags, group=engine.group)
+    engine.transport.all_reduce(flags)
     return [r for r, f in enumerate(flags.tolist()) if f]

@@ -8,7 +8,9 @@ from torch import nn
 from fz3.core.config import Config
 from fz3.shell import init, log, meta, registry
 from fz3.shell.pick import check_group_backend, pick_device
+from fz3.interpreters import threads
 from fz3.interpreters.dist import DistInterpreter
+from fz3.interpreters.transport import Transport, TorchTransport
 from fz3.shell.engine import Engine
 
 
@@ -18,6 +20,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     model.parameters()) to this rank's fp32 master shards. Every rank must call it.
     `lr_scheduler` (built on `optimizer`) is stepped by `engine.step()` at each accumulation
     boundary, after the optimizer.
+    Inside fz3.launch.run_threads the rank is a thread of one process: the thread's transport
+    (fz3/interpreters/threads.py) stands in for the process group.
     DeepSpeed: deepspeed.initialize(model=..., optimizer=..., config=...) at stage 3."""
     if config is None:
         config = Config()
@@ -26,9 +30,13 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
                         f"DeepSpeed dict), got {type(config).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"fz3.initialize expects an nn.Module, got {type(model).__name__}")
-    if not dist.is_initialized():
+    transport = threads.current()
+    if transport is None and not dist.is_initialized():
         raise RuntimeError("fz3.initialize needs torch.distributed initialised (fz3.launch.run or "
-                           "torchrun + fz3.launch.init_from_env)")
+                           "torchrun + fz3.launch.init_from_env), or a rank of fz3.launch.run_threads")
+    if transport is not None and group is not None:
+        raise ValueError("fz3.initialize: group= is for process groups; a rank of fz3.launch.run_threads "
+                         f"has its thread world's transport (got group={group!r})")
     taken = registry.managed(model.parameters())
     if taken is not None:
         name = next(n for n, p in model.named_parameters() if p is taken)
@@ -36,15 +44,24 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
                            f"param {name!r} is sharded by it); keep using that engine, or build a "
                            "fresh model for a new one")
     device = pick_device()
-    check_group_backend(device, group)
+    if transport is None:
+        check_group_backend(device, group)
+        transport = TorchTransport(group)
+    elif device.torch_device.type != "cpu":
+        raise RuntimeError(f"fz3.launch.run_threads runs on CPU only; this rank picked {device.torch_device} "
+                           "(set FZ3_DEVICE=cpu)")
     device.set_device()
     if meta.has_meta(model):  # built on torch.device("meta"): one module at a time (meta.py)
+        if isinstance(transport, threads.ThreadTransport):
+            raise ValueError("fz3.initialize: a model built on the meta device needs a process group "
+                             "(fz3.launch.run), not fz3.launch.run_threads")
         meta.materialize(model, device.torch_device, group)
     _to_device(model, device.torch_device)
-    _sync_from_rank0(model, group)
-    engine = Engine(model, optimizer, config, device=device, rank=dist.get_rank(group),
-                    world_size=dist.get_world_size(group), group=group, lr_scheduler=lr_scheduler,
-                    interpreter=lambda store: DistInterpreter(store, config=config, device=device, group=group))
+    _sync_from_rank0(model, transport)
+    engine = Engine(model, optimizer, config, device=device, rank=transport.rank,
+                    world_size=transport.world_size, transport=transport, lr_scheduler=lr_scheduler,
+                    interpreter=lambda store: DistInterpreter(store, config=config, device=device,
+                                                              transport=transport))
     registry.register(engine)
     log.initialized(engine)
     return engine
@@ -62,9 +79,9 @@ def _to_device(model: nn.Module, device: torch.device) -> None:
                 module._buffers[name] = b.to(device)
 
 
-def _sync_from_rank0(model: nn.Module, group) -> None:
+def _sync_from_rank0(model: nn.Module, transport: Transport) -> None:
     """Every rank starts from rank 0's values (DeepSpeed's zero.Init broadcasts them too); params
     built under fz3.Init already hold shards of rank 0's values."""
     whole = [p for p in model.parameters() if init.shard_of(p) is None]
     for t in whole + list(model.buffers()):
-        dist.broadcast(t.data, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        transport.broadcast(t.data, src=0)

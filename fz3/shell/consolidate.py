@@ -13,11 +13,9 @@ import contextlib
 from typing import Iterable, Iterator, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fz3.core.hold import hold, unhold
-from fz3.interpreters.dist import ALL_GATHER
 from fz3.shell.registry import engine_of
 
 
@@ -25,7 +23,7 @@ def _gather_master(engine, p: int) -> torch.Tensor:
     """(numel,) fp32 full value of param p from every rank's master shard."""
     shard = engine.store.masters[p].detach()
     out = torch.empty(shard.numel() * engine.world_size, dtype=shard.dtype, device=shard.device)
-    ALL_GATHER(out, shard.contiguous(), group=engine.group)
+    engine.transport.all_gather_into(out, shard.contiguous())
     return out[:engine.spec.params[p].numel]
 
 
@@ -74,6 +72,6 @@ def gathered_parameters(params: Union[nn.Module, nn.Parameter, Iterable[nn.Param
             if modifier_rank is not None:
                 for p in pids:
                     full = engine.tables.params[p].data
-                    dist.broadcast(full, src=modifier_rank, group=engine.group)
+                    engine.transport.broadcast(full, src=modifier_rank)
                     engine.store.write_full(p, full)
             engine._params(unhold, pids, stale=modifier_rank is not None)

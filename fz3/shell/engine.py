@@ -52,14 +52,16 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, *,
                  device, rank: int, world_size: int, interpreter: Callable[[TensorStore], Interpreter],
-                 group=None, lr_scheduler=None) -> None:
+                 transport=None, lr_scheduler=None) -> None:
         """`interpreter(store)` builds what runs the core's effects on this rank's tensor store
         (fz3/interpreters/protocol.py): DistInterpreter under fz3.initialize, PlanInterpreter under
-        fz3.plan. `group` is the process group of the real run (consolidation, checkpoints)."""
+        fz3.plan. `transport` moves the bytes of the real run's other collectives (consolidation,
+        checkpoints' agreement; fz3/interpreters/transport.py); None under fz3.plan."""
         self.module, self.optimizer, self.config, self.device = model, optimizer, config, device
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)
         self.grad_norm: torch.Tensor | None = None  # at the last boundary, before clipping
-        self.group = group
+        self.transport = transport
+        self.group = getattr(transport, "group", None)  # a process group's (the timeline gathers over it)
         self.rank, self.world_size = rank, world_size
         self.tables = read_tables(model, world_size=self.world_size, config=config)
         self.spec = self.tables.spec

@@ -310,10 +310,14 @@ def api_probes(rank: int, world_size: int) -> dict:
 
 
 def run_world(world_size: int, models: tuple[str, ...], *, probes: bool = True,
-              timeout: float = 600) -> dict:
-    """One launch: -> rank 0's results; every rank's losses under key (model, config, 'losses')."""
+              timeout: float = 600, threads: bool = False) -> dict:
+    """One launch: -> rank 0's results; every rank's losses under key (model, config, 'losses').
+    threads=True: the ranks are threads of this process (fz3.launch.run_threads)."""
     from fz3 import launch
-    per_rank = launch.run(worker, world_size=world_size, args=(tuple(models), probes), timeout=timeout)
+    if threads:
+        per_rank = launch.run_threads(worker, world_size, args=(tuple(models), probes), timeout_s=timeout)
+    else:
+        per_rank = launch.run(worker, world_size=world_size, args=(tuple(models), probes), timeout=timeout)
     out = per_rank[0]
     out["rank_losses"] = {k: [r[k].losses for r in per_rank] for k in out if isinstance(k, tuple)}
     out["rank_not_available"] = {k: sum((r[k].not_available for r in per_rank), [])
