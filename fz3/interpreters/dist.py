@@ -32,6 +32,11 @@ Wait / WaitReduce; on CPU (gloo) the async Work objects are the only concurrency
 
 Every other flat buffer (gathers, the params' full values, reduce-scatter input, output and
 scratch) comes from a `BufferPool` (fz3/data/pool.py): the same sizes come back every step.
+
+How an AllGather or a ReduceBucket moves its bytes is its carrier's business (carriers.py: P2P,
+Native, AllReduce), chosen once here from the config and the backend (accounting.carriers);
+this file keeps what every carrier shares: the effect dispatch, the grads a reduce reads, the
+reduces in flight and the writes that wait for them.
 """
 from __future__ import annotations
 
@@ -46,9 +51,8 @@ from fz3.core.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle
-from fz3.data import collectives
 from fz3.data.pool import BufferPool
-from fz3.interpreters import accounting, agreement, p2p
+from fz3.interpreters import accounting, agreement, carriers, p2p
 from fz3.interpreters.transport import Transport
 from fz3.shell.store import TensorStore
 
@@ -80,6 +84,11 @@ class DistInterpreter:
         self.spec = store.tables.spec
         self.async_op = config.overlap_comm
         self.gather_by, self.reduce_scatter_by = accounting.carriers(config, device.backend)
+        # chosen once: how gathers and reduce-scatters move their bytes (carriers.py); a bucket
+        # on the all-reduce path runs AllReduce's reduce whatever the reduce-scatter carrier
+        self.gather = carriers.CARRIERS[self.gather_by](self)
+        self.reduce_scatter = carriers.CARRIERS[self.reduce_scatter_by](self)
+        self.all_reduce_carrier = carriers.AllReduce(self)
         self.tags = itertools.count(1)  # p2p message tags: the same sequence on every rank (SPMD)
         self.hold_grads = self.reduce_scatter_by == "p2p" and config.reduce_scatter
         self.held: dict[BucketId, dict[int, torch.Tensor]] = {}  # bucket -> offset -> grad
@@ -178,47 +187,15 @@ class DistInterpreter:
     # ---- parameters ---------------------------------------------------------------------------
 
     def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
-        if self.agreement is not None and self.gather_by != "p2p":
-            self.agreement.check(agreement.GATHER, ps, sum(self.spec.params[p].numel for p in ps))
         shards = [self.store.shards[p] for p in ps]
-        S, W = sum(s.numel() for s in shards), self.world_size
-        accounting.count_gather(self.counts, carrier=self.gather_by, shard_numel=S, world_size=W,
-                                element_size=shards[0].element_size(), prefetch=prefetch)
-        if self.gather_by == "p2p":
-            # a buffer per param: freeing one frees its memory (a flat buffer for the batch would
-            # live until the last of its params is freed)
-            fulls = [self.buffers_pool.take(self.spec.params[p].numel, shards[0].dtype) for p in ps]
-            posted, tag = self._tag(agreement.GATHER, ps, sum(self.spec.params[p].numel for p in ps))
-            with self._on(self.gather_stream):
-                work = p2p.all_gather(fulls, shards, self.comm, tag=tag)
-            self.gathers[h] = (self._p2p(work, posted), ps, lambda: fulls)
-            return
-        out = self.buffers_pool.take(S * W, shards[0].dtype)
-        if self.gather_by == "native":
-            if len(shards) == 1:
-                inp = shards[0]
-            else:
-                inp = torch.cat(shards, out=self.buffers_pool.take(S, shards[0].dtype))
-            with self._on(self.gather_stream):
-                work = self.comm.all_gather_into(out, inp, async_op=self.async_op)
-        else:  # all_reduce
-            rows = out.view(W, S)
-            rows[:self.rank].zero_()
-            rows[self.rank + 1:].zero_()
-            inp = torch.cat(shards, out=rows[self.rank])
-            with self._on(self.gather_stream):
-                work = self.comm.all_reduce(out, async_op=self.async_op)
-        self.gathers[h] = (work, ps, lambda: self._unpack(out, ps, inp))  # inp alive until done
-
-    def _unpack(self, out: torch.Tensor, ps: tuple[int, ...], inp: torch.Tensor) -> list[torch.Tensor]:
-        numels = [self.spec.params[p].numel for p in ps]
-        if len(ps) == 1:
-            return [out[:numels[0]]]  # rank-major of one param: already its flat value
-        return collectives.unpack_gather_into(out, numels, self.world_size,
-                                              self.buffers_pool.take(sum(numels), out.dtype))
+        accounting.count_gather(self.counts, carrier=self.gather.name, shard_numel=sum(s.numel() for s in shards),
+                                world_size=self.world_size, element_size=shards[0].element_size(),
+                                prefetch=prefetch)
+        work, fulls, keep = self.gather.gather(ps, shards)
+        self.gathers[h] = (work, ps, fulls, keep)  # keep: alive until the work completes
 
     def _wait(self, h: Handle) -> None:
-        work, ps, fulls = self.gathers.pop(h)
+        work, ps, fulls, _ = self.gathers.pop(h)
         if work is not None:
             work.wait()
         if self.gather_stream is not None:
@@ -271,56 +248,19 @@ class DistInterpreter:
         return [g.div_(d) for g in grads] if d != 1 else grads, None  # released: ours alone
 
     def _reduce(self, e: ReduceBucket) -> None:
-        W, r = self.world_size, self.rank
         path = accounting.reduce_path(e, self.reduce_scatter_by)
-        if self.agreement is not None and path != "p2p":
-            self.agreement.check(agreement.REDUCE, [s.param for s in e.slots], sum(s.numel for s in e.slots))
         while len(self.reduces) >= MAX_REDUCES_IN_FLIGHT:
             self._complete_oldest()  # its grads, buffers and scratch are let go
         grads, buf = self._reduce_inputs(e)
-        if path == "all_reduce":
-            if e.contiguous:
-                flat = buf[:max(s.offset + s.numel for s in e.slots)]
-            else:
-                flat = self._reduce_buffer(sum(g.numel() for g in grads), grads[0].dtype, self.bucket_capacity)
-                torch.cat(grads, out=flat)
-            with self._on(self.reduce_stream):
-                work = self.comm.all_reduce(flat, async_op=self.async_op)
-            spans = list(zip(collectives.slot_offsets([s.numel for s in e.slots]), [s.numel for s in e.slots])) \
-                if not e.contiguous else [(s.offset, s.numel) for s in e.slots]
-            finish = lambda: dict(zip((s.param for s in e.slots),
-                                      collectives.slice_allreduced(flat, spans, r, W)))
-            keep = flat
-        else:
-            params = [s.param for s in e.slots]
-            S = sum(self.spec.params[p].shard_numel for p in params)
-            if path == "p2p":
-                keep = self._reduce_buffer(p2p.scratch_numel([g.numel() for g in grads], r, W),
-                                           grads[0].dtype, self.scratch_capacity)
-                posted, tag = self._tag(agreement.REDUCE, params, sum(s.numel for s in e.slots))
-                with self._on(self.reduce_stream):
-                    work, reduced = p2p.reduce_scatter(grads, keep, self.comm, tag=tag)
-                work = self._p2p(work, posted)
-                finish = lambda: dict(zip(params, reduced()))
-            else:
-                order = sorted(range(len(e.slots)), key=lambda i: params[i])
-                params = [params[i] for i in order]
-                keep = collectives.pack_reduce_scatter_into(
-                    [grads[i] for i in order], W,
-                    self._reduce_buffer(W * S, grads[0].dtype, W * self.shard_capacity))
-                out = self._reduce_buffer(S, keep.dtype, self.shard_capacity)
-                with self._on(self.reduce_stream):
-                    work = self.comm.reduce_scatter_into(out, keep, async_op=self.async_op)
-                finish = lambda: dict(zip(params, collectives.unpack_reduce_scatter(
-                    out, [self.spec.params[p].numel for p in params], W)))
+        carrier = self.all_reduce_carrier if path == "all_reduce" else self.reduce_scatter
+        work, finish, keep = carrier.reduce(e, grads, buf)
         accounting.count_reduce(self.counts, e, path=path, spec=self.spec, element_size=grads[0].element_size())
-        pending = _Reduce(work, finish, keep)
         if work is None:
             self.reduced[e.bucket] = finish()
         else:
-            self.reduces.append((e.bucket, pending))
+            self.reduces.append((e.bucket, _Reduce(work, finish, keep)))
 
-    def _reduce_buffer(self, numel: int, dtype: torch.dtype, capacity: int) -> torch.Tensor:
+    def reduce_buffer(self, numel: int, dtype: torch.dtype, capacity: int) -> torch.Tensor:
         """A pooled (numel,) buffer for a reduce, cut from one of `capacity` elements: [Note: one
         size per reduce buffer]."""
         return self.buffers_pool.take(max(numel, capacity), dtype)[:numel]
@@ -345,7 +285,7 @@ class DistInterpreter:
         bufs = [b for bs in self.pool.values() for b in bs] + list(self.buffers.values())
         return sum(b.numel() * b.element_size() for b in bufs)
 
-    def _tag(self, kind: int, params, numel: int):
+    def tag(self, kind: int, params, numel: int):
         """-> (posted descriptors or None, tag) for a point-to-point collective: with the
         divergence check the tag is made from its descriptor ([Note: descriptors beside the
         data]), else the next of a counter."""
@@ -354,7 +294,7 @@ class DistInterpreter:
         posted = self.agreement.post(kind, params, numel)
         return posted, posted.tag
 
-    def _p2p(self, work: p2p.P2PWork, posted) -> Optional[object]:
+    def p2p_work(self, work: p2p.P2PWork, posted) -> Optional[object]:
         """Point-to-point work is always async; without overlap_comm it is waited here. Waiting
         it first compares the descriptors it was posted under (`posted`, None when unchecked)."""
         if posted is not None:
@@ -394,7 +334,7 @@ class DistInterpreter:
             self.pool.setdefault(str(buf.dtype).removeprefix("torch."), []).append(buf)
         # not contiguous: the reduce released param.grad already ([Note: grads taken at the reduce])
 
-    def _on(self, stream):
+    def on(self, stream):
         """Issue on a side stream that first waits for what compute queued (e.g. shard writes)."""
         if stream is None:
             return contextlib.nullcontext()

@@ -1,0 +1,136 @@
+"""Carriers: how one all-gather or one reduce moves its bytes, chosen once per interpreter.
+
+    P2P         gloo: point-to-point sends param by param, straight into the full values and out
+                of the grads (p2p.py); no packing; its data travels under a tag made from the
+                divergence check's descriptor, which it compares at the wait
+    Native      the backend's own all_gather_into_tensor / reduce_scatter_tensor (NCCL, HCCL,
+                or gloo's own): packed into flat buffers and unpacked after (fz3.data.collectives)
+    AllReduce   gloo stand-ins: an all-reduce of zero-padded rows for a gather, of the whole
+                bucket for a reduce (each rank keeps its slice)
+
+`accounting.carriers(config, backend)` names the gather and reduce-scatter carriers (what the
+config's gloo switches pick, or the backend's own collectives off gloo); `for_name` builds it.
+A ReduceBucket whose path is "all_reduce" (the config's reduce_scatter=False) runs AllReduce's
+reduce whatever the carrier. Each method posts its collective and returns (work or None when
+it ran synchronously, result thunk, buffer to keep alive until the work completes); waiting,
+stream syncs and the deferred writes stay in the interpreter (dist.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from fz3.core.effects import ReduceBucket
+from fz3.data import collectives
+from fz3.interpreters import agreement, p2p
+
+
+class Carrier:
+    """Shared by the three: the interpreter it serves (pool, transport, check, streams)."""
+
+    name = ""
+
+    def __init__(self, interp) -> None:
+        self.interp = interp
+
+    def check(self, kind: int, params: Sequence[int], numel: int) -> None:
+        """Collectives without tags wait for the ranks' descriptors before posting data."""
+        if self.interp.agreement is not None:
+            self.interp.agreement.check(kind, params, numel)
+
+
+class P2P(Carrier):
+    name = "p2p"
+
+    def gather(self, ps: Sequence[int], shards: Sequence[torch.Tensor]):
+        it = self.interp
+        # a buffer per param: freeing one frees its memory (a flat buffer for the batch would
+        # live until the last of its params is freed)
+        fulls = [it.buffers_pool.take(it.spec.params[p].numel, shards[0].dtype) for p in ps]
+        posted, tag = it.tag(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
+        with it.on(it.gather_stream):
+            work = p2p.all_gather(fulls, shards, it.comm, tag=tag)
+        return it.p2p_work(work, posted), (lambda: fulls), None
+
+    def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
+        it = self.interp
+        params = [s.param for s in e.slots]
+        keep = it.reduce_buffer(p2p.scratch_numel([g.numel() for g in grads], it.rank, it.world_size),
+                                grads[0].dtype, it.scratch_capacity)
+        posted, tag = it.tag(agreement.REDUCE, params, sum(s.numel for s in e.slots))
+        with it.on(it.reduce_stream):
+            work, reduced = p2p.reduce_scatter(grads, keep, it.comm, tag=tag)
+        return it.p2p_work(work, posted), (lambda: dict(zip(params, reduced()))), keep
+
+
+class Native(Carrier):
+    name = "native"
+
+    def gather(self, ps: Sequence[int], shards: Sequence[torch.Tensor]):
+        it = self.interp
+        self.check(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
+        S = sum(s.numel() for s in shards)
+        out = it.buffers_pool.take(S * it.world_size, shards[0].dtype)
+        inp = shards[0] if len(shards) == 1 else torch.cat(shards, out=it.buffers_pool.take(S, shards[0].dtype))
+        with it.on(it.gather_stream):
+            work = it.comm.all_gather_into(out, inp, async_op=it.async_op)
+        return work, (lambda: unpack(it, out, ps)), inp  # inp alive until done
+
+    def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
+        it, W = self.interp, self.interp.world_size
+        params = [s.param for s in e.slots]
+        self.check(agreement.REDUCE, params, sum(s.numel for s in e.slots))
+        order = sorted(range(len(e.slots)), key=lambda i: params[i])
+        params = [params[i] for i in order]
+        S = sum(it.spec.params[p].shard_numel for p in params)
+        keep = collectives.pack_reduce_scatter_into([grads[i] for i in order], W,
+                                                    it.reduce_buffer(W * S, grads[0].dtype, W * it.shard_capacity))
+        out = it.reduce_buffer(S, keep.dtype, it.shard_capacity)
+        with it.on(it.reduce_stream):
+            work = it.comm.reduce_scatter_into(out, keep, async_op=it.async_op)
+        numels = [it.spec.params[p].numel for p in params]
+        return work, (lambda: dict(zip(params, collectives.unpack_reduce_scatter(out, numels, W)))), keep
+
+
+class AllReduce(Carrier):
+    name = "all_reduce"
+
+    def gather(self, ps: Sequence[int], shards: Sequence[torch.Tensor]):
+        it, W = self.interp, self.interp.world_size
+        self.check(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
+        S = sum(s.numel() for s in shards)
+        out = it.buffers_pool.take(S * W, shards[0].dtype)
+        rows = out.view(W, S)
+        rows[:it.rank].zero_()
+        rows[it.rank + 1:].zero_()
+        inp = torch.cat(shards, out=rows[it.rank])
+        with it.on(it.gather_stream):
+            work = it.comm.all_reduce(out, async_op=it.async_op)
+        return work, (lambda: unpack(it, out, ps)), inp
+
+    def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
+        it = self.interp
+        self.check(agreement.REDUCE, [s.param for s in e.slots], sum(s.numel for s in e.slots))
+        if e.contiguous:
+            flat = buf[:max(s.offset + s.numel for s in e.slots)]
+            spans = [(s.offset, s.numel) for s in e.slots]
+        else:
+            flat = it.reduce_buffer(sum(g.numel() for g in grads), grads[0].dtype, it.bucket_capacity)
+            torch.cat(grads, out=flat)
+            spans = list(zip(collectives.slot_offsets([s.numel for s in e.slots]), [s.numel for s in e.slots]))
+        with it.on(it.reduce_stream):
+            work = it.comm.all_reduce(flat, async_op=it.async_op)
+        return work, (lambda: dict(zip((s.param for s in e.slots),
+                                       collectives.slice_allreduced(flat, spans, it.rank, it.world_size)))), flat
+
+
+def unpack(it, out: torch.Tensor, ps: Sequence[int]) -> list[torch.Tensor]:
+    """The full values of `ps` from a rank-major gathered buffer."""
+    numels = [it.spec.params[p].numel for p in ps]
+    if len(ps) == 1:
+        return [out[:numels[0]]]  # rank-major of one param: already its flat value
+    return collectives.unpack_gather_into(out, numels, it.world_size, it.buffers_pool.take(sum(numels), out.dtype))
+
+
+CARRIERS: dict[str, Callable] = {"p2p": P2P, "native": Native, "all_reduce": AllReduce}

@@ -1,0 +1,63 @@
+"""Each carrier alone (fz3/interpreters/carriers.py), on 2 and 3 thread ranks: its gather gives
+every rank the params' full values, and its reduce gives every rank its own slice of the SUM of
+the ranks' grads, for odd sizes (padded shards, empty ones at W=3) and batches of several params.
+
+The carrier is taken from a real engine's interpreter (its pool, transport and divergence check)
+and called directly, on the engine's own shards and on drawn small-integer grads.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fz3 import launch
+from fz3.core.effects import ReduceBucket, Slot
+from fz3.core.ids import BucketId
+from fz3.data import layout
+
+SIZES = [(3, 1), (1, 5), (7, 2)]  # Linear(in, out): weights of 3, 5, 14 elements, biases of 1, 5, 2
+
+
+def _carrier(rank: int, world: int, name: str) -> dict:
+    import fz3
+    from fz3.interpreters.carriers import CARRIERS
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(i, o) for i, o in SIZES))
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            fz3.Config(param_persistence_threshold=0))
+    it = engine.interp
+    carrier = CARRIERS[name](it)
+    ps = tuple(range(len(engine.spec.params)))
+    work, fulls, keep = carrier.gather(ps, [it.store.shards[p] for p in ps])
+    if work is not None:
+        work.wait()
+    gathered = [f.clone() for f in fulls()]
+    grads = [torch.arange(n, dtype=torch.float32) * (rank + 1) + rank for n in (s.numel for s in engine.spec.params)]
+    offsets = [sum(g.numel() for g in grads[:i]) for i in range(len(grads))]
+    e = ReduceBucket(bucket=BucketId(0), slots=tuple(Slot(p, o, g.numel()) for p, o, g in zip(ps, offsets, grads)),
+                     path="allreduce" if name == "all_reduce" else "reduce_scatter", dtype="float32",
+                     predivide=1.0, contiguous=False)
+    work, finish, keep = carrier.reduce(e, [g.clone() for g in grads], None)
+    if work is not None:
+        work.wait()
+    reduced = {p: t.clone() for p, t in finish().items()}
+    full = [model_param.detach().reshape(-1).clone() for model_param in _fulls(engine)]
+    return {"gathered": gathered, "reduced": reduced, "full": full, "grads": grads}
+
+
+def _fulls(engine):
+    state = engine.full_state_dict()
+    return [state[n] for n in engine.tables.names]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", ["p2p", "native", "all_reduce"])
+def test_a_carrier_gathers_full_values_and_reduces_each_rank_its_slice(name, world):
+    outs = launch.run_threads(_carrier, world, args=(name,))
+    total = [sum(out["grads"][i] for out in outs) for i in range(len(outs[0]["grads"]))]
+    for r, out in enumerate(outs):
+        for got, want in zip(out["gathered"], out["full"]):
+            assert torch.equal(got.reshape(-1)[:want.numel()], want), (name, r)
+        for p, part in out["reduced"].items():
+            assert torch.equal(part, layout.shard(total[p], world)[r]), (name, r, p)
