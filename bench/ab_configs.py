@@ -27,12 +27,13 @@ WARMUP = 3
 
 def worker(rank: int, world: int, model: str, variants: dict, steps: int) -> dict:
     import fz3
-    from systems.common import batches, fz3_step, make_model, make_optimizer
+    from systems.common import batches, fz3_settings, fz3_step, make_model, make_optimizer
 
     engines = {}
     for name, cfg in variants.items():
         net = make_model(model)
-        engines[name] = fz3.initialize(net, make_optimizer(net.parameters()), fz3.Config(**cfg))
+        config, options = fz3_settings(cfg)
+        engines[name] = fz3.initialize(net, make_optimizer(net.parameters()), config, options=options)
     times: dict[str, list[float]] = {k: [] for k in engines}
     for i, (x, y) in enumerate(batches(model, rank, world, steps + WARMUP)):
         order = list(engines.items())

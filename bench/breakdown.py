@@ -148,7 +148,7 @@ def _plain_floor(model_name: str, data, warmup: int) -> list[float]:
 def worker(rank: int, world: int, model_name: str, config: dict, warmup: int, steps: int,
            profile_steps: int = 3) -> dict:
     import fz3
-    from systems.common import batches, fz3_step, make_model, make_optimizer
+    from systems.common import batches, fz3_settings, fz3_step, make_model, make_optimizer
 
     data = batches(model_name, rank, world, warmup + steps + profile_steps)
     floor = _plain_floor(model_name, data[:warmup + steps], warmup)
@@ -156,7 +156,8 @@ def worker(rank: int, world: int, model_name: str, config: dict, warmup: int, st
     timers = Timers()
     instrument(timers)
     model = make_model(model_name)
-    engine = fz3.initialize(model, make_optimizer(model.parameters()), fz3.Config(**config))
+    cfg, options = fz3_settings(config)
+    engine = fz3.initialize(model, make_optimizer(model.parameters()), cfg, options=options)
     engine.optimizer.step = timers.wrap("optimizer", engine.optimizer.step)
     step_times = []
     for i, (x, y) in enumerate(data[:warmup + steps]):

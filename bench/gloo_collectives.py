@@ -12,7 +12,7 @@ GPT's 29,420,544 parameters), times the issue call and the wait of:
     python bench/gloo_collectives.py [--numel N] [--repeats 5]
 
 Why: fz3's interpreter picks, per backend, which collective carries a reduce
-(Config.gloo_all_gather, Config.gloo_reduce_scatter); these figures are the reason. CPU is the
+(fz3.Options.gloo_all_gather, gloo_reduce_scatter); these figures are the reason. CPU is the
 process CPU time of the slower rank over issue + wait (gloo's threads included).
 """
 from __future__ import annotations

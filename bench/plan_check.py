@@ -37,9 +37,10 @@ PLAN_ONLY = [("small", 64, {}), ("m300", 2, MEMORY), ("b1", 2, MEMORY), ("b1", 6
 
 def real_run(rank: int, world: int, name: str, options: dict) -> dict:
     import fz3
-    from systems.common import batches, loss_fn, make_model, make_optimizer
+    from systems.common import batches, fz3_settings, loss_fn, make_model, make_optimizer
     model = make_model(name)
-    engine = fz3.initialize(model, make_optimizer(model.parameters()), fz3.Config(**options))
+    config, own = fz3_settings(options)
+    engine = fz3.initialize(model, make_optimizer(model.parameters()), config, options=own)
     for x, y in batches(name, rank, world, STEPS):
         engine.backward(loss_fn(engine(x), y))
         engine.step()
@@ -48,10 +49,11 @@ def real_run(rank: int, world: int, name: str, options: dict) -> dict:
 
 def plan_of(name: str, world: int, options: dict):
     import fz3
-    from systems.common import batches, make_model
+    from systems.common import batches, fz3_settings, make_model
     x, _ = batches(name, 0, world if world <= 4 else 1, 1)[0]
-    return fz3.plan(make_model(name), fz3.Config(**options), world_size=world, example_inputs=(x,),
-                    steps=STEPS, optimizer="adamw", backend="gloo")
+    config, own = fz3_settings(options)
+    return fz3.plan(make_model(name), config, world_size=world, example_inputs=(x,),
+                    steps=STEPS, optimizer="adamw", backend="gloo", options=own)
 
 
 def deepspeed_estimate(name: str, world: int) -> int:

@@ -3,7 +3,7 @@
     import fz3
     cfg = fz3.Config(...)  /  fz3.Config.from_deepspeed(ds_dict)
     with fz3.Init(): model = build()           # optional: built already sharded
-    engine = fz3.initialize(model, optimizer, cfg)
+    engine = fz3.initialize(model, optimizer, cfg)   # options=fz3.Options(...): fz3's own switches
     loss = f(engine(batch)); engine.backward(loss); engine.step()
     print(fz3.plan(model, cfg, world_size=64, example_inputs=(batch,)))   # before any of it
     with fz3.timeline(engine, "run.json"): ...  # what it did; fz3.DivergenceError if ranks diverge
@@ -12,10 +12,10 @@ The shell's names load on first use, so `import fz3.core` stays free of torch.
 """
 from fz3.core.config import Config
 
-__all__ = ["Config", "Init", "initialize", "gathered_parameters", "set_leaf_modules", "load_weights", "plan",
+__all__ = ["Config", "Options", "Init", "initialize", "gathered_parameters", "set_leaf_modules", "load_weights", "plan",
            "timeline", "DivergenceError"]
 
-_LAZY = {"Init": "fz3.shell.init", "initialize": "fz3.shell.api", "gathered_parameters": "fz3.shell.consolidate",
+_LAZY = {"Options": "fz3.shell.options", "Init": "fz3.shell.init", "initialize": "fz3.shell.api", "gathered_parameters": "fz3.shell.consolidate",
          "set_leaf_modules": "fz3.shell.tables", "load_weights": "fz3.shell.weights",
          "plan": "fz3.shell.plan", "timeline": "fz3.shell.timeline",
          "DivergenceError": "fz3.interpreters.agreement"}

@@ -33,9 +33,6 @@ INVALID = [
     (dict(reduce_bucket_size=0), ValueError),
     (dict(gradient_accumulation_steps=0), ValueError),
     (dict(contiguous_gradients=1), TypeError),
-    (dict(debug_checks="yes"), TypeError),
-    (dict(gloo_reduce_scatter=True), ValueError),
-    (dict(gloo_all_gather="ring"), ValueError),
     (dict(gradient_clipping=-1.0), ValueError),
     (dict(gradient_clipping=True), ValueError),
     (dict(gradient_clipping=float("nan")), ValueError),
@@ -48,6 +45,27 @@ INVALID = [
 def test_invalid_fields(fields, error):
     with pytest.raises(error, match=next(iter(fields))):
         Config(**fields)
+
+
+OPTIONS_INVALID = [
+    (dict(debug_checks="yes"), TypeError),
+    (dict(gloo_reduce_scatter=True), ValueError),
+    (dict(gloo_all_gather="ring"), ValueError),
+]
+
+
+@pytest.mark.parametrize("fields,error", OPTIONS_INVALID, ids=[str(f) for f, _ in OPTIONS_INVALID])
+def test_invalid_options(fields, error):
+    from fz3 import Options
+    with pytest.raises(error, match=next(iter(fields))):
+        Options(**fields)
+
+
+def test_fz3_own_switches_are_not_config_fields():
+    """DeepSpeed's vocabulary stays clean: the gloo carriers and the debug mode are fz3.Options."""
+    for name in ("gloo_all_gather", "gloo_reduce_scatter", "debug_checks"):
+        with pytest.raises(TypeError, match=name):
+            Config(**{name: None})
 
 
 def test_frozen():

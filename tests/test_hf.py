@@ -57,6 +57,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.utils import ModelOutput  # noqa: E402
 
 from fz3.core.config import Config  # noqa: E402
+from fz3.shell.options import Options  # noqa: E402
 from fz3.testing.parity_data import GLOBAL_BATCH, rank_slice  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -65,7 +66,8 @@ STEPS, GAS = 4, 2  # optimizer steps per case, gradient accumulation steps
 VOCAB, SEQ = 64, 12
 FP32 = dict(rtol=1e-5, atol=1e-6)
 ADAM_PARAMS = dict(rtol=1e-5, atol=5e-6)  # see the module doc
-CONFIG = Config(param_persistence_threshold=0, gradient_accumulation_steps=GAS, debug_checks=True)
+CONFIG = Config(param_persistence_threshold=0, gradient_accumulation_steps=GAS)
+OPTIONS = Options(debug_checks=True)
 
 
 # ---- models ---------------------------------------------------------------------------------
@@ -247,7 +249,7 @@ def _train(name: str, rank: int, world_size: int) -> dict:
     model = case.build()
     calls = [0]
     case.probe(model).register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    engine = fz3.initialize(model, make_optimizer(case.optimizer, model), CONFIG)
+    engine = fz3.initialize(model, make_optimizer(case.optimizer, model), CONFIG, options=OPTIONS)
     losses = []
     evals = [_eval_loss(engine, model, 0, rank, world_size)] if case.evaluate else []
     for i in range(STEPS * GAS):

@@ -219,9 +219,9 @@ def _case(name: str, rank: int, world_size: int, files: dict[str, str]) -> dict:
     model = {"llama": lambda: _llama(7), "gpt2": lambda: _gpt2(8),
              "toy_tied": lambda: Toy(9, tied=True)}.get(name, lambda: Toy(9))()
     threshold = 40 if name == "toy_persist" else 0  # 40: lin.weight (36) and the small ones
-    cfg = Config(param_persistence_threshold=threshold, debug_checks=True,
-                 compute_dtype="bf16" if name == "toy_bf16" else "fp32")
-    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), cfg)
+    cfg = Config(param_persistence_threshold=threshold, compute_dtype="bf16" if name == "toy_bf16" else "fp32")
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), cfg,
+                            options=fz3.Options(debug_checks=True))
     out: dict = {}
     if name == "toy_persist":  # gathers the persistent params, which stay gathered
         with torch.no_grad():

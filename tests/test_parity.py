@@ -11,7 +11,7 @@ Per (model, config), 5 optimizer steps with gradient accumulation 2 (10 micro-st
     I1 at every event: live numel that no active module, hold, persistence or external
        registration pins <= max_live_parameters;  stats()["peak_live_numel"] <= that + pinned
     after every step(): every non-persistent param NOT_AVAILABLE (externals too at a boundary)
-    debug_checks=True (all configs but ds_defaults): the core's invariants after every event
+    Options(debug_checks=True) (all configs but ds_defaults): the core's invariants after every event
 
 Tolerances.
   fp32: rtol 1e-5 (the issue's bound) and atol 1e-6. Why an atol: fz3 sums grads over ranks in
@@ -96,7 +96,7 @@ def check_model(model: str, world_size: int) -> None:
         where = f"{model} / {cname} / W={world_size}"
         errors = res["rank_errors"][key]
         assert not errors, f"{where}: a rank raised\n" + errors[0]
-        cfg = parity.config_named(cname)
+        cfg, opts = parity.config_named(cname), parity.options_named(cname)
         r = res[key]
         ref = reference(model, world_size, parity.optimizer_for(cname), cfg.gradient_clipping)
         ref_losses, ref_state = ref.losses, ref.state
@@ -143,15 +143,15 @@ def check_model(model: str, world_size: int) -> None:
             assert r.train_trace == "COMPLETE", f"{where}: training trace {r.train_trace}"
         # the collective each reduce and gather ran: the one its config names
         rs_by = {"p2p": "reduce_p2p", "native": "reduce_reduce_scatter", "all_reduce": "reduce_all_reduce"}
-        want = rs_by[cfg.gloo_reduce_scatter] if cfg.reduce_scatter else "reduce_all_reduce"
+        want = rs_by[opts.gloo_reduce_scatter] if cfg.reduce_scatter else "reduce_all_reduce"
         used = {k: r.stats[k] for k in rs_by.values() if r.stats[k]}
         assert used == ({want: r.stats["reduce"]} if r.stats["reduce"] else {}), (where, used)
         used = {k: r.stats[k] for k in r.stats if k.startswith("all_gather_via_") and r.stats[k]}
         # a p2p reduce-scatter sends straight from the grads: no IPG bucket buffer is allocated
-        if cfg.reduce_scatter and cfg.gloo_reduce_scatter == "p2p":
+        if cfg.reduce_scatter and opts.gloo_reduce_scatter == "p2p":
             assert r.stats["reduce_buffer_bytes"] == 0, (where, r.stats["reduce_buffer_bytes"])
         n = r.stats["all_gather"]
-        assert used == ({f"all_gather_via_{cfg.gloo_all_gather}": n} if n else {}), (where, used)
+        assert used == ({f"all_gather_via_{opts.gloo_all_gather}": n} if n else {}), (where, used)
         if cfg.max_live_parameters < 10**6:
             chain = cfg.max_live_parameters + max(r.chains)
             assert peak <= chain or model in CHAIN_EXCEPTIONS, (

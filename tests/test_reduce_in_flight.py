@@ -27,8 +27,11 @@ def _train_watching(rank: int, widths: list[int], extra: dict, look):
     import fz3
     torch.manual_seed(0)
     net = nn.Sequential(*(nn.Linear(a, b) for a, b in zip(widths, widths[1:])))
+    carried = {k: v for k, v in extra.items() if k.startswith("gloo_")}  # fz3.Options' fields
+    config = {k: v for k, v in extra.items() if k not in carried}
     engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
-                            fz3.Config(reduce_bucket_size=2 * LAYER, param_persistence_threshold=0, **extra))
+                            fz3.Config(reduce_bucket_size=2 * LAYER, param_persistence_threshold=0, **config),
+                            options=fz3.Options(**carried))
     for p in net.parameters():
         p.register_post_accumulate_grad_hook(lambda _param: look(engine))
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))

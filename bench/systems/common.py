@@ -181,3 +181,14 @@ class Plain:
     def memory(self) -> dict[str, list]:
         ps = list(self.model.parameters())
         return {"params": ps, "grads": [p.grad for p in ps], "optimizer": optimizer_state_tensors(self.opt)}
+
+
+def fz3_settings(fields: dict):
+    """-> (fz3.Config, fz3.Options) from one flat dict of field names: the benches name DeepSpeed's
+    knobs and fz3's own switches (the gloo carriers) side by side."""
+    import dataclasses
+
+    import fz3
+    own = {f.name for f in dataclasses.fields(fz3.Options)}
+    return (fz3.Config(**{k: v for k, v in fields.items() if k not in own}),
+            fz3.Options(**{k: v for k, v in fields.items() if k in own}))

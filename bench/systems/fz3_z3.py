@@ -1,4 +1,5 @@
-"""fz3: fz3.initialize(model, AdamW, Config(**options["config"])); defaults when empty.
+"""fz3: fz3.initialize(model, AdamW, Config and Options from options["config"], fz3_settings); defaults
+when empty.
 options["init"] True builds the model under fz3.Init() (each param partitioned as its module
 is built, DeepSpeed's zero.Init); `construction` then holds ru_maxrss and RSS right after the
 Init block, before fz3.initialize (the construction peak proper)."""
@@ -7,8 +8,8 @@ from __future__ import annotations
 import torch
 
 import fz3
-from systems.common import (loss_fn, make_model, make_optimizer, optimizer_state_tensors, peak_rss_bytes,
-                            rss_bytes)
+from systems.common import (fz3_settings, loss_fn, make_model, make_optimizer, optimizer_state_tensors,
+                            peak_rss_bytes, rss_bytes)
 
 
 class Fz3:
@@ -19,8 +20,8 @@ class Fz3:
             self.construction = {"init_peak_rss": peak_rss_bytes(), "init_rss": rss_bytes()}
         else:
             self.model = make_model(spec["model"])
-        self.cfg = fz3.Config(**spec.get("options", {}).get("config", {}))
-        self.engine = fz3.initialize(self.model, make_optimizer(self.model.parameters()), self.cfg)
+        self.cfg, options = fz3_settings(spec.get("options", {}).get("config", {}))
+        self.engine = fz3.initialize(self.model, make_optimizer(self.model.parameters()), self.cfg, options=options)
         self.before: dict = {}
         self.grad_bytes = 0
 

@@ -1,4 +1,5 @@
-"""fz3's configuration: DeepSpeed's stage-3 knobs, with DeepSpeed's names and defaults.
+"""fz3's configuration: DeepSpeed's stage-3 knobs, with DeepSpeed's names and defaults (fz3's
+own switches, the gloo carriers and the debug mode, are fz3.Options: fz3/shell/options.py).
 
     Config(...)                        frozen; validated on construction
     Config.from_deepspeed(ds_dict)     a real DeepSpeed JSON dict -> Config
@@ -30,7 +31,6 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 COMPUTE_DTYPES = ("fp32", "bf16")
-GLOO_COLLECTIVES = ("p2p", "all_reduce", "native")
 # communication_data_type (DeepSpeed's names, runtime/config.py get_communication_data_type)
 # -> the torch dtype name the core's effects carry
 COMM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -61,16 +61,6 @@ class Config:
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0  # global grad-norm clip; 0 = off
     compute_dtype: str = "fp32"  # "fp32" | "bf16"; master shards are always fp32
-    debug_checks: bool = False  # shell runs the core's check_* invariants after each event
-    # fz3 only, gloo only: what carries an all-gather and a reduce_scatter-path reduce, one of
-    # GLOO_COLLECTIVES. "p2p": isend/irecv between every pair of ranks (fz3/interpreters/p2p.py);
-    # "all_reduce": an all-reduce (SUM) of the zero-padded rows (gather: x + 0 == x, a -0.0 comes
-    # back as +0.0) or of the bucket, keeping this rank's slices (reduce: the allreduce path's
-    # data plane, same partitions, I3); "native": gloo's allgather / reduce_scatter. Here p2p is
-    # the fastest at both benchmark sizes, gloo's reduce_scatter the slowest, about twice its
-    # all-reduce (bench/gloo_collectives.py, bench/RESULTS.md).
-    gloo_all_gather: str = "p2p"
-    gloo_reduce_scatter: str = "p2p"
     # the dtype grads are reduced in: "fp32" | "bf16" | "fp16"; None = each grad's own dtype.
     # Partitions accumulate in fp32 whatever it is.
     communication_data_type: Optional[str] = None
@@ -95,8 +85,7 @@ class Config:
             _check_int(name, getattr(self, name), low=0)
         _check_int("reduce_bucket_size", self.reduce_bucket_size, low=1)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, low=1)
-        for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "debug_checks",
-                     "prescale_gradients"):
+        for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "prescale_gradients"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         clip = self.gradient_clipping
@@ -105,10 +94,6 @@ class Config:
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"Config.compute_dtype must be one of {COMPUTE_DTYPES}, "
                              f"got {self.compute_dtype!r}")
-        for name in ("gloo_all_gather", "gloo_reduce_scatter"):
-            if getattr(self, name) not in GLOO_COLLECTIVES:
-                raise ValueError(f"Config.{name} must be one of {GLOO_COLLECTIVES}, "
-                                 f"got {getattr(self, name)!r}")
         if self.communication_data_type is not None and self.communication_data_type not in COMM_DTYPES:
             raise ValueError(f"Config.communication_data_type must be None (each grad's own dtype) "
                              f"or one of {tuple(COMM_DTYPES)}, got {self.communication_data_type!r}")

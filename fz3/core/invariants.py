@@ -1,7 +1,7 @@
 """Invariants of the parameter lifecycle, written once.
 
 Used by the unit tests, the Hypothesis machines (fz3/testing) and the shell's debug mode
-(`Config.debug_checks`). Each raises InvariantError naming what broke. They walk the whole model,
+(`fz3.Options.debug_checks`). Each raises InvariantError naming what broke. They walk the whole model,
 so they are for checking, never for the hot path.
 
     check_state       structural: live numel adds up, handles and INFLIGHT agree, <= 2 in flight,

@@ -1,7 +1,7 @@
 """Invariants of the gradient lifecycle, written once.
 
 Used by the unit tests, the Hypothesis machine (fz3/testing/grad_machine.py) and the shell's
-debug mode (`Config.debug_checks`). Each raises InvariantError naming what broke. They walk the
+debug mode (`fz3.Options.debug_checks`). Each raises InvariantError naming what broke. They walk the
 whole bucket or log, so they are for checking, never for the hot path.
 
     check_grad_state   buckets: one per dtype, slots packed from 0 without overlap, fill adds

@@ -2,8 +2,8 @@
 the collectives (dist.py) and the one that only plans them (planned.py), so a plan's counts and
 bytes are the real run's by construction.
 
-    carriers(config, backend)   -> (gather_by, reduce_scatter_by): "p2p" | "all_reduce" | "native"
-                                   (gloo: Config.gloo_all_gather / gloo_reduce_scatter; nccl and
+    carriers(options, backend)  -> (gather_by, reduce_scatter_by): "p2p" | "all_reduce" | "native"
+                                   (gloo: Options.gloo_all_gather / gloo_reduce_scatter; nccl and
                                    hccl: their own collectives)
     count_gather(counts, ...)    all_gather, all_gather_via_<carrier>, _prefetch | _on_demand,
                                  gathered_bytes (W x the shards' bytes: what lands in the full
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 from collections import Counter
 
-from fz3.core.config import Config
+from fz3.shell.options import Options
 from fz3.core.effects import ReduceBucket
 from fz3.core.spec import ModelSpec
 
 
-def carriers(config: Config, backend: str) -> tuple[str, str]:
+def carriers(options: Options, backend: str) -> tuple[str, str]:
     """How this backend carries all-gathers and reduce-scatters."""
     if backend == "gloo":
-        return config.gloo_all_gather, config.gloo_reduce_scatter
+        return options.gloo_all_gather, options.gloo_reduce_scatter
     return "native", "native"
 
 

@@ -8,8 +8,8 @@
     AllReduce   gloo stand-ins: an all-reduce of zero-padded rows for a gather, of the whole
                 bucket for a reduce (each rank keeps its slice)
 
-`accounting.carriers(config, backend)` names the gather and reduce-scatter carriers (what the
-config's gloo switches pick, or the backend's own collectives off gloo); `for_name` builds it.
+`accounting.carriers(options, backend)` names the gather and reduce-scatter carriers (what the
+options' gloo switches pick, or the backend's own collectives off gloo); `for_name` builds it.
 A ReduceBucket whose path is "all_reduce" (the config's reduce_scatter=False) runs AllReduce's
 reduce whatever the carrier. Each method posts its collective and returns (work or None when
 it ran synchronously, result thunk, buffer to keep alive until the work completes); waiting,

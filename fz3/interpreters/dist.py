@@ -1,7 +1,7 @@
 """The real interpreter: runs the core's effects with torch.distributed on the tensor store.
 
     AllGather(h)      flat 1-D all_gather_into_tensor of the params' shards, async (overlap_comm);
-                      on gloo, by Config.gloo_all_gather: point-to-point sends (p2p.py), an
+                      on gloo, by Options.gloo_all_gather: point-to-point sends (p2p.py), an
                       all-reduce of the zero-padded rows, or gloo's own
     Wait(h)           wait that work, copy the output out into the params' full values (p2p:
                       the peers' shards were received in place)
@@ -14,7 +14,7 @@
                       padded rank-interleaved grads; async with overlap_comm. Grads read from
                       param.grad are cast to the effect's dtype; all are divided by its
                       predivide first. On gloo the reduce_scatter path runs by
-                      Config.gloo_reduce_scatter: point-to-point sends, the all-reduce path's
+                      Options.gloo_reduce_scatter: point-to-point sends, the all-reduce path's
                       data plane (same partitions) or gloo's own
     WritePartition    this rank's reduced slice -> its fp32 partition (copy | add)
     DropGrads         the bucket buffer goes back to the pool (not contiguous: the reduce took
@@ -54,6 +54,7 @@ from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import BufferPool
 from fz3.interpreters import accounting, agreement, carriers, p2p
 from fz3.interpreters.transport import Transport
+from fz3.shell.options import Options
 from fz3.shell.store import TensorStore
 
 
@@ -76,14 +77,16 @@ buffer is reused."""
 
 
 class DistInterpreter:
-    def __init__(self, store: TensorStore, *, config: Config, device, transport: Transport) -> None:
+    def __init__(self, store: TensorStore, *, config: Config, device, transport: Transport,
+                 options: Options = Options()) -> None:
         """`transport` moves the bytes (fz3/interpreters/transport.py): torch.distributed on a
-        process group, or a rank of a ThreadWorld (N ranks in one process)."""
+        process group, or a rank of a ThreadWorld (N ranks in one process); `options` picks the
+        gloo carriers (fz3/shell/options.py)."""
         self.store, self.config, self.device, self.comm = store, config, device, transport
         self.rank, self.world_size = store.rank, store.world_size
         self.spec = store.tables.spec
         self.async_op = config.overlap_comm
-        self.gather_by, self.reduce_scatter_by = accounting.carriers(config, device.backend)
+        self.gather_by, self.reduce_scatter_by = accounting.carriers(options, device.backend)
         # chosen once: how gathers and reduce-scatters move their bytes (carriers.py); a bucket
         # on the all-reduce path runs AllReduce's reduce whatever the reduce-scatter carrier
         self.gather = carriers.CARRIERS[self.gather_by](self)

@@ -24,14 +24,15 @@ from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, 
                               ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import Handle
 from fz3.interpreters import accounting
+from fz3.shell.options import Options
 from fz3.shell.store import TensorStore
 
 
 class PlanInterpreter:
-    def __init__(self, store: TensorStore, *, config: Config, backend: str) -> None:
+    def __init__(self, store: TensorStore, *, config: Config, backend: str, options: Options = Options()) -> None:
         self.store, self.config = store, config
         self.spec = store.tables.spec
-        self.gather_by, self.reduce_scatter_by = accounting.carriers(config, backend)
+        self.gather_by, self.reduce_scatter_by = accounting.carriers(options, backend)
         # the p2p reduce-scatter holds each grad instead of copying it into a bucket buffer
         self.hold_grads = self.reduce_scatter_by == "p2p" and config.reduce_scatter
         trainable = sum(s.numel for s, t in zip(self.spec.params, store.trainable) if t)

@@ -12,14 +12,16 @@ from fz3.interpreters import threads
 from fz3.interpreters.dist import DistInterpreter
 from fz3.interpreters.transport import Transport, TorchTransport
 from fz3.shell.engine import Engine
+from fz3.shell.options import Options
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None,
-               lr_scheduler=None, *, group=None) -> Engine:
+               lr_scheduler=None, *, group=None, options: Options | None = None) -> Engine:
     """Shard `model` over the default process group and rebind `optimizer` (built on
     model.parameters()) to this rank's fp32 master shards. Every rank must call it.
     `lr_scheduler` (built on `optimizer`) is stepped by `engine.step()` at each accumulation
-    boundary, after the optimizer.
+    boundary, after the optimizer. `options`: fz3's own switches outside DeepSpeed's vocabulary
+    (the gloo carriers, debug checks; fz3/shell/options.py).
     Inside fz3.launch.run_threads the rank is a thread of one process: the thread's transport
     (fz3/interpreters/threads.py) stands in for the process group.
     DeepSpeed: deepspeed.initialize(model=..., optimizer=..., config=...) at stage 3."""
@@ -28,6 +30,10 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     if not isinstance(config, Config):
         raise TypeError(f"fz3.initialize expects a fz3.Config (use Config.from_deepspeed for a "
                         f"DeepSpeed dict), got {type(config).__name__}")
+    if options is None:
+        options = Options()
+    if not isinstance(options, Options):
+        raise TypeError(f"fz3.initialize: options must be a fz3.Options, got {type(options).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"fz3.initialize expects an nn.Module, got {type(model).__name__}")
     transport = threads.current()
@@ -60,8 +66,9 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     _sync_from_rank0(model, transport)
     engine = Engine(model, optimizer, config, device=device, rank=transport.rank,
                     world_size=transport.world_size, transport=transport, lr_scheduler=lr_scheduler,
+                    options=options,
                     interpreter=lambda store: DistInterpreter(store, config=config, device=device,
-                                                              transport=transport))
+                                                              transport=transport, options=options))
     registry.register(engine)
     log.initialized(engine)
     return engine

@@ -1,6 +1,6 @@
 """The shell's checks: the core's invariants in debug mode, and the user-error checks.
 
-Debug mode (`Config(debug_checks=True)`): the core's invariants after each event.
+Debug mode (`fz3.Options(debug_checks=True)`): the core's invariants after each event.
 
 The same check_* functions the unit tests and Hypothesis machines use (fz3/core/invariants*.py);
 they walk the whole model, so this is for debugging and the parity tests, not for speed.

@@ -37,6 +37,7 @@ from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, wrap_
 from fz3.shell.memory import memory_stats
 from fz3.shell.saved import SavedParams
 from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, global_grad_norm
+from fz3.shell.options import Options
 from fz3.shell.store import DTYPES, TensorStore
 from fz3.shell.tables import read_tables
 
@@ -52,15 +53,16 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, *,
                  device, rank: int, world_size: int, interpreter: Callable[[TensorStore], Interpreter],
-                 transport=None, lr_scheduler=None) -> None:
+                 transport=None, lr_scheduler=None, options: Options = Options()) -> None:
         """`interpreter(store)` builds what runs the core's effects on this rank's tensor store
         (fz3/interpreters/protocol.py): DistInterpreter under fz3.initialize, PlanInterpreter under
         fz3.plan. `transport` moves the bytes of the real run's other collectives (consolidation,
-        checkpoints' agreement; fz3/interpreters/transport.py); None under fz3.plan."""
+        checkpoints' agreement; fz3/interpreters/transport.py); None under fz3.plan. `options`:
+        fz3's own switches (fz3/shell/options.py; the interpreter takes the same)."""
         self.module, self.optimizer, self.config, self.device = model, optimizer, config, device
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)
         self.grad_norm: torch.Tensor | None = None  # at the last boundary, before clipping
-        self.transport = transport
+        self.transport, self.options = transport, options
         self.group = getattr(transport, "group", None)  # a process group's (the timeline gathers over it)
         self.rank, self.world_size = rank, world_size
         self.tables = read_tables(model, world_size=self.world_size, config=config)
@@ -112,14 +114,14 @@ class Engine:
         config=self.config)`. The one door every transition goes through (fz3.timeline times it)."""
         self.params_state, effects = transition(self.params_state, *args, config=self.config, **kwargs)
         self.interp.run(effects)
-        if self.config.debug_checks:
+        if self.options.debug_checks:
             checks.after_param_event(self.params_state, effects, self.config)
 
     def _grads(self, transition, *args, **kwargs) -> None:
         """The same for a gradient-lifecycle transition."""
         self.grads_state, effects = transition(self.grads_state, *args, config=self.config, **kwargs)
         self.interp.run(effects)
-        if self.config.debug_checks:
+        if self.options.debug_checks:
             checks.after_grad_event(self.grads_state, self.config)
 
     # ---- hooks ------------------------------------------------------------------------------
@@ -153,7 +155,7 @@ class Engine:
             if self.saved_hooks is not None:  # [Note: backward reads no param] (_post_forward)
                 self.awaiting_since[m] = len(self.saved.log)
         self._params(fetch, m, forward=True, grad_inputs=int(wrapped))
-        if self.config.debug_checks:
+        if self.options.debug_checks:
             checks.fetched(self.params_state, m)
         if self.spec.modules[m].is_leaf and torch.is_grad_enabled():
             self.leaves_pending.add(m)
@@ -319,7 +321,7 @@ class Engine:
         self._grads(epilogue)
         self._params(finish_backward)
         self.interp.end_of_backward()
-        if self.config.debug_checks:
+        if self.options.debug_checks:
             checks.quiescent(self.params_state)
 
     # ---- public API -------------------------------------------------------------------------

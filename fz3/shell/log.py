@@ -33,7 +33,7 @@ def initialized(engine) -> None:
         return
     spec, store = engine.spec, engine.store
     persistent = [p for p in spec.params if p.persistent]
-    gather_by, reduce_by = accounting.carriers(engine.config, engine.device.backend)
+    gather_by, reduce_by = accounting.carriers(engine.options, engine.device.backend)
     shards = store.shard_bytes()["param_shards"]
     grads = store.grad_flat.numel() * store.grad_flat.element_size()
     changed = ", ".join(f"{k}={v!r}" for k, v in differences(engine.config).items()) or "none"

@@ -65,12 +65,17 @@ class Plan:
 
 def plan(model: nn.Module, config: Config | None = None, *, world_size: int, example_inputs,
          optimizer: Union[str, Callable[..., torch.optim.Optimizer]] = "adamw", steps: int = 1,
-         backend: str | None = None) -> Plan:
+         backend: str | None = None, options=None) -> Plan:
     """Plan `steps` optimizer steps of `model` under `config` on `world_size` ranks, each of
     config.gradient_accumulation_steps forward and backward passes on `example_inputs`.
     `optimizer`: "adamw", "adam", "sgd" or a callable that builds a torch optimizer from params;
-    `backend`: the one to plan for (gloo, nccl, hccl; None: what fz3.initialize would pick here)."""
+    `backend`: the one to plan for (gloo, nccl, hccl; None: what fz3.initialize would pick here);
+    `options`: the fz3.Options the run will use (its gloo carriers change what moves)."""
+    from fz3.shell.options import Options
     config = Config() if config is None else config
+    options = Options() if options is None else options
+    if not isinstance(options, Options):
+        raise TypeError(f"fz3.plan: options must be a fz3.Options, got {type(options).__name__}")
     _check(model, config, world_size, optimizer, steps, backend)
     backend = backend or _default_backend()
     from fz3.interpreters.planned import PlanInterpreter
@@ -78,8 +83,9 @@ def plan(model: nn.Module, config: Config | None = None, *, world_size: int, exa
     from fz3.shell.device import MetaDevice
     shadow = _meta_copy(model)
     engine = Engine(shadow, torch.optim.SGD(shadow.parameters(), lr=0.0), config, device=MetaDevice(backend),
-                    rank=0, world_size=world_size,
-                    interpreter=lambda store: PlanInterpreter(store, config=config, backend=backend))
+                    rank=0, world_size=world_size, options=options,
+                    interpreter=lambda store: PlanInterpreter(store, config=config, backend=backend,
+                                                              options=options))
     state_bytes = _optimizer_state_bytes(optimizer, engine.store)
     args, kwargs = _inputs(shadow, example_inputs)
     interp = engine.interp

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from fz3.core.config import Config
+from fz3.shell.options import Options
 from fz3.testing.live_watch import LiveWatch, unit_bounds
 from fz3.testing.parity_models import MODELS, rank_slice
 
@@ -57,17 +58,25 @@ DS_CONFIG = {  # a real DeepSpeed dict: stage 3, DeepSpeed defaults, clipping on
 # smaller than most single grads (sync_allreduce, tiny), a tiny live budget (tiny), reuse
 # distance 0 (sync_allreduce), persistence off (threshold 0) and bf16 compute. The optimizer is
 # AdamW, but SGD with momentum where OPTIMIZERS says (see optimizer_for).
-_C = dict(gradient_accumulation_steps=GAS, debug_checks=True)
+_C = dict(gradient_accumulation_steps=GAS)
 CONFIGS: dict[str, Config] = {
     "base": Config(param_persistence_threshold=0, **_C),
     "sync_allreduce": Config(param_persistence_threshold=0, prefetch_bucket_size=0,
                              overlap_comm=False, reduce_scatter=False, reduce_bucket_size=7,
                              max_reuse_distance=0, **_C),
     "tiny": Config(param_persistence_threshold=2, prefetch_bucket_size=16, max_live_parameters=24,
-                   reduce_bucket_size=7, contiguous_gradients=False, gloo_all_gather="native",
-                   gloo_reduce_scatter="all_reduce", **_C),
+                   reduce_bucket_size=7, contiguous_gradients=False, **_C),
     "bf16": Config(param_persistence_threshold=0, compute_dtype="bf16", prefetch_bucket_size=40,
-                   reduce_bucket_size=64, gloo_all_gather="all_reduce", gloo_reduce_scatter="native", **_C),
+                   reduce_bucket_size=64, **_C),
+}
+# fz3's own switches per named config: the gloo carriers (fz3/interpreters/carriers.py) and the
+# core's invariants after every event (all but ds_defaults)
+CHECKED = Options(debug_checks=True)
+OPTIONS: dict[str, Options] = {
+    "tiny": CHECKED.replace(gloo_all_gather="native", gloo_reduce_scatter="all_reduce"),
+    "bf16": CHECKED.replace(gloo_all_gather="all_reduce", gloo_reduce_scatter="native"),
+    "bf16_comm_fp32": CHECKED.replace(gloo_all_gather="all_reduce", gloo_reduce_scatter="p2p"),
+    "ds_defaults": Options(),
 }
 EXTRA = {"gpt": ("ds_defaults", "bf16_comm_fp32", "prescale")}
 # ds_defaults: DeepSpeed defaults (everything persistent), from_deepspeed. The other two, gpt
@@ -78,8 +87,7 @@ EXTRA = {"gpt": ("ds_defaults", "bf16_comm_fp32", "prescale")}
 # bucket). prescale: prescale_gradients on the all-reduce path (the flat bucket divided in place)
 # and from param.grad.
 EXTRA_CONFIGS: dict[str, Config] = {
-    "bf16_comm_fp32": CONFIGS["bf16"].replace(communication_data_type="fp32", gloo_reduce_scatter="p2p",
-                                              gradient_predivide_factor=3.0),
+    "bf16_comm_fp32": CONFIGS["bf16"].replace(communication_data_type="fp32", gradient_predivide_factor=3.0),
     "prescale": Config(param_persistence_threshold=0, prescale_gradients=True, reduce_scatter=False,
                        reduce_bucket_size=64, **_C),
 }
@@ -92,6 +100,10 @@ def config_named(name: str) -> Config:
             warnings.simplefilter("ignore")  # "accepts but does not use: steps_per_print, ..."
             return Config.from_deepspeed(DS_CONFIG)
     return CONFIGS[name] if name in CONFIGS else EXTRA_CONFIGS[name]
+
+
+def options_named(name: str) -> Options:
+    return OPTIONS.get(name, CHECKED)
 
 
 def configs_for(model: str) -> tuple[str, ...]:
@@ -219,19 +231,19 @@ def worker(rank: int, world_size: int, models: tuple[str, ...], probes: bool) ->
     return out
 
 
-def _engine(model: str, config: Config, optimizer: str):
+def _engine(model: str, config: Config, optimizer: str, options: Options = CHECKED):
     import fz3
     spec = MODELS[model]
     net = spec.build()
     if spec.leaf_classes:
         fz3.set_leaf_modules(net, spec.leaf_classes)
     opt = make_optimizer(optimizer, net)
-    return net, fz3.initialize(net, opt, config, make_scheduler(opt))
+    return net, fz3.initialize(net, opt, config, make_scheduler(opt), options=options)
 
 
 def train(model: str, config_name: str, rank: int, world_size: int) -> Result:
     spec = MODELS[model]
-    net, engine = _engine(model, config_named(config_name), optimizer_for(config_name))
+    net, engine = _engine(model, config_named(config_name), optimizer_for(config_name), options_named(config_name))
     res = Result()
     watch = LiveWatch(engine)
     for i in range(STEPS * GAS + 1):

@@ -1,0 +1,39 @@
+"""fz3's own switches, outside DeepSpeed's vocabulary: how the gloo backend carries collectives,
+and the debug mode. `Config` keeps DeepSpeed's stage-3 knobs only.
+
+    fz3.initialize(model, optimizer, config, options=fz3.Options(gloo_all_gather="native"))
+    fz3.plan(model, config, ..., options=fz3.Options(...))
+
+gloo_all_gather, gloo_reduce_scatter   what carries an all-gather and a reduce_scatter-path
+    reduce on gloo, one of GLOO_COLLECTIVES (fz3/interpreters/carriers.py):
+    "p2p": isend/irecv between every pair of ranks (fz3/interpreters/p2p.py), the default and
+    the fastest here at both benchmark sizes; "all_reduce": an all-reduce (SUM) of the
+    zero-padded rows (gather: x + 0 == x, a -0.0 comes back as +0.0) or of the bucket, keeping
+    this rank's slices (reduce: the allreduce path's data plane, same partitions, I3);
+    "native": gloo's allgather / reduce_scatter, the slowest (bench/gloo_collectives.py,
+    bench/RESULTS.md). NCCL and HCCL always use their own collectives.
+debug_checks   the shell runs the core's check_* invariants after each event (fz3/shell/checks.py)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GLOO_COLLECTIVES = ("p2p", "all_reduce", "native")
+
+
+@dataclass(frozen=True)
+class Options:
+    gloo_all_gather: str = "p2p"
+    gloo_reduce_scatter: str = "p2p"
+    debug_checks: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("gloo_all_gather", "gloo_reduce_scatter"):
+            if getattr(self, name) not in GLOO_COLLECTIVES:
+                raise ValueError(f"Options.{name} must be one of {GLOO_COLLECTIVES}, got {getattr(self, name)!r}")
+        if not isinstance(self.debug_checks, bool):
+            raise TypeError(f"Options.debug_checks must be a bool, got {self.debug_checks!r}")
+
+    def replace(self, **changes: object) -> "Options":
+        return dataclasses.replace(self, **changes)
