@@ -61,6 +61,13 @@ def test_invalid_options(fields, error):
         Options(**fields)
 
 
+def test_options_argument_must_be_options():
+    from fz3.shell.options import Options, given
+    assert given(None, "fz3.plan") == Options()
+    with pytest.raises(TypeError, match="fz3.plan: options must be a fz3.Options, got str"):
+        given("p2p", "fz3.plan")
+
+
 def test_fz3_own_switches_are_not_config_fields():
     """DeepSpeed's vocabulary stays clean: the gloo carriers and the debug mode are fz3.Options."""
     for name in ("gloo_all_gather", "gloo_reduce_scatter", "debug_checks"):

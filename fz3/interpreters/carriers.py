@@ -17,6 +17,7 @@ stream syncs and the deferred writes stay in the interpreter (dist.py).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -43,25 +44,48 @@ class Carrier:
 class P2P(Carrier):
     name = "p2p"
 
+    def __init__(self, interp) -> None:
+        super().__init__(interp)
+        self.tags = itertools.count(1)  # message tags unchecked: the same sequence on every rank (SPMD)
+
+    def tag(self, kind: int, params: Sequence[int], numel: int):
+        """-> (posted descriptors or None, tag): with the divergence check the tag is made from
+        the collective's descriptor ([Note: descriptors beside the data]), else the next of a
+        counter."""
+        if self.interp.agreement is None:
+            return None, next(self.tags)
+        posted = self.interp.agreement.post(kind, params, numel)
+        return posted, posted.tag
+
+    def posted(self, work: p2p.P2PWork, posted):
+        """Point-to-point work is always async; without overlap_comm it is waited here. Waiting
+        it first compares the descriptors it was posted under (`posted`, None when unchecked)."""
+        if posted is not None:
+            work = self.interp.agreement.guard(posted, work)
+        if not self.interp.async_op:
+            work.wait()
+            return None
+        return work
+
     def gather(self, ps: Sequence[int], shards: Sequence[torch.Tensor]):
         it = self.interp
         # a buffer per param: freeing one frees its memory (a flat buffer for the batch would
         # live until the last of its params is freed)
         fulls = [it.buffers_pool.take(it.spec.params[p].numel, shards[0].dtype) for p in ps]
-        posted, tag = it.tag(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
+        posted, tag = self.tag(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
         with it.on(it.gather_stream):
             work = p2p.all_gather(fulls, shards, it.comm, tag=tag)
-        return it.p2p_work(work, posted), (lambda: fulls), None
+        return self.posted(work, posted), (lambda: fulls), None
 
     def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
         it = self.interp
         params = [s.param for s in e.slots]
         keep = it.reduce_buffer(p2p.scratch_numel([g.numel() for g in grads], it.rank, it.world_size),
                                 grads[0].dtype, it.scratch_capacity)
-        posted, tag = it.tag(agreement.REDUCE, params, sum(s.numel for s in e.slots))
+        posted, tag = self.tag(agreement.REDUCE, params, sum(s.numel for s in e.slots))
         with it.on(it.reduce_stream):
             work, reduced = p2p.reduce_scatter(grads, keep, it.comm, tag=tag)
-        return it.p2p_work(work, posted), (lambda: dict(zip(params, reduced()))), keep
+        return self.posted(work, posted), (lambda: dict(zip(params, reduced()))), keep
 
 
 class Native(Carrier):

@@ -41,7 +41,6 @@ reduces in flight and the writes that wait for them.
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections import Counter, deque
 from typing import Iterable, Optional
 
@@ -52,7 +51,7 @@ from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, 
                               ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import BufferPool
-from fz3.interpreters import accounting, agreement, carriers, p2p
+from fz3.interpreters import accounting, agreement, carriers
 from fz3.interpreters.transport import Transport
 from fz3.shell.options import Options
 from fz3.shell.store import TensorStore
@@ -92,7 +91,6 @@ class DistInterpreter:
         self.gather = carriers.CARRIERS[self.gather_by](self)
         self.reduce_scatter = carriers.CARRIERS[self.reduce_scatter_by](self)
         self.all_reduce_carrier = carriers.AllReduce(self)
-        self.tags = itertools.count(1)  # p2p message tags: the same sequence on every rank (SPMD)
         self.hold_grads = self.reduce_scatter_by == "p2p" and config.reduce_scatter
         self.held: dict[BucketId, dict[int, torch.Tensor]] = {}  # bucket -> offset -> grad
         self.gather_stream = device.new_stream() if self.async_op else None
@@ -287,24 +285,6 @@ class DistInterpreter:
         """Bytes of the IPG bucket buffers allocated (0 while the p2p reduce holds the grads)."""
         bufs = [b for bs in self.pool.values() for b in bs] + list(self.buffers.values())
         return sum(b.numel() * b.element_size() for b in bufs)
-
-    def tag(self, kind: int, params, numel: int):
-        """-> (posted descriptors or None, tag) for a point-to-point collective: with the
-        divergence check the tag is made from its descriptor ([Note: descriptors beside the
-        data]), else the next of a counter."""
-        if self.agreement is None:
-            return None, next(self.tags)
-        posted = self.agreement.post(kind, params, numel)
-        return posted, posted.tag
-
-    def p2p_work(self, work: p2p.P2PWork, posted) -> Optional[object]:
-        """Point-to-point work is always async; without overlap_comm it is waited here. Waiting
-        it first compares the descriptors it was posted under (`posted`, None when unchecked)."""
-        if posted is not None:
-            work = self.agreement.guard(posted, work)
-        if not self.async_op:
-            work.wait()
-        return work if self.async_op else None
 
     def _pending(self, bucket: BucketId) -> Optional[_Reduce]:
         for b, pending in self.reduces:

@@ -12,7 +12,7 @@ from fz3.interpreters import threads
 from fz3.interpreters.dist import DistInterpreter
 from fz3.interpreters.transport import Transport, TorchTransport
 from fz3.shell.engine import Engine
-from fz3.shell.options import Options
+from fz3.shell.options import Options, given
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None,
@@ -30,10 +30,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     if not isinstance(config, Config):
         raise TypeError(f"fz3.initialize expects a fz3.Config (use Config.from_deepspeed for a "
                         f"DeepSpeed dict), got {type(config).__name__}")
-    if options is None:
-        options = Options()
-    if not isinstance(options, Options):
-        raise TypeError(f"fz3.initialize: options must be a fz3.Options, got {type(options).__name__}")
+    options = given(options, "fz3.initialize")
     if not isinstance(model, nn.Module):
         raise TypeError(f"fz3.initialize expects an nn.Module, got {type(model).__name__}")
     transport = threads.current()

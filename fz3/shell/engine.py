@@ -63,7 +63,6 @@ class Engine:
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)
         self.grad_norm: torch.Tensor | None = None  # at the last boundary, before clipping
         self.transport, self.options = transport, options
-        self.group = getattr(transport, "group", None)  # a process group's (the timeline gathers over it)
         self.rank, self.world_size = rank, world_size
         self.tables = read_tables(model, world_size=self.world_size, config=config)
         self.spec = self.tables.spec

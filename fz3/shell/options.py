@@ -37,3 +37,12 @@ class Options:
 
     def replace(self, **changes: object) -> "Options":
         return dataclasses.replace(self, **changes)
+
+
+def given(options: object, caller: str) -> Options:
+    """The `options=` argument of `caller` (fz3.initialize, fz3.plan): None means the defaults."""
+    if options is None:
+        return Options()
+    if not isinstance(options, Options):
+        raise TypeError(f"{caller}: options must be a fz3.Options, got {type(options).__name__}")
+    return options

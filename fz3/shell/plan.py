@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from fz3.core.config import Config, differences
+from fz3.shell.options import given
 from fz3.core.effects import AllGather, Free
 from fz3.shell import registry
 from fz3.shell.memory import human_bytes
@@ -71,11 +72,8 @@ def plan(model: nn.Module, config: Config | None = None, *, world_size: int, exa
     `optimizer`: "adamw", "adam", "sgd" or a callable that builds a torch optimizer from params;
     `backend`: the one to plan for (gloo, nccl, hccl; None: what fz3.initialize would pick here);
     `options`: the fz3.Options the run will use (its gloo carriers change what moves)."""
-    from fz3.shell.options import Options
     config = Config() if config is None else config
-    options = Options() if options is None else options
-    if not isinstance(options, Options):
-        raise TypeError(f"fz3.plan: options must be a fz3.Options, got {type(options).__name__}")
+    options = given(options, "fz3.plan")
     _check(model, config, world_size, optimizer, steps, backend)
     backend = backend or _default_backend()
     from fz3.interpreters.planned import PlanInterpreter

@@ -174,7 +174,7 @@ def timeline(engine, path: str) -> Iterator[None]:
     """Record what `engine` does inside the block on every rank; rank 0 writes `path` at the end
     (every rank must enter the block, as for any collective)."""
     _check_path(path)
-    group = engine.group if dist.is_initialized() else None
+    group = getattr(engine.transport, "group", None) if dist.is_initialized() else None  # TorchTransport's
     if dist.is_initialized():
         dist.barrier(group=group)
     rec = Recorder(engine, time.perf_counter_ns())
