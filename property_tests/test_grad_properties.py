@@ -7,7 +7,9 @@ any sequence of grad reports, explicit flushes and new graph tasks. EDGES (fz3/t
 permanent examples: shrunk failures and edges the search reaches only sometimes.
 `run_scenario` checks bucket accounting as it goes (slots packed without overlap and within
 capacity after every event; every reported grad reduced exactly once per backward, each reduce
-followed by its writes and one DropGrads; no open bucket after an epilogue).
+followed by its writes and one DropGrads; no open bucket after an epilogue) and each report's
+route against the naive table (CopyToBucket, HoldGrad under an in-place reduce-scatter, or
+neither).
 """
 import torch
 from hypothesis import example, given

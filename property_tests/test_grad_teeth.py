@@ -1,7 +1,8 @@
 """The gradient tests have teeth: each planted bug is caught by the machine and by the properties.
 
 Each bug replaces one function of the core or the data plane (monkeypatch), then the state
-machine and the I3 property (with its permanent EDGES examples) run with fixed settings
+machine and the I3 property (with its permanent EDGES examples; run_scenario also checks each
+report's route, so a wrong route fails there though the numbers stay right) run with fixed settings
 (derandomized, up to 300 examples, no shrinking, no example database) and must fail with the
 expected message. The clean code passes the same runs in
 test_grad_machine.py and test_grad_properties.py.
@@ -13,6 +14,7 @@ from hypothesis import Phase, example, given, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from fz3.core import epilogue, grads
+from fz3.core.effects import CopyToBucket, HoldGrad
 from fz3.core.spec import shard_numel
 from fz3.data import collectives, layout
 from fz3.interpreters.simulated import SimulationError
@@ -41,6 +43,21 @@ def pack_param_major(grads, world_size):
     return torch.cat([layout.pad_flat(g, world_size) for g in grads]) if grads else torch.zeros(0)
 
 
+def always_copy(state, config):
+    """Planted: the route ignores the carrier; a grad is never held (DeepSpeed's rule)."""
+    return CopyToBucket if config.contiguous_gradients else None
+
+
+def hold_on_any_path(state, config):
+    """Planted: the route ignores the reduce path; grads are held for an all-reduce too."""
+    return HoldGrad if config.contiguous_gradients and state.in_place_reduce_scatter else None
+
+
+def hold_whatever_the_carrier(state, config):
+    """Planted: the route ignores the carrier; grads are held for any reduce-scatter."""
+    return HoldGrad if config.contiguous_gradients and config.reduce_scatter else None
+
+
 BUGS = {  # name: (module, attribute, replacement, error types, message)
     "add instead of copy on the first write": (
         grads, "write_mode", add_on_first_write, AssertionError, "I3"),
@@ -60,6 +77,12 @@ BUGS = {  # name: (module, attribute, replacement, error types, message)
         "capacity|reduce_bucket_size"),
     "reduce-scatter not interleaved": (
         collectives, "pack_reduce_scatter", pack_param_major, AssertionError, "I3"),
+    # the route (fz3.core.grads.grad_route): the numbers stay right, the effects do not
+    "grads always copied": (grads, "grad_route", always_copy, AssertionError, "placement"),
+    "grads held on the all-reduce path": (
+        grads, "grad_route", hold_on_any_path, AssertionError, "placement|HoldGrad"),
+    "grads held without an in-place carrier": (
+        grads, "grad_route", hold_whatever_the_carrier, AssertionError, "placement"),
 }
 
 

@@ -3,7 +3,10 @@ every rank the params' full values, and its reduce gives every rank its own slic
 the ranks' grads, for odd sizes (padded shards, empty ones at W=3) and batches of several params.
 
 The carrier is taken from a real engine's interpreter (its pool, transport and divergence check)
-and called directly, on the engine's own shards and on drawn small-integer grads.
+and called directly, on the engine's own shards and on drawn small-integer grads. Then the
+interpreter follows the core's route for each grad (fz3.core.grads.grad_route): told that its
+carrier reads grads in place (p2p), the core holds them (HoldGrad) and no bucket buffer is made;
+with the native carrier it copies them (CopyToBucket); the partitions are the same bit for bit.
 """
 from __future__ import annotations
 
@@ -12,8 +15,8 @@ import torch
 from torch import nn
 
 from fz3 import launch
-from fz3.core.effects import ReduceBucket, Slot
-from fz3.core.ids import BucketId
+from fz3.core.effects import AllGather, CopyToBucket, HoldGrad, ReduceBucket, Slot, Wait
+from fz3.core.ids import BucketId, Handle
 from fz3.data import layout
 
 SIZES = [(3, 1), (1, 5), (7, 2)]  # Linear(in, out): weights of 3, 5, 14 elements, biases of 1, 5, 2
@@ -61,3 +64,44 @@ def test_a_carrier_gathers_full_values_and_reduces_each_rank_its_slice(name, wor
             assert torch.equal(got.reshape(-1)[:want.numel()], want), (name, r)
         for p, part in out["reduced"].items():
             assert torch.equal(part, layout.shard(total[p], world)[r]), (name, r, p)
+
+
+def _route(rank: int, world: int, carrier: str) -> dict:
+    """A backward's grads (reverse param order, buckets of 12 elements) through the core with the
+    interpreter's `in_place_reduce_scatter`, run by that interpreter; -> what it did."""
+    import fz3
+    from fz3.core import epilogue, grads
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(i, o) for i, o in SIZES))
+    config = fz3.Config(param_persistence_threshold=0, reduce_bucket_size=12)
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config,
+                            options=fz3.Options(gloo_reduce_scatter=carrier))
+    it, spec = engine.interp, engine.spec
+    ps = tuple(range(len(spec.params)))
+    it.run([AllGather(Handle(10**6), ps, False, False), Wait(Handle(10**6))])  # shapes for .grad
+    state = grads.init_grad_state(spec, in_place_reduce_scatter=it.in_place_reduce_scatter)
+    sent = [torch.arange(s.numel, dtype=torch.float32) * (rank + 1) - rank for s in spec.params]
+    placed, most = [], 0
+    for p in reversed(ps):
+        it.store.params[p].grad = sent[p].view(it.store.params[p].shape).clone()
+        state, eff = grads.bucket_add(state, p, config=config)
+        it.run(eff)
+        placed += [type(e).__name__ for e in eff if isinstance(e, (CopyToBucket, HoldGrad))]
+        most = max(most, it.bucket_bytes())
+    state, eff = epilogue.epilogue(state, config=config)
+    it.run(eff)
+    return {"in_place": it.in_place_reduce_scatter, "placed": placed, "bucket_bytes": most,
+            "parts": [it.store.partitions[p].clone() for p in ps], "sent": sent}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_interpreter_holds_or_copies_as_the_core_says(world):
+    runs = {c: launch.run_threads(_route, world, args=(c,)) for c in ("p2p", "native")}
+    for r in range(world):
+        held, copied = runs["p2p"][r], runs["native"][r]
+        assert (held["in_place"], copied["in_place"]) == (True, False)
+        assert set(held["placed"]) == {"HoldGrad"} and set(copied["placed"]) == {"CopyToBucket"}
+        assert held["bucket_bytes"] == 0 and copied["bucket_bytes"] > 0, (held, copied)
+        for p, (a, b) in enumerate(zip(held["parts"], copied["parts"])):
+            total = sum(out["sent"][p] for out in runs["p2p"]) / world
+            assert torch.equal(a, b) and torch.equal(a, layout.shard(total, world)[r]), (r, p)

@@ -2,10 +2,10 @@
 import pytest
 
 from fz3.core.config import Config
-from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, ReduceBucket, Slot,
+from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, HoldGrad, ReduceBucket, Slot,
                               WritePartition)
 from fz3.core.epilogue import epilogue, optimizer_step
-from fz3.core.grads import GradError, bucket_add, flush, init_grad_state
+from fz3.core.grads import GradError, bucket_add, flush, grad_route, init_grad_state
 from fz3.core.invariants_grad import check_grad_state
 from fz3.core.spec import build_spec
 
@@ -182,3 +182,52 @@ def test_reduce_carries_the_predivide(world_size, cfg, predivide):
         state, alone = bucket_add(state, 1, config=config)  # flushes p0, then p1 alone
         reduces = [e for e in alone if isinstance(e, ReduceBucket)]
         assert [e.predivide for e in reduces] == [predivide, predivide], (path, reduces)
+
+
+# ---- the route: copy into the bucket or hold the grad ([Note: copy or hold]) ----------------
+
+@pytest.mark.parametrize("contiguous, reduce_scatter, in_place, want", [
+    (True, True, True, HoldGrad),  # the carrier sends from each grad: the copy is saved
+    (True, True, False, CopyToBucket),  # a packing reduce-scatter (NCCL, gloo's own)
+    (True, False, True, CopyToBucket),  # an all-reduce reduces the flat bucket itself
+    (True, False, False, CopyToBucket),
+    (False, True, True, None),  # no contiguous bucket: the reduce reads param.grad
+    (False, True, False, None),
+    (False, False, True, ValueError),  # Config refuses: the all-reduce path needs the bucket
+    (False, False, False, ValueError),
+])
+def test_grad_route(contiguous, reduce_scatter, in_place, want):
+    if want is ValueError:
+        with pytest.raises(ValueError, match="contiguous_gradients=False needs reduce_scatter"):
+            Config(contiguous_gradients=contiguous, reduce_scatter=reduce_scatter)
+        return
+    config = Config(contiguous_gradients=contiguous, reduce_scatter=reduce_scatter,
+                    reduce_bucket_size=8)
+    state = init_grad_state(grad_spec([3, 20], 2), in_place_reduce_scatter=in_place)
+    assert grad_route(state, config) is want
+    state, placed = bucket_add(state, 0, config=config)
+    assert placed == (() if want is None else (want(0, "float32", 0, 0, 3),))
+    _, alone = bucket_add(state, 1, config=config)  # bigger than the bucket: never placed
+    assert not [e for e in alone if isinstance(e, (CopyToBucket, HoldGrad))]
+
+
+def test_held_grads_reduce_and_drop_as_contiguous():
+    config = Config(reduce_bucket_size=100, communication_data_type="bf16", **RS)
+    state = init_grad_state(grad_spec([3, 5], 2), in_place_reduce_scatter=True)
+    state, held = bucket_add(state, 1, config=config)
+    state, more = bucket_add(state, 0, config=config)
+    assert held + more == (HoldGrad(0, "bfloat16", 1, 0, 5), HoldGrad(0, "bfloat16", 0, 5, 3))
+    _, eff = flush(state, config=config)
+    assert eff[0] == ReduceBucket(0, "bfloat16", "reduce_scatter", (Slot(1, 0, 5), Slot(0, 5, 3)), True)
+    assert eff[-1] == DropGrads(0, (1, 0), True)
+
+
+def test_the_route_flag_is_static():
+    config = Config(reduce_bucket_size=100, gradient_accumulation_steps=1, **RS)
+    state = init_grad_state(grad_spec([3], 1), in_place_reduce_scatter=True)
+    state, _ = bucket_add(state, 0, config=config)
+    state, _ = epilogue(state, config=config)
+    state, _ = optimizer_step(state, config=config)
+    assert state.in_place_reduce_scatter
+    assert bucket_add(state, 0, config=config)[1] == (HoldGrad(1, "float32", 0, 0, 3),)  # bucket 1
+    assert not init_grad_state(grad_spec([3], 1)).in_place_reduce_scatter  # the default: copy

@@ -2,7 +2,7 @@
 import pytest
 
 from fz3.core.config import Config
-from fz3.core.effects import (CopyToBucket, DropGrads, ReduceBucket, Slot, WaitReduce,
+from fz3.core.effects import (CopyToBucket, DropGrads, HoldGrad, ReduceBucket, Slot, WaitReduce,
                               WritePartition)
 from fz3.core.grads import IPGBucket, Link, bucket_add, init_grad_state
 from fz3.core.invariants import InvariantError
@@ -47,6 +47,8 @@ R = ReduceBucket(0, "float32", "allreduce", (Slot(0, 0, 3), Slot(1, 3, 4)), True
 COPIES = [CopyToBucket(0, "float32", 0, 0, 3), CopyToBucket(0, "float32", 1, 3, 4)]
 WRITES = [WritePartition(0, 0, "copy"), WritePartition(0, 1, "copy")]
 DROP = DropGrads(0, (0, 1), True)
+HOLDS = [HoldGrad(*c) for c in COPIES]  # held for a reduce-scatter that reads them in place
+RS = R._replace(path="reduce_scatter")
 
 
 @pytest.mark.parametrize("log, reported, msg", [
@@ -57,6 +59,11 @@ DROP = DropGrads(0, (0, 1), True)
     (COPIES + [R] + WRITES + [DROP], [0, 1, 1], "reported"),  # a report never reduced
     (COPIES[:1] + [R] + WRITES + [DROP], [0, 1], "do not match its slots"),
     (COPIES, [0, 1], "never reduced"),
+    (HOLDS + [RS] + WRITES + [DROP], [0, 1], None),  # a hold is checked like a copy
+    (HOLDS[:1] + [RS] + WRITES + [DROP], [0, 1], "do not match its slots"),
+    (HOLDS, [0, 1], "never reduced"),
+    (HOLDS + [R] + WRITES + [DROP], [0, 1], "held .* path 'allreduce'"),  # only p2p reads in place
+    (HOLDS[:1] + COPIES[1:] + [RS] + WRITES + [DROP], [0, 1], "mixes"),
 ])
 def test_check_reduce_log(log, reported, msg):
     if msg is None:

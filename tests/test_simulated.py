@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from fz3.core.config import Config
-from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, ReduceBucket,
-                              Slot, Wait, WaitReduce, WritePartition, ZeroPartitions)
+from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, HoldGrad,
+                              ReduceBucket, Slot, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core import grads as grads_core
 from fz3.core.epilogue import epilogue
 from fz3.core.spec import build_spec
@@ -39,6 +39,7 @@ def test_gather_wait_free():
     ([AllGather(1, (0,), False, True), AllGather(1, (1,), False, True)], "reuses handle"),
     ([AllGather(1, (0,), False, True), AllGather(2, (0,), False, True)], "already gathered"),
     ([CopyToBucket(0, "float32", 0, 0, 5)], "has no grad"),
+    ([HoldGrad(0, "float32", 0, 0, 5)], "has no grad"),
     ([ReduceBucket(0, "float32", "allreduce", (Slot(0, 0, 5),), True)], "nothing was copied"),
     ([WritePartition(0, 0, "copy")], "no reduced grad"),
     ([DropGrads(0, (0,), True)], "not reduced"),
@@ -60,14 +61,15 @@ def grads_of(r):
     return [torch.arange(5.0) * (r + 1), torch.tensor([1.0, -1.0]) * r]
 
 
+@pytest.mark.parametrize("place", [CopyToBucket, HoldGrad])  # a held grad: the same numbers
 @pytest.mark.parametrize("path", ["allreduce", "reduce_scatter"])
-def test_bucket_reduce_write_average(path):
+def test_bucket_reduce_write_average(path, place):
     w = world(reduce_bucket_size=8)
     assert torch.isnan(w.partitions[0][0]).all()  # uninitialised until written
     for p in (1, 0):
         w.accumulate_grad(p, [grads_of(r)[p] for r in range(3)])
     slots = (Slot(1, 0, 2), Slot(0, 2, 5))
-    w.run([CopyToBucket(0, "float32", 1, 0, 2), CopyToBucket(0, "float32", 0, 2, 5),
+    w.run([place(0, "float32", 1, 0, 2), place(0, "float32", 0, 2, 5),
            ReduceBucket(0, "float32", path, slots, True),
            WritePartition(0, 1, "copy"), WritePartition(0, 0, "copy"), DropGrads(0, (1, 0), True),
            WaitReduce(), ZeroPartitions((2,)), AverageGrads(2)])

@@ -65,7 +65,7 @@ class Free(NamedTuple):
 
 # ---- gradient lifecycle --------------------------------------------------------------------
 # The IPG bucket's life, per comm dtype (see fz3/core/grads.py for the diagram):
-#   CopyToBucket* -> ReduceBucket -> WritePartition (copy | add) per slot -> DropGrads
+#   (CopyToBucket | HoldGrad)* -> ReduceBucket -> WritePartition (copy | add) per slot -> DropGrads
 # and per backward: WaitReduce; at the accumulation boundary: ZeroPartitions, AverageGrads.
 
 WriteMode = Literal["copy", "add"]
@@ -103,17 +103,37 @@ class CopyToBucket(NamedTuple):
 
 
 @record
+class HoldGrad(NamedTuple):
+    """Keep `param`'s full grad as it is (flat, cast to `dtype` if it is another) as the slot
+    [offset, offset + numel) of `bucket`: the reduce reads it in place, no bucket buffer is filled.
+
+    Emitted instead of CopyToBucket when the reduce-scatter carrier sends each grad from where it
+    lies (fz3.core.grads.grad_route): a copy would only stage what it sends. As with CopyToBucket,
+    param.grad is released (None) and the held grad is the interpreter's until `DropGrads(bucket)`.
+    DeepSpeed: none; stage 3 always copies into its contiguous IPG buffer
+    (`__add_grad_to_ipg_bucket`).
+    """
+
+    bucket: BucketId
+    dtype: str
+    param: ParamId
+    offset: int
+    numel: int
+
+
+@record
 class ReduceBucket(NamedTuple):
     """SUM-reduce the bucket's grads across ranks on `path`, in `dtype`; each rank keeps its
     partitions.
 
     allreduce: all-reduce the flat bucket, then each slot's [r*s, (r+1)*s) clipped to numel and
     zero-padded to s. reduce_scatter: one reduce-scatter of the padded grads, interleaved per
-    rank in ParamId order. Both give the same partitions (I3). `contiguous`: the grads sit in
-    the flat bucket (CopyToBucket); False: read from each param's own grad, cast to `dtype`
-    (contiguous_gradients off, or one grad bigger than the whole bucket). Each grad is divided
-    by `predivide` first (1.0: nothing to do); AverageGrads' divisor accounts for it (see
-    [Note: pre-division] in fz3/core/grads.py). Runs on the reduce stream with overlap_comm.
+    rank in ParamId order. Both give the same partitions (I3). `contiguous`: the grads were
+    taken out of param.grad when placed, into the flat bucket (CopyToBucket) or held as they are
+    (HoldGrad); False: read from each param's own grad, cast to `dtype` (contiguous_gradients
+    off, or one grad bigger than the whole bucket). Each grad is divided by `predivide` first
+    (1.0: nothing to do); AverageGrads' divisor accounts for it (see [Note: pre-division] in
+    fz3/core/grads.py). Runs on the reduce stream with overlap_comm.
     DeepSpeed: `__reduce_and_partition_ipg_grads` -> `__avg_scatter_grads` /
     `__avg_scatter_contiguous_grads`.
     """
@@ -143,8 +163,8 @@ class WritePartition(NamedTuple):
 class DropGrads(NamedTuple):
     """The bucket's full grads are consumed: its buffer is free again.
 
-    `contiguous`: the grads lived in the flat bucket (param.grad was released at the copy);
-    False: they are the params' own grads, so set each param.grad to None.
+    `contiguous`: the grads lived in the flat bucket or were held (param.grad was released when
+    they were placed); False: they are the params' own grads, so set each param.grad to None.
     """
 
     bucket: BucketId
@@ -191,5 +211,5 @@ class AverageGrads(NamedTuple):
     divisor: float  # an int (W x gas) unless the grads were pre-divided
 
 
-GradEffect = Union[CopyToBucket, ReduceBucket, WritePartition, DropGrads, WaitReduce,
+GradEffect = Union[CopyToBucket, HoldGrad, ReduceBucket, WritePartition, DropGrads, WaitReduce,
                    ZeroPartitions, AverageGrads, FreePartitions]

@@ -5,6 +5,11 @@
         v
     open IPG bucket of the comm dtype (communication_data_type, else the grad's `dtype`):
     slots (param, offset, numel), fill <= reduce_bucket_size
+        |  the grad gets there by (grad_route, [Note: copy or hold]):
+        |    CopyToBucket   copied into the flat bucket buffer   contiguous_gradients
+        |    HoldGrad       kept as it is, read in place         ... with reduce_scatter and a
+        |                                                        carrier that reads grads in place
+        |    (nothing)      stays in param.grad                  contiguous_gradients off
         |  (next grad would overflow: flush first;  grad > whole bucket: reduced on its own)
         |  flush / epilogue
         v
@@ -30,21 +35,28 @@ f before and times f after, and scales the loss by 1/gas; it refuses prescale_gr
 with reduce_scatter on (an assert in `DeepSpeedZeroOptimizer_Stage3.__init__`), while fz3 runs
 them on both reduce paths: the same arithmetic, in another order.
 
+[Note: copy or hold] DeepSpeed copies every grad into the contiguous IPG buffer, which one
+collective then reads. A point-to-point reduce-scatter (gloo's p2p carrier) sends each rank's
+slice straight from each grad, so the copy would only stage it: with such a carrier
+(`init_grad_state(..., in_place_reduce_scatter=True)`) and reduce_scatter on, a placed grad is
+held instead (HoldGrad), saving the copy and the bucket's memory. The interpreter says what its
+carrier does; the choice is made here, where the machines see it (fz3/testing/grad_machine.py).
+
 [Note: reentrant checkpointing] A param used inside and outside a reentrant-checkpointed region
 fires its grad hook once per graph task. The shell passes the graph task; a second report in a
 new task is a partial grad, reduced and added. If the first is still in an open bucket: with
-contiguous_gradients the first grad sits in the bucket and param.grad was released after the
-copy, so the bucket is flushed first and the new grad takes a fresh slot (no bucket ever holds a
-param twice; DeepSpeed PR #7780 fixed stale buckets here); without, autograd accumulated the new
-grad into param.grad, which the open slot reads at reduce time, so there is nothing to do.
+contiguous_gradients the first grad sits in the bucket (copied or held) and param.grad was
+released, so the bucket is flushed first and the new grad takes a fresh slot (no bucket ever
+holds a param twice; DeepSpeed PR #7780 fixed stale buckets here); without, autograd accumulated
+the new grad into param.grad, which the open slot reads at reduce time, so there is nothing to do.
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
 from fz3.core.config import COMM_DTYPES, Config
-from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, GradEffect, ReduceBucket, Slot,
-                              WriteMode, WritePartition)
+from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, GradEffect, HoldGrad, ReduceBucket,
+                              Slot, WriteMode, WritePartition)
 from fz3.core.ids import BucketId, ParamId
 from fz3.core.pvec import PVec
 from fz3.core.spec import ModelSpec
@@ -103,11 +115,19 @@ class GradState(NamedTuple):
     backward: int  # epilogues run so far: the id of the current backward
     micro_step: int  # backwards finished in this accumulation window (DeepSpeed micro_step_id)
     window: int  # accumulation windows finished (optimizer steps taken)
+    # static: the reduce-scatter carrier sends each grad from where it lies, so a bucket would
+    # only stage a copy ([Note: copy or hold])
+    in_place_reduce_scatter: bool = False
 
 
-def init_grad_state(spec: ModelSpec) -> GradState:
-    """The state before the first backward: no buckets, no grads, micro_step 0."""
-    return GradState(spec, PVec([UNSEEN] * len(spec.params)), (), 0, 0, 0, 0)
+def init_grad_state(spec: ModelSpec, *, in_place_reduce_scatter: bool = False) -> GradState:
+    """The state before the first backward: no buckets, no grads, micro_step 0.
+
+    `in_place_reduce_scatter`: the interpreter's reduce-scatter carrier reads each grad in place
+    (its `in_place_reduce_scatter`); grads are then held rather than copied (`grad_route`).
+    """
+    return GradState(spec, PVec([UNSEEN] * len(spec.params)), (), 0, 0, 0, 0,
+                     in_place_reduce_scatter)
 
 
 def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str = "float32",
@@ -173,6 +193,27 @@ def bucket_dtype(grad_dtype: str, *, config: Config) -> str:
     return COMM_DTYPES[config.communication_data_type]
 
 
+def grad_route(state: GradState, config: Config) -> Optional[type[CopyToBucket] | type[HoldGrad]]:
+    """How a grad placed in an open bucket reaches its reduce: the effect that takes it out of
+    param.grad, or None when it stays there.
+
+        contiguous_gradients off                          None: the reduce reads param.grad
+        reduce_scatter on, in_place_reduce_scatter        HoldGrad: kept as it is, read in place
+        otherwise                                         CopyToBucket: into the flat bucket
+
+    Why hold: a reduce-scatter carrier that sends each grad from where it lies (p2p) would only
+    send what the copy staged; holding saves the copy and the bucket's memory ([Note: copy or
+    hold]). The all-reduce path reduces the flat bucket itself, so it always copies. A grad
+    bigger than the bucket is never placed: it is reduced alone from param.grad.
+    DeepSpeed: `__add_grad_to_ipg_bucket`, which always copies (with contiguous_gradients).
+    """
+    if not config.contiguous_gradients:
+        return None
+    if state.in_place_reduce_scatter and config.reduce_scatter:
+        return HoldGrad
+    return CopyToBucket
+
+
 def grad_predivide(world_size: int, config: Config) -> float:
     """What every grad is divided by before the reduce (see [Note: pre-division]): the world size
     with prescale_gradients, else gradient_predivide_factor; 1.0 = nothing.
@@ -224,9 +265,10 @@ def _place(state: GradState, param: ParamId, dtype: str, config: Config
     pg = state.params[param]._replace(bucket=bucket.id)
     state = state._replace(buckets=tuple(sorted(others + [bucket], key=lambda b: b.dtype)),
                            params=state.params.set(param, pg))
-    if not config.contiguous_gradients:
+    route = grad_route(state, config)
+    if route is None:
         return state, ()
-    return state, (CopyToBucket(bucket.id, dtype, param, slot.offset, numel),)
+    return state, (route(bucket.id, dtype, param, slot.offset, numel),)
 
 
 def _reduce_alone(state: GradState, param: ParamId, dtype: str, config: Config

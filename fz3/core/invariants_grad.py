@@ -8,20 +8,26 @@ whole bucket or log, so they are for checking, never for the hot path.
                        up and fits reduce_bucket_size, each slot's param points back at it;
                        0 <= micro_step <= gradient_accumulation_steps
     check_reduce_log   one backward's effects: every reported grad reduced exactly once, each
-                       reduce followed by one write per slot and one DropGrads, copies match slots
+                       reduce followed by one write per slot and one DropGrads; a contiguous
+                       bucket's copies (or holds, never both) match its slots, and grads are
+                       held (HoldGrad) only for a reduce on the reduce_scatter path
     check_drained      after an epilogue: no open bucket, and (with overlap_comm) a WaitReduce
                        after the last reduce
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from fz3.core.config import Config
-from fz3.core.effects import CopyToBucket, DropGrads, ReduceBucket, WaitReduce, WritePartition
+from fz3.core.effects import (CopyToBucket, DropGrads, HoldGrad, ReduceBucket, WaitReduce,
+                              WritePartition)
 from fz3.core.grads import GradState
 from fz3.core.ids import ParamId
 from fz3.core.invariants import InvariantError
+
+
+Placed = Union[CopyToBucket, HoldGrad]  # how a grad placed in a contiguous bucket got there
 
 
 def _fail(msg: str) -> None:
@@ -69,11 +75,11 @@ def check_reduce_log(effects: Sequence[object], reported: Sequence[ParamId], *,
     report; the values (I3) show nothing was counted twice.
     """
     reduced: Counter[ParamId] = Counter()
-    copies: dict[int, list[CopyToBucket]] = {}
+    copies: dict[int, list[Placed]] = {}  # copied or held, not yet reduced
     pending: dict[int, tuple[ReduceBucket, list[ParamId]]] = {}  # reduced, not yet dropped
     seen: set[int] = set()  # buckets reduced
     for e in effects:
-        if isinstance(e, CopyToBucket):
+        if isinstance(e, (CopyToBucket, HoldGrad)):
             copies.setdefault(e.bucket, []).append(e)
         elif isinstance(e, ReduceBucket):
             _check_reduce(e, copies, seen)
@@ -90,7 +96,7 @@ def check_reduce_log(effects: Sequence[object], reported: Sequence[ParamId], *,
     if pending:
         _fail(f"buckets {sorted(pending)} reduced but their grads never dropped")
     if copies:
-        _fail(f"grads copied into buckets {sorted(copies)} that were never reduced")
+        _fail(f"grads copied into (or held for) buckets {sorted(copies)} that were never reduced")
     want = Counter(reported)
     if config.contiguous_gradients:
         ok = reduced == want
@@ -100,13 +106,21 @@ def check_reduce_log(effects: Sequence[object], reported: Sequence[ParamId], *,
         _fail(f"reduced {dict(reduced)} != reported {dict(want)}")
 
 
-def _check_reduce(e: ReduceBucket, copies: dict[int, list[CopyToBucket]], seen: set[int]) -> None:
+def _check_reduce(e: ReduceBucket, copies: dict[int, list[Placed]], seen: set[int]) -> None:
     if e.bucket in seen:
         _fail(f"bucket {e.bucket} reduced twice")
-    if e.contiguous:
-        got = [(c.param, c.offset, c.numel) for c in copies.pop(e.bucket, [])]
-        if got != [tuple(s) for s in e.slots]:
-            _fail(f"bucket {e.bucket}: copies {got} do not match its slots {e.slots}")
+    if not e.contiguous:
+        return
+    placed = copies.pop(e.bucket, [])
+    got = [(c.param, c.offset, c.numel) for c in placed]
+    if got != [tuple(s) for s in e.slots]:
+        _fail(f"bucket {e.bucket}: copies {got} do not match its slots {e.slots}")
+    kinds = sorted({type(c).__name__ for c in placed})
+    if len(kinds) > 1:
+        _fail(f"bucket {e.bucket} mixes {kinds}: a reduce reads either a flat bucket or held grads")
+    if kinds == ["HoldGrad"] and e.path != "reduce_scatter":
+        _fail(f"bucket {e.bucket}: grads held (HoldGrad) for a reduce on path {e.path!r}; only a "
+              "reduce-scatter reads grads in place, an all-reduce reduces the flat bucket")
 
 
 def _check_drop(e: DropGrads, reduce: Optional[tuple[ReduceBucket, list[ParamId]]]) -> None:

@@ -14,6 +14,10 @@ A ReduceBucket whose path is "all_reduce" (the config's reduce_scatter=False) ru
 reduce whatever the carrier. Each method posts its collective and returns (work or None when
 it ran synchronously, result thunk, buffer to keep alive until the work completes); waiting,
 stream syncs and the deferred writes stay in the interpreter (dist.py).
+
+`reads_grads_in_place`: the reduce sends each grad from where it lies (P2P only), so a bucket
+would only stage a copy. The interpreter reports it as its `in_place_reduce_scatter`, and the
+core then holds grads (HoldGrad) instead of copying them (fz3.core.grads.grad_route).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ class Carrier:
     """Shared by the three: the interpreter it serves (pool, transport, check, streams)."""
 
     name = ""
+    reads_grads_in_place = False  # True: the reduce sends each grad from where it lies
 
     def __init__(self, interp) -> None:
         self.interp = interp
@@ -43,6 +48,7 @@ class Carrier:
 
 class P2P(Carrier):
     name = "p2p"
+    reads_grads_in_place = True  # p2p.reduce_scatter sends each rank's slice of each grad
 
     def __init__(self, interp) -> None:
         super().__init__(interp)
@@ -136,7 +142,7 @@ class AllReduce(Carrier):
     def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
         it = self.interp
         self.check(agreement.REDUCE, [s.param for s in e.slots], sum(s.numel for s in e.slots))
-        if e.contiguous:
+        if buf is not None:  # the grads are views of the flat bucket (copied, not held)
             flat = buf[:max(s.offset + s.numel for s in e.slots)]
             spans = [(s.offset, s.numel) for s in e.slots]
         else:

@@ -8,8 +8,10 @@
     Free              params back to empty .data; their pooled memory goes too unless the
                       core will gather them again in this pass (`refetch`)
     CopyToBucket      param.grad -> slice of a flat IPG bucket buffer of the effect's (comm)
-                      dtype; param.grad = None (a p2p reduce-scatter holds the grad itself
-                      instead, cast to that dtype: its sends read it in place)
+                      dtype; param.grad = None
+    HoldGrad          param.grad, flat and cast to the effect's dtype, kept for the bucket's
+                      reduce, which reads it in place (the p2p carrier sends from it);
+                      param.grad = None
     ReduceBucket      SUM all_reduce of the flat bucket, or one reduce_scatter_tensor of the
                       padded rank-interleaved grads; async with overlap_comm. Grads read from
                       param.grad are cast to the effect's dtype; all are divided by its
@@ -17,8 +19,8 @@
                       Options.gloo_reduce_scatter: point-to-point sends, the all-reduce path's
                       data plane (same partitions) or gloo's own
     WritePartition    this rank's reduced slice -> its fp32 partition (copy | add)
-    DropGrads         the bucket buffer goes back to the pool (not contiguous: the reduce took
-                      param.grad already)
+    DropGrads         the bucket buffer goes back to the pool, held grads are let go (not
+                      contiguous: the reduce took param.grad already)
     WaitReduce        wait every reduce in flight and run the writes that waited for it
     ZeroPartitions, AverageGrads   on the flat partition buffer (one division, never AVG)
     FreePartitions    the flat partition buffer's storage resized to 0 after the optimizer
@@ -34,7 +36,9 @@ Every other flat buffer (gathers, the params' full values, reduce-scatter input,
 scratch) comes from a `BufferPool` (fz3/data/pool.py): the same sizes come back every step.
 
 How an AllGather or a ReduceBucket moves its bytes is its carrier's business (carriers.py: P2P,
-Native, AllReduce), chosen once here from the config and the backend (accounting.carriers);
+Native, AllReduce), chosen once here from the options and the backend (accounting.carriers);
+whether grads are copied or held is the core's (fz3.core.grads.grad_route), told what the
+reduce-scatter carrier does by `in_place_reduce_scatter`;
 this file keeps what every carrier shares: the effect dispatch, the grads a reduce reads, the
 reduces in flight and the writes that wait for them.
 """
@@ -48,7 +52,7 @@ import torch
 
 from fz3.core.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
-                              ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
+                              HoldGrad, ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import BufferPool
 from fz3.interpreters import accounting, agreement, carriers
@@ -91,7 +95,6 @@ class DistInterpreter:
         self.gather = carriers.CARRIERS[self.gather_by](self)
         self.reduce_scatter = carriers.CARRIERS[self.reduce_scatter_by](self)
         self.all_reduce_carrier = carriers.AllReduce(self)
-        self.hold_grads = self.reduce_scatter_by == "p2p" and config.reduce_scatter
         self.held: dict[BucketId, dict[int, torch.Tensor]] = {}  # bucket -> offset -> grad
         self.gather_stream = device.new_stream() if self.async_op else None
         self.reduce_stream = device.new_stream() if self.async_op else None
@@ -159,6 +162,8 @@ class DistInterpreter:
                         self.store.free(p)
                 case CopyToBucket():
                     self._copy_to_bucket(e)
+                case HoldGrad():
+                    self._hold_grad(e)
                 case ReduceBucket():
                     self._reduce(e)
                 case WritePartition(bucket=b) | DropGrads(bucket=b) if self._pending(b) is not None:
@@ -206,15 +211,23 @@ class DistInterpreter:
 
     # ---- gradients ------------------------------------------------------------------------------
 
+    @property
+    def in_place_reduce_scatter(self) -> bool:
+        """Whether the reduce-scatter carrier sends each grad from where it lies (p2p): the core
+        then holds grads instead of copying them (fz3.core.grads.init_grad_state, grad_route)."""
+        return self.reduce_scatter.reads_grads_in_place
+
     def _copy_to_bucket(self, e: CopyToBucket) -> None:
         param = self.store.params[e.param]
-        if self.hold_grads:  # the bucket would only stage what p2p sends straight from the grad
-            grad = param.grad.reshape(-1).to(getattr(torch, e.dtype))
-            self.held.setdefault(e.bucket, {})[e.offset] = grad
-        else:
-            if e.bucket not in self.buffers:
-                self.buffers[e.bucket] = self._acquire(e.dtype)
-            self.buffers[e.bucket][e.offset:e.offset + e.numel].copy_(param.grad.reshape(-1))
+        if e.bucket not in self.buffers:
+            self.buffers[e.bucket] = self._acquire(e.dtype)
+        self.buffers[e.bucket][e.offset:e.offset + e.numel].copy_(param.grad.reshape(-1))
+        param.grad = None
+
+    def _hold_grad(self, e: HoldGrad) -> None:
+        param = self.store.params[e.param]
+        grad = param.grad.reshape(-1).to(getattr(torch, e.dtype))  # (numel,), no copy if same dtype
+        self.held.setdefault(e.bucket, {})[e.offset] = grad
         param.grad = None
 
     def _acquire(self, dtype: str) -> torch.Tensor:
@@ -282,7 +295,7 @@ class DistInterpreter:
         return t
 
     def bucket_bytes(self) -> int:
-        """Bytes of the IPG bucket buffers allocated (0 while the p2p reduce holds the grads)."""
+        """Bytes of the IPG bucket buffers allocated (0 when every grad is held: HoldGrad)."""
         bufs = [b for bs in self.pool.values() for b in bs] + list(self.buffers.values())
         return sum(b.numel() * b.element_size() for b in bufs)
 

@@ -5,9 +5,11 @@ fz3.plan builds the real engine on a meta copy of the model, as rank 0 of any wo
 this interpreter: every decision is the core's, so the gathers, prefetches, buckets and reduces
 are the run's own, and fz3/interpreters/accounting.py counts them as DistInterpreter does. A
 gathered param gets a meta full value (shape, no memory), a reduce only its counters; grads are
-taken out of param.grad where the real interpreter takes them (CopyToBucket, a non-contiguous
-ReduceBucket). Every rank runs the same effects on shards of the same size (I6), so rank 0's
-figures are every rank's.
+taken out of param.grad where the real interpreter takes them (CopyToBucket, HoldGrad, a
+non-contiguous ReduceBucket); only CopyToBucket makes a bucket buffer. It reports the same
+`in_place_reduce_scatter` as the real interpreter would, so the core routes grads alike. Every
+rank runs the same effects on shards of the same size (I6), so rank 0's figures are every
+rank's.
 
 What it cannot know is runtime: the process's memory, the CPU buffer pool's cache (pool_bytes),
 how long anything takes.
@@ -21,9 +23,9 @@ import torch
 
 from fz3.core.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
-                              ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
+                              HoldGrad, ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import Handle
-from fz3.interpreters import accounting
+from fz3.interpreters import accounting, carriers
 from fz3.shell.options import Options
 from fz3.shell.store import TensorStore
 
@@ -33,8 +35,6 @@ class PlanInterpreter:
         self.store, self.config = store, config
         self.spec = store.tables.spec
         self.gather_by, self.reduce_scatter_by = accounting.carriers(options, backend)
-        # the p2p reduce-scatter holds each grad instead of copying it into a bucket buffer
-        self.hold_grads = self.reduce_scatter_by == "p2p" and config.reduce_scatter
         trainable = sum(s.numel for s, t in zip(self.spec.params, store.trainable) if t)
         self.bucket_capacity = max(1, min(config.reduce_bucket_size, trainable))
         self.bucket_dtypes: set[str] = set()  # one IPG buffer per comm dtype, made at first use
@@ -60,8 +60,9 @@ class PlanInterpreter:
                     for p in ps:
                         self.store.free(p)
                 case CopyToBucket(param=p, dtype=dtype):
-                    if not self.hold_grads:
-                        self.bucket_dtypes.add(dtype)
+                    self.bucket_dtypes.add(dtype)
+                    self.store.params[p].grad = None
+                case HoldGrad(param=p):  # the reduce reads it where it lies: no bucket buffer
                     self.store.params[p].grad = None
                 case ReduceBucket():
                     accounting.count_reduce(self.counts, e, path=accounting.reduce_path(e, self.reduce_scatter_by),
@@ -77,6 +78,11 @@ class PlanInterpreter:
                     pass
                 case _:
                     raise TypeError(f"PlanInterpreter: unknown effect {e!r}")
+
+    @property
+    def in_place_reduce_scatter(self) -> bool:
+        """What DistInterpreter would say: its reduce-scatter carrier's `reads_grads_in_place`."""
+        return carriers.CARRIERS[self.reduce_scatter_by].reads_grads_in_place
 
     def end_of_backward(self) -> None:
         """No pool to release."""

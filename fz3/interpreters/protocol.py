@@ -29,6 +29,13 @@ import torch
 class Interpreter(Protocol):
     counts: Counter  # the COUNTERS of engine.stats() (fz3/shell/engine.py), and more
 
+    @property
+    def in_place_reduce_scatter(self) -> bool:
+        """Whether its reduce-scatter sends each grad from where it lies (gloo's p2p carrier).
+        The engine passes it to fz3.core.grads.init_grad_state, and the core then holds grads
+        (HoldGrad) on the reduce_scatter path instead of copying them into a bucket
+        (CopyToBucket). An interpreter without it is taken to say False."""
+
     def run(self, effects: Iterable[object]) -> None:
         """Carry out the core's effects, in order."""
 

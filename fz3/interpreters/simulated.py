@@ -12,7 +12,8 @@ honour (waiting a handle never issued, reducing grads never placed, a slot past 
 capacity) raises SimulationError, which is how tests catch a core that emits nonsense.
 
 Per rank:  shards[p] (s,)  full[p] (n,) while AVAILABLE  grads[p] = param.grad not yet in a bucket
-           bucket buffer per BucketId (flat, capacity reduce_bucket_size)  partitions[p] (s,)
+           bucket buffer per BucketId (flat, capacity reduce_bucket_size; a HoldGrad is staged
+           there like a CopyToBucket)  partitions[p] (s,)
 Grad partitions start as NaN, like DeepSpeed's uninitialised flat buffer, and are NaN again after
 FreePartitions (their memory given back): a core that adds where it should copy poisons them,
 and the comparison with the naive model fails. Grads are reduced
@@ -28,7 +29,7 @@ import torch
 
 from fz3.core.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
-                              ReduceBucket, Wait, WaitReduce, WriteMode, WritePartition,
+                              HoldGrad, ReduceBucket, Wait, WaitReduce, WriteMode, WritePartition,
                               ZeroPartitions)
 from fz3.core.ids import BucketId, Handle, ParamId
 from fz3.core.spec import ModelSpec
@@ -95,7 +96,7 @@ class SimulatedWorld:
                     self._wait(h)
                 case Free(params=ps):
                     self._free(ps)
-                case CopyToBucket():
+                case CopyToBucket() | HoldGrad():
                     self._copy_to_bucket(e)
                 case ReduceBucket():
                     self._reduce(e)
@@ -145,7 +146,9 @@ class SimulatedWorld:
 
     # ---- gradient effects -------------------------------------------------------------------
 
-    def _copy_to_bucket(self, e: CopyToBucket) -> None:
+    def _copy_to_bucket(self, e: CopyToBucket | HoldGrad) -> None:
+        """A held grad is staged like a copied one: the simulated collectives read values, and
+        a value is the same wherever it lies (no carrier here reads a grad in place)."""
         if e.offset < 0 or e.offset + e.numel > self.config.reduce_bucket_size:
             raise SimulationError(f"{e}: slot outside the bucket's capacity "
                                   f"{self.config.reduce_bucket_size}")

@@ -3,7 +3,8 @@
     initialize: world size 1-4, params of numel 0-40 (float32 / float64 grads), a bucket of
                 1-64 elements (often the fill of a run of grads, +-1), a reduce path, 1-4
                 accumulation steps, overlap_comm on or off, a comm dtype (or none),
-                prescale_gradients on or off, a gradient_predivide_factor
+                prescale_gradients on or off, a gradient_predivide_factor, a reduce-scatter
+                that reads grads in place or not (init_grad_state's in_place_reduce_scatter)
     rules:      report, report_all, report_backward (grad ready -> bucket_add)
                 report_twice (must raise, naming the param)
                 new_graph_task (reentrant checkpointing)   flush   end_backward (epilogue)
@@ -12,7 +13,10 @@
 
 At every accumulation boundary each rank's partitions must equal the naive mean slices bit for
 bit (I3), every grad reported in a backward must have been reduced exactly once, and no bucket
-may be open. Reuse it: `TestGrads = GradMachine.TestCase`, or subclass and override rules.
+may be open. Every report must take its grad out of param.grad as the naive model's table says
+(CopyToBucket, HoldGrad or neither), and a grad is held only with a reduce-scatter that reads
+grads in place, for a bucket then reduced on the reduce_scatter path. Reuse it:
+`TestGrads = GradMachine.TestCase`, or subclass and override rules.
 """
 from __future__ import annotations
 
@@ -24,13 +28,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from fz3.core import epilogue as ep
 from fz3.core import grads
 from fz3.core.config import Config
+from fz3.core.effects import HoldGrad
 from fz3.core.grads import GradError
 from fz3.core.ids import ParamId
 from fz3.core.invariants_grad import check_drained, check_grad_state, check_reduce_log
 from fz3.interpreters.simulated import SimulatedWorld
 from fz3.testing.coverage import covered
 from fz3.testing.grad_naive import (COMMS, DTYPES, PATHS, PREDIVIDES, NaiveGrads, bucket_sizes,
-                                    grad_multiple, grad_spec, small_int_grads)
+                                    check_placement, expected_placement, grad_multiple, grad_spec,
+                                    small_int_grads)
 
 
 class GradMachine(RuleBasedStateMachine):
@@ -41,10 +47,10 @@ class GradMachine(RuleBasedStateMachine):
                 world_size=st.integers(1, 4), path=st.sampled_from(sorted(PATHS)),
                 gas=st.integers(1, 4), overlap=st.booleans(), seed=st.integers(0, 2**32 - 1),
                 comm=st.sampled_from(COMMS), prescale=st.booleans(),
-                predivide=st.sampled_from(PREDIVIDES), data=st.data())
+                predivide=st.sampled_from(PREDIVIDES), in_place=st.booleans(), data=st.data())
     def setup(self, params: list[tuple[int, str]], world_size: int, path: str, gas: int,
               overlap: bool, seed: int, comm: str | None, prescale: bool, predivide: float,
-              data: st.DataObject) -> None:
+              in_place: bool, data: st.DataObject) -> None:
         bucket = data.draw(bucket_sizes([n for n, _ in params]), label="reduce_bucket_size")
         self.config = Config(reduce_bucket_size=bucket, gradient_accumulation_steps=gas,
                              overlap_comm=overlap, communication_data_type=comm,
@@ -54,12 +60,14 @@ class GradMachine(RuleBasedStateMachine):
         self.dtypes = [d for _, d in params]
         tdtypes = [DTYPES[d] for d in self.dtypes]
         spec = grad_spec([n for n, _ in params], world_size)
-        self.state = grads.init_grad_state(spec)
+        self.path, self.in_place = path, in_place
+        self.state = grads.init_grad_state(spec, in_place_reduce_scatter=in_place)
         self.world = SimulatedWorld(spec, config=self.config, grad_dtypes=tdtypes)
         self.naive = NaiveGrads([n for n, _ in params], tdtypes, world_size)
         self.gen = torch.Generator().manual_seed(seed)
         self.task, self.seen, self.reported, self.log_start = 0, set(), [], 0
-        note(f"W={world_size} params={params} path={path} {self.config}")
+        note(f"W={world_size} params={params} path={path} in_place_reduce_scatter={in_place} "
+             f"{self.config}")
         self.situation = f"{path}, W={world_size}, {gas} micro-step{'s' if gas > 1 else ''}"
         covered("examples", "gradient lifecycle")
 
@@ -99,6 +107,10 @@ class GradMachine(RuleBasedStateMachine):
         self.world.accumulate_grad(p, g)
         self.state, eff = grads.bucket_add(self.state, p, config=self.config,
                                            dtype=self.dtypes[p], graph_task=self.task)
+        want = expected_placement(self.path, self.in_place, self.state.spec.params[p].numel,
+                                  self.config.reduce_bucket_size)
+        check_placement(eff, p, want)
+        covered("naive model", f"grad placed by {want or 'neither copy nor hold'} ({self.path})")
         self._run(eff)
         self.seen.add(p)
         self.reported.append(p)
@@ -137,6 +149,7 @@ class GradMachine(RuleBasedStateMachine):
         self._run(eff)
         check_drained(self.state, eff, config=self.config)
         check_reduce_log(self.world.log[self.log_start:], self.reported, config=self.config)
+        self._check_holds(self.world.log[self.log_start:])
         covered("reduced once", self.situation)
         self.task, self.seen, self.reported, self.log_start = 0, set(), [], len(self.world.log)
         if ep.at_boundary(self.state, config=self.config):
@@ -177,7 +190,16 @@ class GradMachine(RuleBasedStateMachine):
             return
         raise AssertionError("optimizer_step accepted before the accumulation boundary")
 
+    def _check_holds(self, log: list) -> None:
+        """Grads are held only when the reduce-scatter reads them in place; check_reduce_log has
+        checked that each held bucket was reduced on the reduce_scatter path, the only path whose
+        carrier can read a grad where it lies."""
+        held = [e for e in log if isinstance(e, HoldGrad)]
+        if held and not self.in_place:
+            raise AssertionError(f"placement: {held[0]} without an in-place reduce-scatter")
+
     @invariant()
     def state_is_sound(self) -> None:
         if hasattr(self, "state"):
             check_grad_state(self.state, config=self.config)
+            assert self.state.in_place_reduce_scatter == self.in_place, "a static field changed"

@@ -2,14 +2,17 @@
 
     naive:  sums[p] += sum over ranks of grad_r(p)        (full size, no buckets, no shards)
             at the boundary: rank r expects (sums[p] / (W * gas)) padded, [r*s, (r+1)*s)
+    route:  per report, the one effect that takes the grad out of param.grad (PLACEMENT, by
+            path and whether the reduce-scatter reads grads in place), or none
     real:   bucket_add / flush / epilogue (fz3.core) -> effects -> SimulatedWorld
 
 The naive side slices with its own index arithmetic, never with fz3.data, so a bug in the data
-plane cannot hide by being on both sides. Grads are small integers, so every sum is exact in
-fp32 and results are compared with torch.equal. The naive model knows nothing of the comm dtype
-or the pre-division: whatever they are, the partitions must end as the plain mean. To keep that
-exact, grads are multiples of W under prescale_gradients (g / W is an integer again), the
-predivide factors are powers of two, and every sum stays within bf16's exact integers (256).
+plane cannot hide by being on both sides; its route is a table, never fz3.core.grads. Grads are
+small integers, so every sum is exact in fp32 and results are compared with torch.equal. The
+naive model knows nothing of the comm dtype or the pre-division: whatever they are, the
+partitions must end as the plain mean. To keep that exact, grads are multiples of W under
+prescale_gradients (g / W is an integer again), the predivide factors are powers of two, and
+every sum stays within bf16's exact integers (256).
 """
 from __future__ import annotations
 
@@ -32,6 +35,11 @@ PATHS = {  # name -> Config fields
     "allreduce": dict(contiguous_gradients=True, reduce_scatter=False),
     "reduce_scatter": dict(contiguous_gradients=True, reduce_scatter=True),
     "reduce_scatter_loose": dict(contiguous_gradients=False, reduce_scatter=True),
+}
+PLACEMENT = {  # path -> the effect a grad placed in a bucket gets, by in_place_reduce_scatter
+    "allreduce": {False: "CopyToBucket", True: "CopyToBucket"},  # an all-reduce reads the bucket
+    "reduce_scatter": {False: "CopyToBucket", True: "HoldGrad"},  # sent from the grad: no copy
+    "reduce_scatter_loose": {False: None, True: None},  # no bucket buffer: read from param.grad
 }
 COMMS = (None, "fp32", "bf16", "fp16")  # Config.communication_data_type
 PREDIVIDES = (1.0, 0.5, 2.0, 4.0)  # Config.gradient_predivide_factor: exact scalings
@@ -88,6 +96,25 @@ class NaiveGrads:
                                          f"({got.dtype}) != naive mean slice {want.tolist()}")
 
 
+def expected_placement(path: str, in_place: bool, numel: int, bucket_size: int) -> Optional[str]:
+    """The effect (by name) bucket_add must give a grad of `numel` on `path`, or None: a grad
+    bigger than the whole bucket is never placed (reduced alone, from param.grad)."""
+    if numel > bucket_size:
+        return None
+    return PLACEMENT[path][in_place]
+
+
+def check_placement(effects: Sequence[object], param: int, want: Optional[str]) -> None:
+    """A report's effects take the grad of `param` out of param.grad as `want` says: one
+    CopyToBucket or HoldGrad of it, or none of either (for it or any other param)."""
+    got = [(type(e).__name__, e.param) for e in effects
+           if type(e).__name__ in ("CopyToBucket", "HoldGrad")]
+    expected = [] if want is None else [(want, param)]
+    if got != expected:
+        raise AssertionError(f"placement of p{param}: the core emitted {got}, the naive model "
+                             f"expects {expected}")
+
+
 class Scenario(NamedTuple):
     """One accumulation window: per micro-step, the order of grad events."""
 
@@ -100,6 +127,7 @@ class Scenario(NamedTuple):
     comm: Optional[str] = None  # communication_data_type
     prescale: bool = False  # prescale_gradients
     predivide: float = 1.0  # gradient_predivide_factor
+    in_place: bool = False  # the reduce-scatter reads grads in place (grads are held)
 
     def config(self, path: str) -> Config:
         return Config(reduce_bucket_size=self.bucket_size, overlap_comm=self.overlap_comm,
@@ -112,7 +140,8 @@ class Scenario(NamedTuple):
 def scenarios(draw: st.DrawFn, max_params: int = 6) -> Scenario:
     """World sizes 1-4, numels 0-40, buckets from 1 element (often at an edge), 1-4 micro-steps,
     each a whole backward (in reverse param order or shuffled) or any run of reports, flushes
-    and new graph tasks; any comm dtype, prescale on or off, a predivide factor."""
+    and new graph tasks; any comm dtype, prescale on or off, a predivide factor, grads held by
+    an in-place reduce-scatter or not."""
     params = draw(st.lists(st.tuples(st.integers(0, 40), st.sampled_from(sorted(DTYPES))),
                            min_size=1, max_size=max_params))
     n = len(params)
@@ -125,7 +154,7 @@ def scenarios(draw: st.DrawFn, max_params: int = 6) -> Scenario:
     bucket = draw(bucket_sizes([p[0] for p in params]))
     return Scenario(draw(st.integers(1, 4)), tuple(params), bucket, draw(st.booleans()),
                     draw(st.integers(0, 2**32 - 1)), tuple(steps), draw(st.sampled_from(COMMS)),
-                    draw(st.booleans()), draw(st.sampled_from(PREDIVIDES)))
+                    draw(st.booleans()), draw(st.sampled_from(PREDIVIDES)), draw(st.booleans()))
 
 
 def bucket_sizes(numels: Sequence[int]) -> st.SearchStrategy[int]:
@@ -147,7 +176,8 @@ def run_scenario(sc: Scenario, path: str) -> tuple[SimulatedWorld, GradState, Na
     dtypes = [DTYPES[d] for _, d in sc.params]
     world = SimulatedWorld(spec, config=config, grad_dtypes=dtypes)
     naive = NaiveGrads([n for n, _ in sc.params], dtypes, sc.world_size)
-    state, gen = grads.init_grad_state(spec), torch.Generator().manual_seed(sc.seed)
+    state = grads.init_grad_state(spec, in_place_reduce_scatter=sc.in_place)
+    gen = torch.Generator().manual_seed(sc.seed)
     for actions in sc.micro_steps:
         start, reported, task, seen = len(world.log), [], 0, set()
         for act in actions:
@@ -168,6 +198,8 @@ def run_scenario(sc: Scenario, path: str) -> tuple[SimulatedWorld, GradState, Na
                 world.accumulate_grad(p, g)
                 state, eff = grads.bucket_add(state, p, config=config, dtype=sc.params[p][1],
                                               graph_task=task)
+                check_placement(eff, p, expected_placement(path, sc.in_place, sc.params[p][0],
+                                                           sc.bucket_size))
             world.run(eff)
             check_grad_state(state, config=config)
         state, eff = ep.epilogue(state, config=config)
@@ -198,4 +230,9 @@ EDGES = [  # permanent examples: shrunk failures and edges the search reaches on
     # a predivide factor, fp16 comm, a grad bigger than the bucket (reduced from param.grad)
     Scenario(2, ((6, "float64"), (1, "float32")), 4, False, 5, (_BACKWARD[1:], _BACKWARD[1:]),
              "fp16", False, 4.0),
+    # grads held for an in-place reduce-scatter (HoldGrad), cast to bf16, one re-reported in a
+    # new graph task while held
+    Scenario(2, ((3, "float32"), (2, "float64")), 8, True, 6,
+             ((("report", 1), ("report", 0), ("task",), ("report", 1), ("flush",)),), "bf16",
+             in_place=True),
 ]
