@@ -12,8 +12,10 @@ Categories (exclusive time: a nested timed call is charged to its own category, 
     reduce_issue     pack (rank-interleave) + issue        reduce_finish unpack + partition writes
     bucket_copy      param.grad -> IPG bucket
     optimizer        optimizer.step() on the fp32 shards   step_other    bind_grads, refresh shards
-    core             fz3.core transitions (fetch, release, pre/post_backward, bucket_add, ...)
-    shell            Engine hooks, wrap_tensors (autograd Function apply), effect dispatch
+    core             fz3.core's events (fz3/core/calls.py: enter, leave, grad_ready, ...: every
+                     decision and the lifecycle transitions under them)
+    shell            Engine hooks, the event door and effect dispatch, wrap_tensors (autograd
+                     Function apply)
 Before fz3, the same ranks time the plain model (local batch, AdamW, no communication): the
 compute floor that DDP adds one all-reduce to.
 
@@ -77,23 +79,22 @@ class _TimedWork:
 def instrument(timers: Timers) -> None:
     """Patch fz3's shell / interpreter classes and the collectives it calls (before initialize:
     the hooks bind the Engine's methods when they are installed)."""
-    import fz3.core.backward as core_bwd
+    import fz3.core.calls as calls
     import fz3.shell.engine as eng
     import fz3.shell.hooks as hooks
     from fz3.interpreters.dist import DistInterpreter
 
-    for name in ("fetch", "release", "reset_step", "finish_backward", "end_of_step", "bucket_add",
-                 "epilogue", "optimizer_step", "at_boundary"):
-        setattr(eng, name, timers.wrap("core", getattr(eng, name)))
-    for name in ("pre_backward", "post_backward", "register_external"):
-        setattr(core_bwd, name, timers.wrap("core", getattr(core_bwd, name)))
-    for name in ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_grad_ready",
-                 "_end_of_backward", "_on_param_read", "_queue_end_of_backward"):
+    for name in ("enter", "read", "leave", "raised", "pre_backward", "post_backward", "grad_ready",
+                 "end_of_backward", "stepped"):  # the core's events: every decision and transition
+        setattr(calls, name, timers.wrap("core", getattr(calls, name)))
+    eng.at_boundary = timers.wrap("core", eng.at_boundary)
+    for name in ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_on_param_read",
+                 "_end_of_backward", "_event", "_run", "_begin_pass", "_queue_end_of_backward"):
         setattr(eng.Engine, name, timers.wrap("shell", getattr(eng.Engine, name)))
     eng.wrap_tensors = timers.wrap("shell", hooks.wrap_tensors)
     eng.Engine.step = timers.wrap("step_other", eng.Engine.step)
     for name, cat in (("run", "shell"), ("_all_gather", "gather_issue"), ("_wait", "gather_unpack"),
-                      ("_copy_to_bucket", "bucket_copy"), ("_reduce", "reduce_issue"),
+                      ("_copy_to_bucket", "bucket_copy"), ("_hold_grad", "bucket_copy"), ("_reduce", "reduce_issue"),
                       ("_complete_oldest", "reduce_finish"), ("_write", "reduce_finish")):
         setattr(DistInterpreter, name, timers.wrap(cat, getattr(DistInterpreter, name)))
     # gloo's own collectives, through the interpreter's transport (fz3/interpreters/transport.py)

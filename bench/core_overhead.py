@@ -7,6 +7,13 @@ with the trace COMPLETE (steady state). No tensors, no torch: this is the contro
 
     python bench/core_overhead.py            # table to stdout
     python bench/core_overhead.py --json out.json
+    python bench/core_overhead.py --events calls   # through fz3/core/calls.py, as the shell drives it
+
+`--events params` (the default) drives the parameter transitions alone (fetch, release,
+pre_backward, post_backward): the cost of the lifecycle itself. `--events calls` drives the
+events the shell sends since #12 (enter, leave, pre_backward, post_backward, and grad_ready for
+each param, which adds the gradient lifecycle's bucket_add), over the three lifecycles together:
+what the core costs a hook, the decisions that used to be the shell's included.
 
 Target (issue #2): flat (10 000-module cost within 1.5x of 100-module) and < 20 us per visit.
 """
@@ -17,11 +24,13 @@ import json
 import platform
 import time
 
+from fz3.core import calls
 from fz3.core.backward import post_backward, pre_backward
 from fz3.core.config import Config
 from fz3.core.fetch import fetch
 from fz3.core.release import release
 from fz3.core.spec import build_spec
+from fz3.core.grads import init_grad_state
 from fz3.core.state import initial_state
 from fz3.core.step import finish_backward, reset_step
 
@@ -59,8 +68,39 @@ def one_pass(box, order, config):
     box.append(st)
 
 
+def one_pass_calls(box, order, config):
+    """The same pass as the shell sends it to fz3/core/calls.py; each module's params report
+    their grads before its post-backward, then the end of backward. No optimizer step: the
+    accumulation window is made long enough never to close (the param rows stay as they are)."""
+    config = config.replace(gradient_accumulation_steps=1 << 40)
+    st, _ = calls.enter(box.pop(), 0, config=config, grad=True, grad_inputs=False)
+    units = st.params.spec.modules
+    for m in order:
+        st, _ = calls.enter(st, m, config=config, grad=True, grad_inputs=True)
+        st, _ = calls.leave(st, m, config=config, grad_outputs=True)
+    st, _ = calls.leave(st, 0, config=config, grad_outputs=True)
+    for m in reversed(order):
+        st, _ = calls.pre_backward(st, m, config=config)
+        for p in units[m].params:
+            if st.grads.params[p].reported != st.grads.backward:  # a tied param reports once
+                st, _ = calls.grad_ready(st, p, config=config, dtype="float32")
+        st, _ = calls.post_backward(st, m, config=config)
+    st, _ = calls.end_of_backward(st, config=config)
+    box.append(st)
+
+
+def initial(spec, events: str):
+    if events == "params":
+        return initial_state(spec)
+    trainable = [True] * len(spec.params)
+    return calls.Lifecycle(initial_state(spec), init_grad_state(spec), calls.initial_calls(spec, trainable))
+
+
+PASSES = {"params": one_pass, "calls": one_pass_calls}
+
+
 def measure(sizes: list[int], config: Config, *, world_size: int = 2,
-            rounds: int = 15) -> dict[int, float]:
+            rounds: int = 15, events: str = "params") -> dict[int, float]:
     """{modules: (median, min) seconds per module visit over the rounds}. The sizes take turns, a few passes each per
     round, so a slow spell of this shared machine hits them all alike; CPU time of this process
     (time.process_time), not wall time, so time stolen by other tenants is not counted."""
@@ -70,16 +110,18 @@ def measure(sizes: list[int], config: Config, *, world_size: int = 2,
         order = list(range(1, n))
         # Hold only the newest state, as the shell does: an old state keeps every later change
         # alive (fz3/core/pvec.py), and a caller's `st = one_pass(st)` would hold the pass's first.
-        box = [initial_state(spec)]
+        box = [initial(spec, events)]
+        run = PASSES[events]
         for _ in range(2):  # RECORD, then COMPLETE
-            one_pass(box, order, config)
+            run(box, order, config)
         runs[n] = (box, order, [])
+    run = PASSES[events]
     for _ in range(rounds):
         for n, (box, order, samples) in runs.items():
             passes = max(1, 4000 // n)
             t0 = time.process_time()
             for _ in range(passes):
-                one_pass(box, order, config)
+                run(box, order, config)
             samples.append((time.process_time() - t0) / passes / (2 * len(order) + 1))
     return {n: (sorted(s)[len(s) // 2], min(s)) for n, (_, _, s) in runs.items()}
 
@@ -88,12 +130,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 1000, 10000])
     ap.add_argument("--json", help="also write the table here")
+    ap.add_argument("--events", choices=sorted(PASSES), default="params",
+                    help="params: the parameter transitions; calls: the shell's events (fz3/core/calls.py)")
     args = ap.parse_args()
     rows = []
     for name, cfg in CONFIGS.items():
-        for n, (med, low) in measure(args.sizes, cfg).items():
+        for n, (med, low) in measure(args.sizes, cfg, events=args.events).items():
             rows.append({"config": name, "modules": n, "us_per_visit": med * 1e6, "us_min": low * 1e6})
-    print(f"core overhead ({platform.python_implementation()} {platform.python_version()}, "
+    print(f"core overhead, {args.events} events ({platform.python_implementation()} {platform.python_version()}, "
           f"{platform.machine()})")
     print(f"{'config':<10} {'modules':>8} {'us/visit':>9} {'vs 100':>7} {'min':>7}")
     for r in rows:

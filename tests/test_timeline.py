@@ -65,7 +65,8 @@ def test_one_file_with_every_rank_and_lane_agreeing_with_stats(tmp_path):
         gathers = [n for n in by_lane[2] if n.startswith("all-gather")]
         assert len(gathers) == out["delta"]["all_gather"], (gathers, out["delta"])
         assert by_lane[2].count("reduce") == out["delta"]["reduce"] > 0
-        assert {"fetch", "release", "bucket_add", "epilogue", "reset_step"} <= set(by_lane[3]), set(by_lane[3])
+        assert {"enter", "leave", "pre_backward", "post_backward", "grad_ready", "end_of_backward",
+                "stepped"} <= set(by_lane[3]), set(by_lane[3])
         live = [e["args"]["live bytes"] for e in events if e["ph"] == "C" and e["pid"] == r]
         assert live and 0 < max(live) <= out["peak"] * 4
 

@@ -145,6 +145,10 @@ class Log(Generic[T]):
     def __len__(self) -> int:
         return self._n
 
+    def since(self, start: int) -> list[T]:
+        """The items from index `start` of this version on."""
+        return self._items[start:self._n]
+
     def __iter__(self) -> Iterator[T]:
         """Oldest first."""
         items, n = self._items, self._n

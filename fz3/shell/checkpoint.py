@@ -186,9 +186,10 @@ def check_tag(tag) -> str:
 
 def check_quiescent(engine, what: str) -> None:
     gs = engine.grads_state
-    if gs.micro_step != 0 or gs.buckets or engine.stack:
+    inside = bool(engine.state.calls.stack)
+    if gs.micro_step != 0 or gs.buckets or inside:
         raise CheckpointError(f"{what}: at micro-step {gs.micro_step} of {engine.config.gradient_accumulation_steps}"
-                              f"{' inside a forward' if engine.stack else ''}; call it at an accumulation "
+                              f"{' inside a forward' if inside else ''}; call it at an accumulation "
                               "boundary, after engine.step() (grad partitions are not saved)")
     if engine.params_state.held:
         raise CheckpointError(f"{what}: inside fz3.gathered_parameters; call it outside the block")

@@ -225,13 +225,15 @@ def apply(engine, loaded: dict, parts: dict = ALL_PARTS) -> None:
         if name in buffers:
             buffers[name].data.copy_(value)
     meta = loaded["meta"]
-    if parts["counters"]:
-        engine.optimizer_steps = meta["optimizer_steps"]
+    # (engine.optimizer_steps is the grad lifecycle's window, restored here with it)
     # fresh per-param grad records: ones left by training before the load could equal the
-    # restored window / backward counters and turn a first write into an add (fz3/core/grads.py)
+    # restored window / backward counters and turn a first write into an add (fz3/core/grads.py);
+    # the static route flag is the interpreter's, kept as it was
+    old = engine.grads_state
     window, backward = (meta["grads"]["window"], meta["grads"]["backward"]) if parts["counters"] else \
-        (engine.grads_state.window, engine.grads_state.backward)
-    engine.grads_state = init_grad_state(engine.spec)._replace(window=window, backward=backward)
+        (old.window, old.backward)
+    fresh = init_grad_state(engine.spec, in_place_reduce_scatter=old.in_place_reduce_scatter)
+    engine.state = engine.state._replace(grads=fresh._replace(window=window, backward=backward))
     engine._params(end_of_step)  # re-gather persistent
 
 

@@ -11,17 +11,13 @@ from fz3.core import invariants, invariants_grad
 from fz3.core.config import Config
 
 
-def after_param_event(state, effects, config: Config) -> None:
-    invariants.check_state(state)
-    invariants.check_live_budget(state, effects, config=config)
-
-
-def after_grad_event(state, config: Config) -> None:
-    invariants_grad.check_grad_state(state, config=config)
-
-
-def fetched(state, module: int) -> None:
-    invariants.check_fetched(state, module)
+def after_event(state, effects, config: Config) -> None:
+    """After any event on the engine's Lifecycle (fz3/core/calls.py): both lifecycles' states."""
+    invariants.check_state(state.params)
+    invariants.check_live_budget(state.params, effects, config=config)
+    invariants_grad.check_grad_state(state.grads, config=config)
+    for frame in state.calls.stack:  # every open call finds its unit gathered
+        invariants.check_fetched(state.params, frame.module)
 
 
 def quiescent(state) -> None:

@@ -1,17 +1,21 @@
-"""The engine: the shell's mutable cells and the event handlers that drive the core.
+"""The engine: the shell's mutable cells and the hooks that turn torch's events into core events.
 
-    engine(*args)      root pre-forward: reset_step; every registered module:
-                       fetch on entry, release on exit (hooks.py)
+    engine(*args)      every registered module: pre-forward -> calls.enter, post-forward ->
+                       calls.leave (hooks.py: the autograd nodes; fz3/core/calls.py: the events)
     engine.backward(loss) / loss.backward()
-                       PreBackward -> pre_backward, PostBackward -> post_backward,
-                       grad hooks -> bucket_add, end of backward (queue_callback) ->
-                       epilogue + finish_backward
+                       PreBackward -> calls.pre_backward, PostBackward -> calls.post_backward,
+                       grad hooks -> calls.grad_ready, end of backward (queue_callback) ->
+                       calls.end_of_backward
     engine.step()      at the accumulation boundary: clip, optimizer.step() on the fp32 master
-                       shards, shards refreshed, optimizer_step + end_of_step
+                       shards, shards refreshed, calls.stepped
 
-Every decision is a core transition; this file only moves events in and effects out, and holds
-the only mutable cells: the current ParamState and GradState, the tensor store, the in-flight
-handles (in the interpreter) and the forward stack.
+Every decision is a core transition (fz3/core/calls.py); a hook reads what torch shows it (grad
+mode, which tensors need grad, which params a module returned), hands it to the core, and runs
+the effects it gets back: the parameter and gradient effects through the interpreter, the hook
+effects (fz3/core/hook_effects.py: wrap the call's tensors, queue the end of backward, the
+store's grad placeholders) itself, in order. The engine's own cells: the core state and the
+last grad norm; torch forces two more, kept beside what they serve: the saved-tensor hooks of
+a root forward (saved.py) and the tensor store (store.py).
 """
 from __future__ import annotations
 
@@ -21,19 +25,19 @@ from typing import Callable
 import torch
 from torch import nn
 
-from fz3.core import backward as core_bwd
+from fz3.core import calls
+from fz3.core.calls import Lifecycle, initial_calls
 from fz3.core.config import Config
-from fz3.core.epilogue import at_boundary, epilogue, optimizer_step
-from fz3.core.fetch import fetch
-from fz3.core.grads import bucket_add, init_grad_state
+from fz3.core.epilogue import at_boundary
+from fz3.core.grads import init_grad_state
+from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
+                                   QueueEndOfBackward, WrapInputs, WrapOutputs, ZeroGrads)
 from fz3.core.ids import Status, TraceMode
-from fz3.core.release import release
-from fz3.core.state import GRADS_REMAINING, STATUS, initial_state
-from fz3.core.step import end_of_step, finish_backward, reset_step
+from fz3.core.state import STATUS, initial_state
 from fz3.interpreters.protocol import Interpreter
 from fz3.shell import checks, pytree
 from fz3.shell.log import StepLog
-from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, wrap_leaves, wrap_tensors
+from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, needs_grad, wrap_tensors
 from fz3.shell.memory import memory_stats
 from fz3.shell.saved import SavedParams
 from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, global_grad_norm
@@ -61,7 +65,6 @@ class Engine:
         fz3's own switches (fz3/shell/options.py; the interpreter takes the same)."""
         self.module, self.optimizer, self.config, self.device = model, optimizer, config, device
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)
-        self.grad_norm: torch.Tensor | None = None  # at the last boundary, before clipping
         self.transport, self.options = transport, options
         self.rank, self.world_size = rank, world_size
         self.tables = read_tables(model, world_size=self.world_size, config=config)
@@ -69,259 +72,172 @@ class Engine:
         self.store = TensorStore(self.tables, rank=self.rank, world_size=self.world_size,
                                  compute_dtype=config.compute_dtype, device=device.torch_device)
         self.interp = interpreter(self.store)
-        self.params_state = initial_state(self.spec)
-        self.grads_state = init_grad_state(self.spec)
         self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
         self.module_ids = {id(m): i for i, m in enumerate(self.tables.modules)}
-        self.units = [set(m.params) for m in self.spec.modules]
-        self.leaf_params = {p for m in self.spec.modules if m.is_leaf for p in m.params}
-        self.stack: list[int] = []
-        self.aborted = False  # a forward of this pass raised (see _raised)
-        self.leaves_pending: set[int] = set()  # leaf modules run in forward, not yet reduced
-        # [Note: inert modules] A module whose own params are all persistent (or that has none: a
-        # container) never gathers nor frees, and its externals are pinned to the step's end: its
-        # backward would do nothing, so its calls get no autograd nodes (its forward still goes
-        # through the core: trace, prefetch). 18 of the small benchmark GPT's 33 calls; ~2.7 ms
-        # a step (bench/no_comm_overhead.py, toy). The root and leaf modules always get theirs.
-        self.inert = [m > 0 and not ms.is_leaf and all(self.spec.params[p].persistent for p in ms.params)
-                      for m, ms in enumerate(self.spec.modules)]
-        self.grad_params = [tuple(p for p in ms.params if self.tables.params[p].requires_grad)
-                            if not (ms.is_leaf or self.inert[m]) else ()
-                            for m, ms in enumerate(self.spec.modules)]
-        self.grad_waiters: dict[int, list[int]] = {}  # param -> modules released by its grad
-        for m, ps in enumerate(self.grad_params):
-            for p in ps:
-                self.grad_waiters.setdefault(p, []).append(m)
-        self.calls_awaiting_grads: dict[int, int] = {}  # module -> calls with no grad inputs
-        self.awaiting_since: dict[int, int] = {}  # such a call -> len(saved.log) at its start
-        self.grads_awaited: dict[int, set[int]] = {}  # module -> its params' grads still due
-        self.callback_queued = False
-        self.optimizer_steps = 0
+        in_place = getattr(self.interp, "in_place_reduce_scatter", False)
+        # the engine's two cells: the core state, and the grad norm at the last boundary
+        self.state = Lifecycle(initial_state(self.spec), init_grad_state(self.spec, in_place_reduce_scatter=in_place),
+                               initial_calls(self.spec, self.store.trainable))
+        self.grad_norm: torch.Tensor | None = None  # at the last boundary, before clipping
         self.step_log = StepLog()
         self.saved = SavedParams(self.store, self.tables.names, self.param_ids)
-        self.saved_hooks = None  # entered for each root forward
+        self.run_hook_effect = {BeginPass: self._begin_pass, EndPass: self._end_pass,
+                                WrapInputs: self._wrap_inputs, WrapOutputs: self._wrap_outputs,
+                                GradDue: self._grad_due, GradIn: self._grad_in, ClearGradDue: self._clear_grad_due,
+                                ZeroGrads: self._zero_grads, QueueEndOfBackward: self._queue_end_of_backward,
+                                EndOfBackward: self._backward_done}
         if config.compute_dtype != "fp32":
             _cast_buffers(model, DTYPES[config.compute_dtype])
         bind_optimizer(optimizer, self.tables.params, self.store.masters)
         self._install()
 
-    # ---- running effects ----------------------------------------------------------------------
+    @property
+    def params_state(self):
+        return self.state.params
+
+    @property
+    def grads_state(self):
+        return self.state.grads
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken: the accumulation windows closed."""
+        return self.state.grads.window
+
+    # ---- running events ---------------------------------------------------------------------
+
+    def _event(self, transition, *args, tree=None, **kwargs):
+        """Run a core event on the current state, then its effects, in order: the interpreter's,
+        and the hook effects here (they may rewrap `tree`, the call's inputs or outputs, which
+        is returned). `self._event(calls.enter, m, grad=True, ...)` is `calls.enter(self.state,
+        m, grad=True, ..., config=self.config)`. The one door every event goes through
+        (fz3.timeline times it)."""
+        self.state, effects = transition(self.state, *args, config=self.config, **kwargs)
+        tree = self._run(effects, tree)
+        if self.options.debug_checks:
+            checks.after_event(self.state, effects, self.config)
+        return tree
 
     def _params(self, transition, *args, **kwargs) -> None:
-        """Run a parameter-lifecycle transition of the core on the current state, then its effects:
-        `self._params(fetch, m, forward=True)` is `fetch(self.params_state, m, forward=True,
-        config=self.config)`. The one door every transition goes through (fz3.timeline times it)."""
-        self.params_state, effects = transition(self.params_state, *args, config=self.config, **kwargs)
-        self.interp.run(effects)
+        """A parameter-lifecycle transition alone (hold, unhold, end_of_step after a load)."""
+        params, effects = transition(self.state.params, *args, config=self.config, **kwargs)
+        self.state = self.state._replace(params=params)
+        self._run(effects, None)
         if self.options.debug_checks:
-            checks.after_param_event(self.params_state, effects, self.config)
+            checks.after_event(self.state, effects, self.config)
 
-    def _grads(self, transition, *args, **kwargs) -> None:
-        """The same for a gradient-lifecycle transition."""
-        self.grads_state, effects = transition(self.grads_state, *args, config=self.config, **kwargs)
-        self.interp.run(effects)
-        if self.options.debug_checks:
-            checks.after_grad_event(self.grads_state, self.config)
+    def _run(self, effects, tree):
+        batch = []
+        for e in effects:
+            run = self.run_hook_effect.get(type(e))
+            if run is None:
+                batch.append(e)
+                continue
+            if batch:
+                self.interp.run(batch)
+                batch = []
+            tree = run(e, tree)
+        if batch:
+            self.interp.run(batch)
+        return tree
 
-    # ---- hooks ------------------------------------------------------------------------------
+    # ---- hooks: torch's events in ---------------------------------------------------------------
 
     def _install(self) -> None:
+        leaf_params = {p for m in self.spec.modules if m.is_leaf for p in m.params}
         for m, module in enumerate(self.tables.modules):
             module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True)
             module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
             if not self.spec.modules[m].is_leaf:
                 module._parameters = ParamDict(module._parameters, m, self._on_param_read)
         for p, param in enumerate(self.tables.params):
-            if param.requires_grad and p not in self.leaf_params:
+            if param.requires_grad and p not in leaf_params:  # a leaf's: [Note: leaf modules]
                 param.register_post_accumulate_grad_hook(self._make_grad_hook(p))
 
     def _pre_forward(self, module, args, kwargs):
-        m = self.module_ids[id(module)]
-        if m == 0 and torch._C._current_graph_task_id() == -1:  # the root, not recomputed in backward
-            self._new_pass(module)
-            if self.saved_hooks is None:  # [Note: saved views of gathered params] (saved.py)
-                self.saved_hooks = self.saved.context()
-                self.saved_hooks.__enter__()
-            if self.store.dtype != torch.float32:
-                args, kwargs = _cast_floating((args, kwargs), self.store.dtype)
-        if self.inert[m]:
-            wrapped = False
-        else:
-            (args, kwargs), wrapped = wrap_tensors((args, kwargs), PostBackward, lambda: self._post_backward(m))
-        if not wrapped and torch.is_grad_enabled() and self.grad_params[m]:
-            wrapped = True  # released once its own grads are in: see _grads_in
-            self.calls_awaiting_grads[m] = self.calls_awaiting_grads.get(m, 0) + 1
-            if self.saved_hooks is not None:  # [Note: backward reads no param] (_post_forward)
-                self.awaiting_since[m] = len(self.saved.log)
-        self._params(fetch, m, forward=True, grad_inputs=int(wrapped))
-        if self.options.debug_checks:
-            checks.fetched(self.params_state, m)
-        if self.spec.modules[m].is_leaf and torch.is_grad_enabled():
-            self.leaves_pending.add(m)
-        self.stack.append(m)
-        return args, kwargs
-
-    def _new_pass(self, root: nn.Module) -> None:
-        """The root's pre-forward: a new pass, of the kind grad mode and train mode say. The
-        last pass's leftovers are dropped; if it raised (see _raised; or it left its stack
-        behind), the core is told so and forgets its partial trace."""
-        aborted, self.aborted = self.aborted or bool(self.stack), False
-        self.stack.clear()
-        self.calls_awaiting_grads.clear()  # a pass with grad but no backward left these
-        self.grads_awaited.clear()
-        self.awaiting_since.clear()
-        self.saved.log.clear()
-        self.store.clear_grad_due()  # params no grad reached (or a pass with no backward)
-        self.leaves_pending.clear()
-        if [p.requires_grad for p in self.tables.params] != self.store.trainable:
-            checks.requires_grad_unchanged(self.tables, self.store.trainable)
-        self._params(reset_step, grad_enabled=torch.is_grad_enabled(), training=root.training, aborted=aborted)
-        self.step_log.new_pass(self)
+        grad = torch.is_grad_enabled()
+        return self._event(calls.enter, self.module_ids[id(module)], grad=grad,
+                           grad_inputs=grad and needs_grad(flatten((args, kwargs))[0]),
+                           recomputing=torch._C._current_graph_task_id() != -1,
+                           training=module.training, saved=self.saved.position(), tree=(args, kwargs))
 
     def _post_forward(self, module, args, kwargs, output):
-        if output is None and sys.exc_info()[1] is not None:
-            return self._raised(module)
-        m = self.stack.pop()
-        leaves, treedef = flatten(output)  # once: for returned params and for wrapping
-        found = [self.param_ids[id(t)] for t in leaves if id(t) in self.param_ids]
-        if found and self.stack:  # a param returned to the caller: external on the caller
-            self._register_external(self.stack[-1], found)
-        start = self.awaiting_since.pop(m, None)
-        reads_none = start is not None and self.units[m].isdisjoint(self.saved.log[start:])
-        if reads_none:  # freed from now on with their shape kept, for AccumulateGrad (store.free)
-            self.store.grad_due.update(self.grad_params[m])
-        if self.inert[m] or reads_none:
-            wrapped = False
-        else:
-            output, wrapped = wrap_leaves(output, leaves, treedef, PreBackward, lambda: self._pre_backward(m))
-        self._params(release, m, grad_outputs=wrapped)
-        if reads_none:
-            self._backward_reads_none(m)
-        if m == 0:
-            self._end_saved_hooks()
-        return output
-
-    def _backward_reads_none(self, m: int) -> None:
-        """[Note: backward reads no param] A call with no grad-requiring input (an embedding on
-        token ids) whose forward saved none of its params for backward (the saved-tensor hooks
-        saw none: F.embedding saves the ids and the weight's row count) computes its params'
-        grads without reading their values. So its backward needs no fetch and its own backward
-        bookkeeping is over now, not when its grads arrive (_grads_in): its params are freed as
-        soon as no other module needs them. A tied embedding/lm_head weight, which DeepSpeed
-        keeps gathered from the lm_head's backward through the embedding's (the last in the
-        backward, where autograd holds the lm_head's grad, the embedding's and their sum), is
-        freed right after the lm_head's backward."""
-        left = self.calls_awaiting_grads.get(m, 0) - 1
-        if left < 0:
-            return
-        if left:
-            self.calls_awaiting_grads[m] = left
-        else:
-            del self.calls_awaiting_grads[m]
-        self._params(core_bwd.post_backward, m)
-
-    def _end_saved_hooks(self) -> None:
-        if self.saved_hooks is not None and torch._C._current_graph_task_id() == -1:
-            self.saved_hooks.__exit__(None, None, None)
-            self.saved_hooks = None
-
-    def _raised(self, module: nn.Module) -> None:
-        """[Note: a forward that raised] The post-forward hook is registered with always_call,
-        so torch calls it (with no output) while an exception leaves the module's forward: a
-        shape error in one block, or torch.utils.checkpoint's non-reentrant recompute, which
-        stops early by raising once it has recomputed what backward needs. The call is closed
-        and its params released as after a normal forward, so nothing stays gathered and the
-        forward stack stays true. Outside backward the pass itself is cut short: the next pass
-        tells the core (reset_step(aborted=True)) to forget its partial trace."""
-        m = self.module_ids[id(module)]
-        if not self.stack or self.stack[-1] != m:
-            return  # raised in a pre-forward hook before ours pushed this call
-        self.stack.pop()
-        self.awaiting_since.pop(m, None)
-        if torch._C._current_graph_task_id() == -1:
-            self.aborted = True
-        self._params(release, m)
-        if m == 0:
-            self._end_saved_hooks()
+        if output is None and sys.exc_info()[1] is not None:  # raised: [Note: a forward that raised]
+            return self._event(calls.raised, self.module_ids[id(module)],
+                               recomputing=torch._C._current_graph_task_id() != -1)
+        leaves = flatten(output)[0]
+        return self._event(calls.leave, self.module_ids[id(module)],
+                           grad_outputs=torch.is_grad_enabled() and needs_grad(leaves),
+                           returned=tuple(self.param_ids[id(t)] for t in leaves if id(t) in self.param_ids),
+                           saved=self.saved.log, recomputing=torch._C._current_graph_task_id() != -1,
+                           tree=output)
 
     def _on_param_read(self, owner: int, param: nn.Parameter) -> None:
-        if not self.stack or self.stack[-1] == owner:
-            return
-        p = self.param_ids[id(param)]
-        if p not in self.units[self.stack[-1]]:
-            self._register_external(self.stack[-1], [p])
-
-    def _register_external(self, m: int, pids: list[int]) -> None:
-        self.units[m].update(pids)
-        self._params(core_bwd.register_external, m, tuple(pids))
+        self._event(calls.read, owner, self.param_ids[id(param)])
 
     def _pre_backward(self, m: int) -> None:
-        self._queue_end_of_backward()
-        self._params(core_bwd.pre_backward, m)
+        self._event(calls.pre_backward, m)
 
     def _post_backward(self, m: int) -> None:
-        self._queue_end_of_backward()
-        if self.spec.modules[m].is_leaf and m in self.leaves_pending and \
-                self.params_state.module_rows[m][GRADS_REMAINING] <= 1:  # its last call's backward
-            self._reduce_leaf(m)
-        self._params(core_bwd.post_backward, m)
-
-    def _reduce_leaf(self, m: int) -> None:
-        """A leaf's params are reduced together when its backward is done, zeros standing in
-        for grads its experts did not produce on this rank, so every rank reduces the same."""
-        self.leaves_pending.discard(m)
-        for p in self.spec.modules[m].params:
-            param = self.tables.params[p]
-            if not param.requires_grad:
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            self._grad_ready(p)
+        self._event(calls.post_backward, m)
 
     def _make_grad_hook(self, p: int):
         def hook(param: nn.Parameter) -> None:
-            self._queue_end_of_backward()
-            self._grad_ready(p)
-            self._grads_in(p)
-            self.store.grad_in(p)
+            self._event(calls.grad_ready, p, dtype=str(param.grad.dtype).removeprefix("torch."),
+                        graph_task=torch._C._current_graph_task_id())
         return hook
 
-    def _grads_in(self, p: int) -> None:
-        """[Note: modules without grad inputs] A call whose inputs need no grad (an embedding
-        on token ids) never gets a post-backward, so DeepSpeed keeps its params gathered to the
-        end of backward: for the token embedding, the largest unit, through the whole backward.
-        Its backward is over once its own params' grads are accumulated, so release it then."""
-        for m in self.grad_waiters.get(p, ()):
-            if m in self.calls_awaiting_grads:
-                waiting = self.grads_awaited.setdefault(m, set(self.grad_params[m]))
-                waiting.discard(p)
-                if not waiting:
-                    del self.grads_awaited[m]
-                    for _ in range(self.calls_awaiting_grads.pop(m)):
-                        self._params(core_bwd.post_backward, m)
-
-    def _grad_ready(self, p: int) -> None:
-        grad = self.tables.params[p].grad
-        dtype = str(grad.dtype).removeprefix("torch.")
-        self._grads(bucket_add, p, dtype=dtype, graph_task=torch._C._current_graph_task_id())
-
-    def _queue_end_of_backward(self) -> None:
-        if not self.callback_queued:
-            self.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
     def _end_of_backward(self) -> None:
-        self.callback_queued = False
-        self.calls_awaiting_grads.clear()
-        self.grads_awaited.clear()
-        self.store.clear_grad_due()  # params no grad reached (or a pass with no backward)
-        for m in sorted(self.leaves_pending):  # no grad-requiring input: post-backward never ran
-            self._reduce_leaf(m)
-        self._grads(epilogue)
-        self._params(finish_backward)
+        self._event(calls.end_of_backward)
+
+    # ---- hook effects: what the core asks of torch ------------------------------------------------
+
+    def _begin_pass(self, e: BeginPass, tree):
+        """[Note: saved views of gathered params] (saved.py) watch this pass's saves."""
+        self.saved.begin()
+        self.store.clear_grad_due()
+        checks.requires_grad_unchanged(self.tables, self.store.trainable)
+        self.step_log.new_pass(self)
+        return _cast_floating(tree, self.store.dtype)
+
+    def _end_pass(self, e: EndPass, tree):
+        self.saved.end()
+        return tree
+
+    def _wrap_inputs(self, e: WrapInputs, tree):
+        return wrap_tensors(tree, PostBackward, lambda: self._post_backward(e.module))[0]
+
+    def _wrap_outputs(self, e: WrapOutputs, tree):
+        return wrap_tensors(tree, PreBackward, lambda: self._pre_backward(e.module))[0]
+
+    def _grad_due(self, e: GradDue, tree):
+        self.store.grad_due.update(e.params)
+        return tree
+
+    def _grad_in(self, e: GradIn, tree):
+        self.store.grad_in(e.param)
+        return tree
+
+    def _clear_grad_due(self, e: ClearGradDue, tree):
+        self.store.clear_grad_due()
+        return tree
+
+    def _zero_grads(self, e: ZeroGrads, tree):
+        for p in e.params:
+            param = self.tables.params[p]
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        return tree
+
+    def _queue_end_of_backward(self, e: QueueEndOfBackward, tree):
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        return tree
+
+    def _backward_done(self, e: EndOfBackward, tree):
         self.interp.end_of_backward()
         if self.options.debug_checks:
-            checks.quiescent(self.params_state)
+            checks.quiescent(self.state.params)
+        return tree
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -349,9 +265,7 @@ class Engine:
             clip_grad_norm(self.store, self.config.gradient_clipping, norm)
         self.optimizer.step()
         self.store.refresh_shards()
-        self._grads(optimizer_step)
-        self._params(end_of_step)
-        self.optimizer_steps += 1
+        self._event(calls.stepped)
         self.grad_norm = norm
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -405,6 +319,8 @@ def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _cast_floating(tree, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return tree
     leaves, spec = flatten(tree)
     return pytree.unflatten(spec, [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                                    else x for x in leaves])

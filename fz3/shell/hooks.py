@@ -65,6 +65,11 @@ def flatten(tree: Any) -> tuple[list, Any]:
     return pytree.flatten(tree)
 
 
+def needs_grad(leaves: list) -> bool:
+    """Some tensor among a pytree's leaves requires grad (whether or not grad mode is on)."""
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+
+
 def wrap_tensors(tree: Any, fn: type[torch.autograd.Function], on_backward: Callable[[], None]
                  ) -> tuple[Any, bool]:
     """Pass the grad-requiring tensors of a pytree (non-tensor leaves kept) through one `fn`

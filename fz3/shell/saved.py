@@ -23,6 +23,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from fz3.core.pvec import Log
+
 
 class SavedView(NamedTuple):
     param: int
@@ -36,24 +38,39 @@ class SavedParams:
 
     def __init__(self, store, names: list[str], param_ids: dict[int, int]) -> None:
         self.store, self.names, self.param_ids = store, names, param_ids
-        self.log: list[int] = []  # params saved for backward in this pass, in order (the engine
-        # reads which ones a call saved: [Note: backward reads no param], engine.py)
+        self.log: Log[int] = Log()  # params saved for backward in this pass, in order (the core
+        # reads which ones a call saved: [Note: backward reads no param], fz3/core/calls.py)
+        self.hooks: torch.autograd.graph.saved_tensors_hooks | None = None  # open in a root forward
 
-    def context(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+    def begin(self) -> None:
+        """A root forward starts: a fresh log, and the hooks open (until `end`)."""
+        self.log = Log()
+        if self.hooks is None:
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            self.hooks.__enter__()
+
+    def end(self) -> None:
+        """The root forward ended: autograd saves nothing more of this pass."""
+        if self.hooks is not None:
+            self.hooks.__exit__(None, None, None)
+            self.hooks = None
+
+    def position(self) -> int:
+        """The log's length now; -1 outside a root forward (no saves are watched)."""
+        return -1 if self.hooks is None else len(self.log)
 
     def pack(self, t: torch.Tensor):
         if isinstance(t, nn.Parameter):
             p = self.param_ids.get(id(t))
             if p is not None:
-                self.log.append(p)  # the backward reads the param as it is then
+                self.log = self.log.extend((p,))  # the backward reads the param as it is then
             return t
         if not self.store.full_spans:
             return t
         found = self.store.full_of(t)
         if found is None:
             return t
-        self.log.append(found[0])
+        self.log = self.log.extend((found[0],))
         return SavedView(found[0], t.shape, t.stride(), found[1])
 
     def unpack(self, x):

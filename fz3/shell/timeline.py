@@ -10,10 +10,11 @@ One process per rank (pid = rank), three lanes each:
                    (the core's pre_backward to its post_backward), named by module
     communication  each all-gather from issue to the end of its wait; each reduce from issue to
                    completion (the interpreter's deferred completion, or the effect itself)
-    core           each core transition (fetch, release, bucket_add, ...), its own time only
+    core           each core event (fz3/core/calls.py: enter, leave, pre_backward, grad_ready,
+                   end_of_backward, ...; a param read only when it borrows), its own time only
 
 and a counter track per rank, "live bytes": the core's live params (gathered or in flight) times
-the compute dtype's size, after each parameter transition. Times are microseconds from a barrier
+the compute dtype's size, after each event. Times are microseconds from a barrier
 at the block's start, on each rank's monotonic clock (one host: the same clock).
 
 Off costs nothing: entering the block puts timing wrappers on this engine's instance (its
@@ -30,6 +31,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from fz3.core import calls
 from fz3.core.effects import AllGather, ReduceBucket, Wait
 
 COMPUTE, COMM, CORE = 1, 2, 3
@@ -72,8 +74,8 @@ class Recorder:
     def install(self) -> None:
         e = self.engine
         names = e.tables.module_names
-        self._wrap(e, "_params", self._transition(e._params, params=True))
-        self._wrap(e, "_grads", self._transition(e._grads, params=False))
+        self._wrap(e, "_event", self._transition(e._event, lambda: e.state))
+        self._wrap(e, "_params", self._transition(e._params, lambda: e.state.params))
         self._wrap(e.interp, "run", self._run(e.interp.run))
         if hasattr(e.interp, "_complete_oldest"):
             self._wrap(e.interp, "_complete_oldest", self._complete(e.interp))
@@ -99,16 +101,19 @@ class Recorder:
 
     # ---- the wrappers -----------------------------------------------------------------------------
 
-    def _transition(self, inner, *, params: bool):
+    def _transition(self, inner, state):
         e = self.engine
 
-        def timed(transition, *args, **kwargs) -> None:
+        def timed(transition, *args, **kwargs):
+            tree = kwargs.pop("tree", None)
             start = time.perf_counter_ns()
-            result = transition(e.params_state if params else e.grads_state, *args, config=e.config, **kwargs)
-            self.span(CORE, transition.__name__, start, time.perf_counter_ns())
-            inner(lambda *_a, **_k: result)  # the effects, through the engine's own door
-            if params:
-                self.live(time.perf_counter_ns())
+            result = transition(state(), *args, config=e.config, **kwargs)
+            if result[1] or transition is not calls.read:  # a param read that borrows nothing: no span
+                self.span(CORE, transition.__name__, start, time.perf_counter_ns())
+            out = inner(lambda *_a, **_k: result, tree=tree) if tree is not None else \
+                inner(lambda *_a, **_k: result)  # the effects, through the engine's own door
+            self.live(time.perf_counter_ns())
+            return out
         return timed
 
     def _run(self, inner):

@@ -62,7 +62,7 @@ def load_weights(engine, path: str | os.PathLike) -> None:
     from fz3.shell.engine import Engine
     if not isinstance(engine, Engine):
         raise TypeError(f"load_weights: expected the engine fz3.initialize returned, got {type(engine).__name__}")
-    if engine.stack or engine.callback_queued:
+    if engine.state.calls.stack or engine.state.calls.backward:
         raise RuntimeError("load_weights: called inside a forward or backward pass; call it between steps")
     error: Optional[BaseException] = None
     slices: dict[int, torch.Tensor] = {}

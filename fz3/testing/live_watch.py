@@ -1,6 +1,6 @@
 """Watching live full-param memory in a running engine (for the parity tests' I1 checks).
 
-    LiveWatch(engine)    wraps the engine's effect runner; after every parameter event splits
+    LiveWatch(engine)    wraps the engine's event door; after every event splits
                          the live numel into pinned (active units, held, persistent, external)
                          and budgeted (prefetched, kept for reuse), and keeps the peaks
     unit_bounds(engine)  per module: its fetch unit's numel, and the sum along its ancestor chain
@@ -19,15 +19,19 @@ class LiveWatch:
     max_live_parameters at every event, not only right after a prefetch."""
 
     def __init__(self, engine) -> None:
-        self.engine, self.run = engine, engine._params
+        self.engine, self.run = engine, engine._event
         self.numel = [p.numel for p in engine.spec.params]
         self.persistent = [p.persistent for p in engine.spec.params]
         self.budget_max = self.pinned_max = self.peak = 0
         self.detail = ""
-        engine._params = self  # the hooks call self._params(transition, ...): the instance's comes first
+        engine._event = self  # the hooks call self._event(transition, ...): the instance's comes first
 
-    def __call__(self, transition, *args, **kwargs) -> None:
-        self.run(transition, *args, **kwargs)
+    def __call__(self, transition, *args, **kwargs):
+        out = self.run(transition, *args, **kwargs)
+        self.check()
+        return out
+
+    def check(self) -> None:
         st, numel = self.engine.params_state, self.numel
         live = [p for p, row in enumerate(st.param_rows) if row[STATUS] != NOT_AVAILABLE]
         active = [m for m, row in enumerate(st.module_rows) if row[ACTIVE]]
@@ -41,9 +45,9 @@ class LiveWatch:
         self.pinned_max = max(self.pinned_max, pinned_n)
         if total > self.peak:
             self.peak = total
-            names, units = self.engine.tables.module_names, self.engine.units
-            mods = ", ".join(f"{names[m] or '<root>'}:{sum(numel[p] for p in units[m])}" for m in active)
-            self.detail = (f"live {total} at {sys._getframe(1).f_code.co_name}: active [{mods}], "
+            names = self.engine.tables.module_names
+            mods = ", ".join(f"{names[m] or '<root>'}:{sum(numel[p] for p in unit_of(st, m))}" for m in active)
+            self.detail = (f"live {total} at {sys._getframe(2).f_code.co_name}: active [{mods}], "
                            f"pinned {pinned_n}, budgeted {total - pinned_n}")
 
 
@@ -51,7 +55,8 @@ def unit_bounds(engine) -> tuple[list[int], list[int]]:
     """Per registered module: its fetch unit's numel (own params + externals registered on it),
     and the sum of the units on its chain of registered ancestors (itself included)."""
     numel = [p.numel for p in engine.spec.params]
-    units = [sum(numel[p] for p in unit) for unit in engine.units]
+    st = engine.state.params
+    units = [sum(numel[p] for p in unit_of(st, m)) for m in range(len(engine.spec.modules))]
     names = engine.tables.module_names
     index = {n: m for m, n in enumerate(names)}
     chains = []

@@ -1,0 +1,334 @@
+"""Module calls and autograd, as core events: what the shell's hooks see, and what they must do.
+
+The param lifecycle (fetch, release, backward.py) and the grad lifecycle (grads.py, epilogue.py)
+each take events a step below what torch shows the shell. This layer takes torch's own events,
+one per hook, and decides everything between: which calls get autograd nodes, when a call
+without grad inputs is over, when a leaf module's grads are reduced, which params a caller
+borrows, when the end of backward is queued. It returns the parameter and gradient effects for
+the interpreter and the hook effects (hook_effects.py) for the hook itself.
+
+    enter(m)           pre-forward of a call     [new pass at the root] wrap inputs? fetch
+    read(owner, p)     a call reads p off another module's _parameters   external?
+    leave(m)           post-forward              returned params external on the caller;
+                                                 reads none? wrap outputs? release
+    raised(m)          the forward raised        close the call, release; the pass is cut short
+    pre_backward(m)    PreBackward node ran      queue end of backward; fetch
+    post_backward(m)   PostBackward node ran     a leaf's last call: reduce it; release
+    grad_ready(p)      p's grad accumulated      bucket_add; calls waiting on p's grad: release
+    end_of_backward    autograd's callback       leaves left, epilogue, finish_backward
+    stepped            after optimizer.step()    optimizer_step, end_of_step
+
+The state is the three lifecycles together (`Lifecycle`); each event is a pure function
+`f(state, ..., *, config) -> (state, effects)` as below it.
+
+[Note: inert modules] A module whose own params are all persistent (or that has none: a
+container) never gathers nor frees, and its externals are pinned to the step's end: its
+backward would do nothing, so its calls get no autograd nodes (its forward still goes through
+the core: trace, prefetch). 18 of the small benchmark GPT's 33 calls; ~2.7 ms a step
+(bench/no_comm_overhead.py, toy). The root and leaf modules always get theirs.
+
+[Note: modules without grad inputs] A call whose inputs need no grad (an embedding on token
+ids) never gets a post-backward, so DeepSpeed keeps its params gathered to the end of backward:
+for the token embedding, the largest unit, through the whole backward. Its backward is over
+once its own params' grads are accumulated, so it is released then (`grad_ready`). To the param
+lifecycle such a call has one grad input: the release at its grads is its post_backward.
+
+[Note: backward reads no param] Such a call whose forward saved none of its params for backward
+(the saved-tensor hooks logged none: F.embedding saves the ids and the weight's row count)
+computes its params' grads without reading their values. So its backward needs no fetch and its
+backward bookkeeping is over at its post-forward: its params are freed as soon as no other
+module needs them, with their shape kept for AccumulateGrad (GradDue). A tied embedding /
+lm_head weight, which DeepSpeed keeps gathered from the lm_head's backward through the
+embedding's, is freed right after the lm_head's backward.
+
+[Note: leaf modules] A leaf module's params get no grad hooks: its calls' backwards may each
+add to them (a MoE block's experts), so they are reduced together once its last call's
+backward is done (post_backward with one call left), or at the end of backward for a leaf whose
+inputs needed no grad. Zeros stand in for grads its experts did not produce on this rank, so
+every rank reduces the same.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from fz3.core import backward as core_bwd
+from fz3.core.config import COMM_DTYPES, Config
+from fz3.core.epilogue import epilogue, optimizer_step
+from fz3.core.fetch import fetch
+from fz3.core.grads import GradState, bucket_add
+from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
+                                   QueueEndOfBackward, WrapInputs, WrapOutputs, ZeroGrads)
+from fz3.core.ids import ModuleId, ParamId
+from fz3.core.pvec import Log
+from fz3.core.release import release
+from fz3.core.spec import ModelSpec
+from fz3.core.state import EXTERNALS, GRADS_REMAINING, ParamState
+from fz3.core.step import end_of_step, finish_backward, reset_step
+
+
+class CallTables(NamedTuple):
+    """What the spec and the trainable flags say about calls, once per model."""
+
+    inert: tuple[bool, ...]  # by module: its calls get no autograd nodes ([Note: inert modules])
+    grad_params: tuple[tuple[ParamId, ...], ...]  # by module: params whose grads end a call
+    # without grad inputs (trainable, own; () for leaves and inert modules)
+    waiters: dict[ParamId, tuple[ModuleId, ...]]  # param -> modules with it in grad_params
+    trainable: tuple[bool, ...]  # by param
+
+
+class Frame(NamedTuple):
+    """One open forward call."""
+
+    module: ModuleId
+    saved_at: int  # length of the saved-param log at its start; -1: its reads are not watched
+    # (a call with grad inputs, or no graph recorded)
+
+
+class Waiting(NamedTuple):
+    """A module with calls released by their params' grads ([Note: modules without grad inputs])."""
+
+    module: ModuleId
+    calls: int  # calls still open in backward
+    due: frozenset[ParamId]  # of its grad params, those whose grads have not come in
+
+
+class CallState(NamedTuple):
+    tables: CallTables  # static
+    stack: tuple[Frame, ...]  # forward calls open, innermost last
+    aborted: bool  # a forward of this pass raised outside backward: the next pass says so
+    waiting: tuple[Waiting, ...]  # by module
+    leaves: frozenset[ModuleId]  # leaf modules run with grad in this pass, not yet reduced
+    backward: bool  # a backward is running: end_of_backward is queued
+
+
+class Lifecycle(NamedTuple):
+    """The whole state a rank's engine holds: the three lifecycles."""
+
+    params: ParamState
+    grads: GradState
+    calls: CallState
+
+
+def call_tables(spec: ModelSpec, trainable: Sequence[bool]) -> CallTables:
+    inert = tuple(m > 0 and not ms.is_leaf and all(spec.params[p].persistent for p in ms.params)
+                  for m, ms in enumerate(spec.modules))
+    grad_params = tuple(() if ms.is_leaf or inert[m] else tuple(p for p in ms.params if trainable[p])
+                        for m, ms in enumerate(spec.modules))
+    waiters: dict[ParamId, list[ModuleId]] = {}
+    for m, ps in enumerate(grad_params):
+        for p in ps:
+            waiters.setdefault(p, []).append(ModuleId(m))
+    return CallTables(inert, grad_params, {p: tuple(ms) for p, ms in waiters.items()}, tuple(trainable))
+
+
+def initial_calls(spec: ModelSpec, trainable: Sequence[bool]) -> CallState:
+    return CallState(call_tables(spec, trainable), (), False, (), frozenset(), False)
+
+
+def grad_dtype(config: Config) -> str:
+    """The dtype of every param's grad: the compute dtype (the store holds params in it)."""
+    return COMM_DTYPES[config.compute_dtype]
+
+
+# ---- forward -------------------------------------------------------------------------------------
+
+def enter(st: Lifecycle, m: ModuleId, *, config: Config, grad: bool, grad_inputs: bool,
+          recomputing: bool = False, training: bool = True, saved: int = -1
+          ) -> tuple[Lifecycle, tuple]:
+    """Pre-forward of a call of `m`. `grad`: grad mode is on; `grad_inputs`: some input needs
+    grad; `recomputing`: autograd is running a backward (a checkpointed region's recompute);
+    `training`: the module's train mode (read at the root); `saved`: the saved-param log's
+    length now (-1: none is kept)."""
+    params, calls, effects = st.params, st.calls, []
+    if m == 0 and not recomputing:
+        params, eff = reset_step(params, config=config, grad_enabled=grad, training=training,
+                                 aborted=calls.aborted or bool(calls.stack))
+        calls = calls._replace(stack=(), aborted=False, waiting=(), leaves=frozenset())
+        effects += eff + (BeginPass(),)
+    t = calls.tables
+    wrap = grad and grad_inputs and not t.inert[m]
+    waits = grad and not wrap and bool(t.grad_params[m])
+    if wrap:
+        effects.append(WrapInputs(m))
+    elif waits:
+        calls = calls._replace(waiting=_wait_one_more(calls, m))
+    if grad and st.params.spec.modules[m].is_leaf:
+        calls = calls._replace(leaves=calls.leaves | {m})
+    params, eff = fetch(params, m, forward=True, config=config, grad_inputs=int(wrap or waits))
+    frame = Frame(m, saved if waits else -1)
+    return Lifecycle(params, st.grads, calls._replace(stack=calls.stack + (frame,))), tuple(effects) + eff
+
+
+def read(st: Lifecycle, owner: ModuleId, p: ParamId, *, config: Config) -> tuple[Lifecycle, tuple]:
+    """The running call read param `p` off module `owner`'s _parameters (nn.MultiheadAttention
+    reads out_proj.weight without calling out_proj): not its own, so it borrows it (external)."""
+    stack = st.calls.stack
+    if not stack or stack[-1].module == owner:
+        return st, ()
+    m = stack[-1].module
+    if p in st.params.spec.modules[m].params or p in st.params.module_rows[m][EXTERNALS]:
+        return st, ()
+    params, effects = core_bwd.register_external(st.params, m, (p,), config=config)
+    return st._replace(params=params), effects
+
+
+def leave(st: Lifecycle, m: ModuleId, *, config: Config, grad_outputs: bool,
+          returned: tuple[ParamId, ...] = (), saved: Log | None = None, recomputing: bool = False
+          ) -> tuple[Lifecycle, tuple]:
+    """Post-forward of the call of `m` on top of the stack. `grad_outputs`: some output needs
+    grad (grad mode on); `returned`: ids of params among its outputs (borrowed by the caller);
+    `saved`: the pass's saved-param log."""
+    calls, params, effects = st.calls, st.params, []
+    frame, stack = calls.stack[-1], calls.stack[:-1]
+    if returned and stack:
+        params, eff = core_bwd.register_external(params, stack[-1].module, tuple(returned), config=config)
+        effects += eff
+    t = calls.tables
+    unit = st.params.spec.modules[m].params + params.module_rows[m][EXTERNALS]
+    reads_none = frame.saved_at >= 0 and saved is not None and \
+        set(unit).isdisjoint(saved.since(frame.saved_at))
+    if reads_none:
+        effects.append(GradDue(t.grad_params[m]))
+    wrap = grad_outputs and not t.inert[m] and not reads_none
+    if wrap:
+        effects.append(WrapOutputs(m))
+    params, eff = release(params, m, config=config, grad_outputs=wrap)
+    effects += eff
+    calls = calls._replace(stack=stack)
+    if reads_none:
+        calls, params, eff = _backward_over(calls, params, m, config)
+        effects += eff
+    if m == 0 and not recomputing:
+        effects.append(EndPass())
+    return Lifecycle(params, st.grads, calls), tuple(effects)
+
+
+def raised(st: Lifecycle, m: ModuleId, *, config: Config, recomputing: bool = False
+           ) -> tuple[Lifecycle, tuple]:
+    """[Note: a forward that raised] The post-forward hook runs (always_call) while an exception
+    leaves the module's forward: a shape error in one block, or torch.utils.checkpoint's
+    non-reentrant recompute, which stops early by raising once it has recomputed what backward
+    needs. The call is closed and its params released as after a normal forward, so nothing
+    stays gathered and the stack stays true. Outside backward the pass itself is cut short: the
+    next pass tells the param lifecycle (reset_step(aborted=True)) to forget its partial trace."""
+    calls = st.calls
+    if not calls.stack or calls.stack[-1].module != m:
+        return st, ()  # raised in a pre-forward hook before ours opened this call
+    calls = calls._replace(stack=calls.stack[:-1], aborted=calls.aborted or not recomputing)
+    params, effects = release(st.params, m, config=config)
+    if m == 0 and not recomputing:
+        effects += (EndPass(),)
+    return Lifecycle(params, st.grads, calls), effects
+
+
+# ---- backward ------------------------------------------------------------------------------------
+
+def pre_backward(st: Lifecycle, m: ModuleId, *, config: Config) -> tuple[Lifecycle, tuple]:
+    """Grads reached the outputs of a call of `m` (its PreBackward node ran): fetch."""
+    calls, queued = _in_backward(st.calls)
+    params, effects = core_bwd.pre_backward(st.params, m, config=config)
+    return Lifecycle(params, st.grads, calls), queued + effects
+
+
+def post_backward(st: Lifecycle, m: ModuleId, *, config: Config) -> tuple[Lifecycle, tuple]:
+    """The grads of a call's inputs are done (its PostBackward node ran): release. A leaf
+    module's last open call reduces its params first ([Note: leaf modules])."""
+    calls, effects = _in_backward(st.calls)
+    grads = st.grads
+    if m in calls.leaves and st.params.module_rows[m][GRADS_REMAINING] <= 1:
+        calls, grads, eff = _reduce_leaf(calls, grads, st.params.spec, m, config)
+        effects += eff
+    params, eff = core_bwd.post_backward(st.params, m, config=config)
+    return Lifecycle(params, grads, calls), effects + eff
+
+
+def grad_ready(st: Lifecycle, p: ParamId, *, config: Config, dtype: str, graph_task: int = 0
+               ) -> tuple[Lifecycle, tuple]:
+    """p's grad was accumulated (its post-accumulate-grad hook, a `dtype` tensor, in autograd's
+    `graph_task`): into its bucket; the calls that waited on it may end."""
+    calls, effects = _in_backward(st.calls)
+    grads, eff = bucket_add(st.grads, p, config=config, dtype=dtype, graph_task=graph_task)
+    effects += eff
+    params = st.params
+    for m in calls.tables.waiters.get(p, ()):
+        calls, params, eff = _grad_in(calls, params, m, p, config)
+        effects += eff
+    return Lifecycle(params, grads, calls), effects + (GradIn(p),)
+
+
+def end_of_backward(st: Lifecycle, *, config: Config) -> tuple[Lifecycle, tuple]:
+    """Autograd finished the backward: leaves whose post-backward never ran (no grad input) are
+    reduced, the grad epilogue runs, the params are released (finish_backward)."""
+    calls, grads = st.calls, st.grads
+    effects: tuple = (ClearGradDue(),)
+    for m in sorted(calls.leaves):
+        calls, grads, eff = _reduce_leaf(calls, grads, st.params.spec, m, config)
+        effects += eff
+    grads, eff = epilogue(grads, config=config)
+    params, eff2 = finish_backward(st.params, config=config)
+    calls = calls._replace(waiting=(), backward=False)
+    return Lifecycle(params, grads, calls), effects + eff + eff2 + (EndOfBackward(),)
+
+
+def stepped(st: Lifecycle, *, config: Config) -> tuple[Lifecycle, tuple]:
+    """The optimizer updated the master shards: the window closes, every full param is stale."""
+    grads, eff = optimizer_step(st.grads, config=config)
+    params, eff2 = end_of_step(st.params, config=config)
+    return Lifecycle(params, grads, st.calls), eff + eff2
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+def _in_backward(calls: CallState) -> tuple[CallState, tuple]:
+    """The first backward event of a backward queues its end."""
+    if calls.backward:
+        return calls, ()
+    return calls._replace(backward=True), (QueueEndOfBackward(),)
+
+
+def _wait_one_more(calls: CallState, m: ModuleId) -> tuple[Waiting, ...]:
+    out, found = [], False
+    for w in calls.waiting:
+        if w.module == m:
+            w, found = w._replace(calls=w.calls + 1), True
+        out.append(w)
+    if not found:
+        out.append(Waiting(m, 1, frozenset(calls.tables.grad_params[m])))
+    return tuple(out)
+
+
+def _backward_over(calls: CallState, params: ParamState, m: ModuleId, config: Config):
+    """One waiting call of `m` is over before its grads come ([Note: backward reads no param])."""
+    for i, w in enumerate(calls.waiting):
+        if w.module == m:
+            rest = calls.waiting[:i] + ((w._replace(calls=w.calls - 1),) if w.calls > 1 else ()) \
+                + calls.waiting[i + 1:]
+            params, effects = core_bwd.post_backward(params, m, config=config)
+            return calls._replace(waiting=rest), params, effects
+    return calls, params, ()
+
+
+def _grad_in(calls: CallState, params: ParamState, m: ModuleId, p: ParamId, config: Config):
+    """p's grad came in; if it was the last `m` waited on, every waiting call of `m` ends."""
+    for i, w in enumerate(calls.waiting):
+        if w.module == m:
+            due = w.due - {p}
+            if due:
+                waiting = calls.waiting[:i] + (w._replace(due=due),) + calls.waiting[i + 1:]
+                return calls._replace(waiting=waiting), params, ()
+            effects: tuple = ()
+            for _ in range(w.calls):
+                params, eff = core_bwd.post_backward(params, m, config=config)
+                effects += eff
+            return calls._replace(waiting=calls.waiting[:i] + calls.waiting[i + 1:]), params, effects
+    return calls, params, ()
+
+
+def _reduce_leaf(calls: CallState, grads: GradState, spec: ModelSpec, m: ModuleId, config: Config):
+    """Every trainable param of leaf `m` into its bucket, zeros for grads that never came."""
+    ps = tuple(p for p in spec.modules[m].params if calls.tables.trainable[p])
+    effects: tuple = (ZeroGrads(ps),)
+    for p in ps:
+        grads, eff = bucket_add(grads, p, config=config, dtype=grad_dtype(config))
+        effects += eff
+    return calls._replace(leaves=calls.leaves - {m}), grads, effects
