@@ -10,7 +10,7 @@
         communication and the core, and the live bytes over time.
     python -m fz3 consolidate CKPT_DIR OUT.safetensors [--tag TAG]
         A sharded checkpoint -> one fp32 safetensors file (DeepSpeed's zero_to_fp32).
-    python -m fz3 verify [--examples N] [--steps K] [--machines params,grads,layout]
+    python -m fz3 verify [--examples N] [--steps K] [--machines params,grads,layout,calls]
         The Hypothesis machines against their naive models, N examples each (up to K rules per
         example), then what each invariant covered: checks and situations. Exit status 1 with
         the shrunk counterexample when a property fails (fz3/testing/verify.py).
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("verify", help="run the Hypothesis machines; print what each invariant covered")
     v.add_argument("--examples", type=int, default=100, help="Hypothesis examples per machine (default 100)")
     v.add_argument("--steps", type=int, default=20, help="most rules per state-machine example (default 20)")
-    v.add_argument("--machines", default="params,grads,layout",
-                   help="comma-separated, of params, grads, layout (default: all)")
+    v.add_argument("--machines", default="params,grads,layout,calls",
+                   help="comma-separated, of params, grads, layout, calls (default: all)")
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":

@@ -31,7 +31,11 @@ the core: trace, prefetch). 18 of the small benchmark GPT's 33 calls; ~2.7 ms a 
 ids) never gets a post-backward, so DeepSpeed keeps its params gathered to the end of backward:
 for the token embedding, the largest unit, through the whole backward. Its backward is over
 once its own params' grads are accumulated, so it is released then (`grad_ready`). To the param
-lifecycle such a call has one grad input: the release at its grads is its post_backward.
+lifecycle such a call has one grad input: the release at its grads is its post_backward. Its
+params are still read by the module's other calls whose input grads are not done (a block
+called once on a grad-requiring input, once not): so the waiting calls end only when every
+other call of the module has ended its backward (its grads remaining are the waiting calls'),
+at the last grad or at that other call's post_backward, whichever comes later.
 
 [Note: backward reads no param] Such a call whose forward saved none of its params for backward
 (the saved-tensor hooks logged none: F.embedding saves the ids and the weight's row count)
@@ -41,11 +45,16 @@ module needs them, with their shape kept for AccumulateGrad (GradDue). A tied em
 lm_head weight, which DeepSpeed keeps gathered from the lm_head's backward through the
 embedding's, is freed right after the lm_head's backward.
 
-[Note: leaf modules] A leaf module's params get no grad hooks: its calls' backwards may each
-add to them (a MoE block's experts), so they are reduced together once its last call's
-backward is done (post_backward with one call left), or at the end of backward for a leaf whose
-inputs needed no grad. Zeros stand in for grads its experts did not produce on this rank, so
-every rank reduces the same.
+[Note: leaf modules] A leaf module's own params (in no other module) get no grad hooks: its
+calls' backwards may each add to them (a MoE block's experts), so they are reduced together
+once the backward of all its calls is done: at the post_backward of its last call with grad
+inputs when no call still waits for its pre_backward (a call without grad inputs never gets a
+post_backward, and its backward may come after: calls.py once reduced the leaf before it), else
+at the end of backward. Zeros stand in for grads its experts did not produce on this rank, so
+every rank reduces the same. A leaf param that is also another module's (tied) gets a hook
+like any param, which torch fires once every use added to it. One that a module borrows at run
+time (returned out of the leaf, or read off it) would get grads after the leaf's reduction:
+refused with an error naming it.
 """
 from __future__ import annotations
 
@@ -61,8 +70,8 @@ from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPa
 from fz3.core.ids import ModuleId, ParamId
 from fz3.core.pvec import Log
 from fz3.core.release import release
-from fz3.core.spec import ModelSpec
-from fz3.core.state import EXTERNALS, GRADS_REMAINING, ParamState
+from fz3.core.spec import ModelSpec, ModuleSpec
+from fz3.core.state import EXTERNALS, GRADS_REMAINING, PRE_BACKWARD, ParamState
 from fz3.core.step import end_of_step, finish_backward, reset_step
 
 
@@ -74,6 +83,8 @@ class CallTables(NamedTuple):
     # without grad inputs (trainable, own; () for leaves and inert modules)
     waiters: dict[ParamId, tuple[ModuleId, ...]]  # param -> modules with it in grad_params
     trainable: tuple[bool, ...]  # by param
+    hooked: tuple[bool, ...]  # by param: its grad is reported by a post-accumulate-grad hook
+    # (grad_ready); the others trainable are a leaf's own, reduced with it ([Note: leaf modules])
 
 
 class Frame(NamedTuple):
@@ -118,7 +129,13 @@ def call_tables(spec: ModelSpec, trainable: Sequence[bool]) -> CallTables:
     for m, ps in enumerate(grad_params):
         for p in ps:
             waiters.setdefault(p, []).append(ModuleId(m))
-    return CallTables(inert, grad_params, {p: tuple(ms) for p, ms in waiters.items()}, tuple(trainable))
+    homes: list[list[ModuleSpec]] = [[] for _ in spec.params]
+    for ms in spec.modules:
+        for p in ms.params:
+            homes[p].append(ms)
+    hooked = tuple(bool(t) and not (len(h) == 1 and h[0].is_leaf) for t, h in zip(trainable, homes))
+    return CallTables(inert, grad_params, {p: tuple(ms) for p, ms in waiters.items()}, tuple(trainable),
+                      hooked)
 
 
 def initial_calls(spec: ModelSpec, trainable: Sequence[bool]) -> CallState:
@@ -159,15 +176,19 @@ def enter(st: Lifecycle, m: ModuleId, *, config: Config, grad: bool, grad_inputs
     return Lifecycle(params, st.grads, calls._replace(stack=calls.stack + (frame,))), tuple(effects) + eff
 
 
-def read(st: Lifecycle, owner: ModuleId, p: ParamId, *, config: Config) -> tuple[Lifecycle, tuple]:
+def read(st: Lifecycle, owner: ModuleId, p: ParamId, *, config: Config, grad: bool = True
+         ) -> tuple[Lifecycle, tuple]:
     """The running call read param `p` off module `owner`'s _parameters (nn.MultiheadAttention
-    reads out_proj.weight without calling out_proj): not its own, so it borrows it (external)."""
+    reads out_proj.weight without calling out_proj): not its own, so it borrows it (external).
+    `grad`: grad mode is on."""
     stack = st.calls.stack
     if not stack or stack[-1].module == owner:
         return st, ()
     m = stack[-1].module
     if p in st.params.spec.modules[m].params or p in st.params.module_rows[m][EXTERNALS]:
         return st, ()
+    if grad:
+        _check_not_leaf_own(st, m, (p,), "reads it")
     params, effects = core_bwd.register_external(st.params, m, (p,), config=config)
     return st._replace(params=params), effects
 
@@ -181,6 +202,8 @@ def leave(st: Lifecycle, m: ModuleId, *, config: Config, grad_outputs: bool,
     calls, params, effects = st.calls, st.params, []
     frame, stack = calls.stack[-1], calls.stack[:-1]
     if returned and stack:
+        if grad_outputs:
+            _check_not_leaf_own(st, stack[-1].module, returned, f"{_name(st, m)} returns it")
         params, eff = core_bwd.register_external(params, stack[-1].module, tuple(returned), config=config)
         effects += eff
     t = calls.tables
@@ -234,12 +257,13 @@ def post_backward(st: Lifecycle, m: ModuleId, *, config: Config) -> tuple[Lifecy
     """The grads of a call's inputs are done (its PostBackward node ran): release. A leaf
     module's last open call reduces its params first ([Note: leaf modules])."""
     calls, effects = _in_backward(st.calls)
-    grads = st.grads
-    if m in calls.leaves and st.params.module_rows[m][GRADS_REMAINING] <= 1:
+    grads, row = st.grads, st.params.module_rows[m]
+    if m in calls.leaves and row[GRADS_REMAINING] <= 1 and row[PRE_BACKWARD] == 0:
         calls, grads, eff = _reduce_leaf(calls, grads, st.params.spec, m, config)
         effects += eff
     params, eff = core_bwd.post_backward(st.params, m, config=config)
-    return Lifecycle(params, grads, calls), effects + eff
+    calls, params, eff2 = _end_waiting(calls, params, m, config)
+    return Lifecycle(params, grads, calls), effects + eff + eff2
 
 
 def grad_ready(st: Lifecycle, p: ParamId, *, config: Config, dtype: str, graph_task: int = 0
@@ -286,6 +310,24 @@ def _in_backward(calls: CallState) -> tuple[CallState, tuple]:
     return calls._replace(backward=True), (QueueEndOfBackward(),)
 
 
+def _check_not_leaf_own(st: Lifecycle, m: ModuleId, pids, how: str) -> None:
+    """A leaf's own trainable params are reduced with it: one borrowed by another module (with
+    grad) would get that module's grad after the reduction ([Note: leaf modules])."""
+    t, spec = st.calls.tables, st.params.spec
+    for p in pids:
+        if t.trainable[p] and not t.hooked[p]:
+            leaf = next(ms for ms in spec.modules if p in ms.params)
+            raise ValueError(
+                f"fz3: param {spec.params[p].name!r} belongs to the leaf module {leaf.name!r} only, and "
+                f"module {_name(st, m)} uses it ({how}). A leaf's params are reduced together when its "
+                "backward is done, before grads from outside it arrive; give the other module the same "
+                f"Parameter (tie it), or do not mark {leaf.name!r} a leaf")
+
+
+def _name(st: Lifecycle, m: ModuleId) -> str:
+    return repr(st.params.spec.modules[m].name or "<root>")
+
+
 def _wait_one_more(calls: CallState, m: ModuleId) -> tuple[Waiting, ...]:
     out, found = [], False
     for w in calls.waiting:
@@ -309,13 +351,22 @@ def _backward_over(calls: CallState, params: ParamState, m: ModuleId, config: Co
 
 
 def _grad_in(calls: CallState, params: ParamState, m: ModuleId, p: ParamId, config: Config):
-    """p's grad came in; if it was the last `m` waited on, every waiting call of `m` ends."""
+    """p's grad came in: one less that the waiting calls of `m` wait for."""
+    for i, w in enumerate(calls.waiting):
+        if w.module == m and p in w.due:
+            calls = calls._replace(waiting=calls.waiting[:i] + (w._replace(due=w.due - {p}),)
+                                   + calls.waiting[i + 1:])
+            return _end_waiting(calls, params, m, config)
+    return calls, params, ()
+
+
+def _end_waiting(calls: CallState, params: ParamState, m: ModuleId, config: Config):
+    """The waiting calls of `m` end (a post_backward each) once their grads are all in and every
+    other call of `m` has ended its backward ([Note: modules without grad inputs])."""
     for i, w in enumerate(calls.waiting):
         if w.module == m:
-            due = w.due - {p}
-            if due:
-                waiting = calls.waiting[:i] + (w._replace(due=due),) + calls.waiting[i + 1:]
-                return calls._replace(waiting=waiting), params, ()
+            if w.due or params.module_rows[m][GRADS_REMAINING] != w.calls:
+                return calls, params, ()
             effects: tuple = ()
             for _ in range(w.calls):
                 params, eff = core_bwd.post_backward(params, m, config=config)
@@ -325,8 +376,10 @@ def _grad_in(calls: CallState, params: ParamState, m: ModuleId, p: ParamId, conf
 
 
 def _reduce_leaf(calls: CallState, grads: GradState, spec: ModelSpec, m: ModuleId, config: Config):
-    """Every trainable param of leaf `m` into its bucket, zeros for grads that never came."""
-    ps = tuple(p for p in spec.modules[m].params if calls.tables.trainable[p])
+    """Every trainable param of leaf `m` without a hook into its bucket, zeros for grads that
+    never came."""
+    t = calls.tables
+    ps = tuple(p for p in spec.modules[m].params if t.trainable[p] and not t.hooked[p])
     effects: tuple = (ZeroGrads(ps),)
     for p in ps:
         grads, eff = bucket_add(grads, p, config=config, dtype=grad_dtype(config))

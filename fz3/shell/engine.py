@@ -144,15 +144,14 @@ class Engine:
     # ---- hooks: torch's events in ---------------------------------------------------------------
 
     def _install(self) -> None:
-        leaf_params = {p for m in self.spec.modules if m.is_leaf for p in m.params}
         for m, module in enumerate(self.tables.modules):
             module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True)
             module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
             if not self.spec.modules[m].is_leaf:
                 module._parameters = ParamDict(module._parameters, m, self._on_param_read)
-        for p, param in enumerate(self.tables.params):
-            if param.requires_grad and p not in leaf_params:  # a leaf's: [Note: leaf modules]
-                param.register_post_accumulate_grad_hook(self._make_grad_hook(p))
+        for p, hooked in enumerate(self.state.calls.tables.hooked):  # [Note: leaf modules]
+            if hooked:
+                self.tables.params[p].register_post_accumulate_grad_hook(self._make_grad_hook(p))
 
     def _pre_forward(self, module, args, kwargs):
         grad = torch.is_grad_enabled()
@@ -173,7 +172,7 @@ class Engine:
                            tree=output)
 
     def _on_param_read(self, owner: int, param: nn.Parameter) -> None:
-        self._event(calls.read, owner, self.param_ids[id(param)])
+        self._event(calls.read, owner, self.param_ids[id(param)], grad=torch.is_grad_enabled())
 
     def _pre_backward(self, m: int) -> None:
         self._event(calls.pre_backward, m)

@@ -23,7 +23,7 @@ Usage:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
 
 from hypothesis import strategies as st
@@ -51,6 +51,8 @@ class Call:
     # 0: none (always 0 if not outputs_grad)
     body: tuple[Union["Call", External], ...] = ()
     returns: tuple[int, ...] = ()  # own params in its outputs: external on the caller
+    saves: bool = True  # its forward saves some of its unit's params for backward (an embedding
+    # on ids saves none); read by the calls machine only (fz3/testing/autograd_sim.py)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class Model:
     params: tuple[tuple[str, int], ...]
     modules: tuple[tuple[str, tuple[int, ...], bool], ...]  # module 0 is the root
     callable: tuple[int, ...]  # modules a program may call below the root (not inside a leaf)
+    trainable: tuple[bool, ...] = ()  # by param (requires_grad); () = all trainable. Read by
+    # the calls machine only (fz3/testing/calls_machine.py)
 
     def spec(self, config: Config) -> ModelSpec:
         return build_spec(self.params, self.modules, world_size=self.world_size,
@@ -92,6 +96,7 @@ def models(draw, max_params: int = 8, max_modules: int = 7) -> Model:
                 if not leaf[c] and c not in inner and draw(st.booleans()):
                     inner.add(c)
                     owned[m] |= owned[c]
+                    owned[c] = set()  # the leaf's now: a real spec has no module inside a leaf
     modules = tuple((f"m{m}" + ("[leaf]" if leaf[m] else ""), tuple(sorted(owned[m])), leaf[m])
                     for m in range(n_mod))
     return Model(draw(st.integers(1, 4)), tuple((f"p{p}", k) for p, k in enumerate(numels)),
@@ -176,7 +181,7 @@ def _edit(call: Call, path: tuple[int, ...], how: str) -> Call:
         body[i], body[i + 1] = body[i + 1], body[i]
     else:
         body.insert(0, body.pop(i))
-    return Call(call.module, call.outputs_grad, call.grad_inputs, tuple(body), call.returns)
+    return replace(call, body=tuple(body))
 
 
 @st.composite

@@ -11,6 +11,11 @@ which situations:
                           refused
     layout                fz3/testing/layout_check.py    I4 shard / unshard, gather and reduce
                           buffers
+    module calls          fz3/testing/calls_machine.py   the decisions of fz3/core/calls.py (which
+                          calls get autograd nodes, releases, leaf reductions, externals, the
+                          end of backward) against calls_naive.py, on a simulation of torch
+                          autograd (autograd_sim.py): I2, I5 in forward and backward, every
+                          grad reported once after its last contribution, purity
 
 I7 (equivalence to unsharded training) needs real ranks and torch autograd: the parity tests
 (tests/test_parity.py) prove it, not these machines, and the report says so.
@@ -31,7 +36,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from fz3.testing import coverage
 from fz3.testing import layout_check as lc
 
-MACHINES = ("params", "grads", "layout")
+MACHINES = ("params", "grads", "layout", "calls")
 
 INVARIANTS = {
     "I1": "live budget: prefetch never takes live full params past max_live_parameters",
@@ -44,6 +49,8 @@ INVARIANTS = {
     "naive model": "the core agrees field by field with a naive model that executed its effects",
     "reduced once": "every grad reported in a backward is reduced exactly once",
     "misuse refused": "misuse raises an error naming what is wrong",
+    "call decisions": "autograd nodes, releases, leaf reductions, externals as fz3/core/calls.py decides",
+    "reported once": "every grad autograd produces is reported once, after its last contribution",
 }
 NOT_HERE = {"I7": "equivalence to unsharded training: real ranks, proven by tests/test_parity.py"}
 
@@ -77,7 +84,8 @@ class Report:
         return "\n".join(lines)
 
 
-NAMES = {"params": "parameter lifecycle", "grads": "gradient lifecycle", "layout": "layout"}
+NAMES = {"params": "parameter lifecycle", "grads": "gradient lifecycle", "layout": "layout",
+         "calls": "module calls"}
 
 
 def verify(examples: int = 100, steps: int = 20, machines: tuple[str, ...] = MACHINES) -> Report:
@@ -116,6 +124,9 @@ def _run(machine: str, chosen: settings) -> None:
     elif machine == "grads":
         from fz3.testing.grad_machine import GradMachine
         run_state_machine_as_test(GradMachine, settings=chosen)
+    elif machine == "calls":
+        from fz3.testing.calls_machine import CallsMachine
+        run_state_machine_as_test(CallsMachine, settings=chosen)
     else:
         many = st.lists(lc.numels, max_size=6)
         for check, args in ((lc.round_trip, (lc.numels, lc.worlds, lc.seeds, lc.shapes)),

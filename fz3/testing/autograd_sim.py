@@ -1,0 +1,319 @@
+"""A small simulation of torch autograd, as fz3's engine experiences it, for drawn programs.
+
+fz3/core/calls.py takes torch's events one per hook; this plays torch. It emits the events the
+engine's hooks would (fz3/shell/engine.py), runs the hook effects the core returns as the engine
+does, and fails where torch would: a backward that reads a freed param, an AccumulateGrad that
+finds no shape, an end of backward queued twice or never (SimError).
+
+    forward    enter / read / leave, nested as the program (fz3/testing/models.py) says. A call
+               that `saves` logs what it computed with in the saved-param log, while a root
+               forward has the saved-tensor hooks open (BeginPass .. EndPass). After each item
+               of its body the caller computes with its unit, plus what the items gave it
+               (params a child returned, params it read off another module): I5 in forward
+    nodes      autograd nodes exist only where the core said: WrapInputs -> a PostBackward node,
+               WrapOutputs -> a PreBackward node (per call of this pass)
+    backward   the forward calls in reverse, nested (as models.backward_events); for a call whose
+               outputs get a grad:
+                   its PreBackward node, if any              -> pre_backward(m)
+                   one compute per trainable param it used,  externals first, own params last;
+                     each accumulated into that param's grad -> grad_ready(p) after p's last
+                                                                contribution, if p has a hook
+                   its children's backwards, last call first
+                   one compute more for its input grads      (if its inputs need grad)
+                   its PostBackward node, if any             -> post_backward(m)
+               A compute of a call that saved params finds its unit, and all it used, AVAILABLE
+               (I5 in backward)
+    hooks      a trainable param outside leaf modules has a grad hook (the engine's _install);
+               leaf modules' params have none: the core reduces them
+    end        end_of_backward, if the core queued it: exactly once in a backward with any event
+    store      GradDue / GradIn / ClearGradDue / BeginPass keep the store's placeholders: a param
+               freed while its grad is due keeps its shape, which AccumulateGrad needs
+
+[Note: own params last] A call whose inputs need no grad reads its own params in backward only
+in the nodes that compute their grads, so once those are accumulated its backward is over
+(fz3/core/calls.py, [Note: modules without grad inputs]); what it computes for the grads of
+params it borrowed reads those, which stay gathered (externals). The simulation orders a call's
+computes that way, so its I5 check holds the core to that claim and no stronger one.
+
+The driver (fz3/testing/calls_machine.py) runs each event on the core and checks it:
+`driver.fire(kind, *args, **kwargs) -> effects`, `driver.state` (the Lifecycle now) and
+`driver.saved(params)` (what the saved-tensor hooks just logged).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from fz3.core.calls import Lifecycle, call_tables
+from fz3.core.effects import Free
+from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndPass, GradDue, GradIn,
+                                   QueueEndOfBackward, WrapInputs, WrapOutputs)
+from fz3.core.ids import Status
+from fz3.core.invariants import check_fetched
+from fz3.core.pvec import Log
+from fz3.core.spec import ModelSpec
+from fz3.core.state import AVAILABLE, STATUS, unit_of
+from fz3.testing.coverage import covered
+from fz3.testing.models import Call, External
+
+
+class SimError(AssertionError):
+    """Torch would fail here (or the engine would hang): the message says what and where."""
+
+
+class Driver(Protocol):
+    state: Lifecycle
+
+    def fire(self, kind: str, *args: object, **kwargs: object) -> tuple: ...
+
+    def saved(self, params: frozenset[int]) -> None: ...
+
+
+@dataclass
+class Node:
+    """One call of this pass, as autograd knows it."""
+
+    call: Call
+    index: int  # pre-order, as models.backward_events' `reached` counts
+    children: list["Node"] = field(default_factory=list)
+    inputs_node: bool = False  # WrapInputs: a PostBackward node on its inputs
+    outputs_node: bool = False  # WrapOutputs: a PreBackward node on its outputs
+    used: frozenset[int] = frozenset()  # params it computed with in forward
+
+
+class _Raised(Exception):
+    """The forward raised (a planned exception): unwind the open calls."""
+
+
+class AutogradSim:
+    """Plays torch for one model; see the module docstring. `avoid`: situations of
+    fz3/testing/call_cases.py's KNOWN_GAPS the simulation steers clear of (none of its own)."""
+
+    def __init__(self, spec: ModelSpec, trainable: tuple[bool, ...], driver: Driver, *,
+                 avoid: frozenset[str] = frozenset()) -> None:
+        self.spec, self.trainable, self.driver, self.avoid = spec, trainable, driver, avoid
+        self.hooked = call_tables(spec, trainable).hooked  # what the shell hooks: the core says
+        self.log: Log[int] = Log()  # the saved-param log (fz3/shell/saved.py)
+        self.watching = False  # the saved-tensor hooks are open (a root forward)
+        self.due: set[int] = set()  # the store's grad_due
+        self.placeholder: set[int] = set()  # freed params that keep their shape
+        self.root: Node | None = None  # this pass's calls
+        self.stack: list[Node] = []
+        self.ticks, self.stop, self.count = 0, None, 0
+        self.reached: frozenset[int] | None = None  # this backward's
+        self.waiting: set[int] = set()  # modules with calls waiting for their grads
+        self.remaining: Counter[int] = Counter()  # contributions still to come, by param
+        self.contributed: set[int] = set()  # trainable params that got one
+        self.queued = self.events = 0
+
+    # ---- events and hook effects ----------------------------------------------------------------
+    def fire(self, kind: str, *args: object, node: Node | None = None, **kwargs: object) -> tuple:
+        effects = self.driver.fire(kind, *args, **kwargs)
+        for e in effects:
+            self.hook(e, kind, node)
+        return effects
+
+    def hook(self, e: object, kind: str, node: Node | None) -> None:
+        """What the engine does with a hook effect (and the store with a Free)."""
+        if isinstance(e, (WrapInputs, WrapOutputs)):
+            want = "enter" if isinstance(e, WrapInputs) else "leave"
+            if kind != want or node is None or node.call.module != e.module:
+                raise SimError(f"{e} during {kind}: the hook has no such tensors to wrap")
+            if isinstance(e, WrapInputs):
+                node.inputs_node = True
+            else:
+                node.outputs_node = True
+        elif isinstance(e, BeginPass):
+            self.log, self.watching = Log(), True
+            self.clear_due()
+        elif isinstance(e, EndPass):
+            self.watching = False
+        elif isinstance(e, GradDue):
+            self.due.update(e.params)
+        elif isinstance(e, GradIn):
+            self.grad_in(e.param)
+        elif isinstance(e, ClearGradDue):
+            self.clear_due()
+        elif isinstance(e, QueueEndOfBackward):
+            self.queued += 1
+        elif isinstance(e, Free):
+            for p in e.params:
+                (self.placeholder.add if p in self.due else self.placeholder.discard)(p)
+
+    def grad_in(self, p: int) -> None:
+        self.due.discard(p)
+        self.placeholder.discard(p)
+
+    def clear_due(self) -> None:
+        for p in list(self.due):
+            self.grad_in(p)
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def forward(self, call: Call, *, grad: bool, stop: int | None = None) -> bool:
+        """One root forward. `stop`: it raises before its stop-th enter or leave (the open calls
+        get `raised`, innermost first, as the post-forward hooks run while it unwinds).
+        -> whether it ran to its end."""
+        self.root, self.stack, self.ticks, self.stop, self.count = None, [], 0, stop, 0
+        try:
+            self._forward(call, grad, None)
+        except _Raised:
+            for node in reversed(self.stack):
+                self.fire("raised", node.call.module)
+            self.stack = []
+            return False
+        return True
+
+    def _tick(self) -> None:
+        self.ticks += 1
+        if self.stop is not None and self.ticks >= self.stop:
+            raise _Raised()
+
+    def _forward(self, call: Call, grad: bool, parent: Node | None) -> tuple[int, ...]:
+        m, node = call.module, Node(call, self.count)
+        self.count += 1
+        if parent is None:
+            self.root = node
+        else:
+            parent.children.append(node)
+        self._tick()
+        self.fire("enter", m, node=node, grad=grad, grad_inputs=grad and call.grad_inputs == 1,
+                  training=grad, saved=len(self.log) if self.watching else -1)
+        self.stack.append(node)
+        check_fetched(self.driver.state.params, m)  # I5 in forward: the call starts
+        got: set[int] = set()
+        for item in call.body:
+            if isinstance(item, Call):
+                got |= set(self._forward(item, grad, node))
+            else:
+                got |= set(self._read(item))
+            self.compute_forward(m, got, item)
+        node.used = frozenset(unit_of(self.driver.state.params, m)) | got
+        if grad and call.saves and self.watching:
+            self.log = self.log.extend(sorted(node.used))
+            self.driver.saved(node.used)
+        self._tick()
+        self.fire("leave", m, node=node, grad_outputs=grad and self.outputs_grad(call),
+                  returned=call.returns, saved=self.log)
+        self.stack.pop()
+        return call.returns
+
+    def _read(self, item: External) -> tuple[int, ...]:
+        """The running call reads params off an owner's _parameters: the first owner the engine
+        watches (it does not watch leaf modules' _parameters)."""
+        read = []
+        for p in item.params:
+            owner = next((m for m, ms in enumerate(self.spec.modules) if p in ms.params
+                          and not ms.is_leaf), None)
+            if owner is not None:
+                self.fire("read", owner, p)
+                read.append(p)
+        return tuple(read)
+
+    def compute_forward(self, m: int, got: set[int], item: Call | External) -> None:
+        """After an item of its body, the caller computes with its unit and what it got."""
+        params = self.driver.state.params
+        for p in sorted(set(unit_of(params, m)) | got):
+            if params.param_rows[p][STATUS] != AVAILABLE:
+                raise SimError(f"I5 in forward: {self._m(m)} computes with {self._p(p)} (of its "
+                               f"unit, returned to it or read by it), which is {self._status(p)}")
+        covered("I5", "forward compute after a child call" if isinstance(item, Call)
+                else "forward compute after reading another module's params")
+
+    def outputs_grad(self, call: Call) -> bool:
+        """Its outputs need grad (with grad on): as drawn, or it computes with a trainable own
+        param, or returns one (the engine's needs_grad sees the Parameter)."""
+        return call.outputs_grad or any(self.trainable[p] for p in
+                                        self.spec.modules[call.module].params + call.returns)
+
+    # ---- backward --------------------------------------------------------------------------------
+    def backward(self, reached: frozenset[int] | None = None) -> bool:
+        """The backward of the last forward; `reached`: pre-order indices of the calls whose
+        outputs get a grad (None: all). -> whether the core queued an end of backward."""
+        self.remaining, self.contributed, self.reached = Counter(), set(), reached
+        self.queued = self.events = 0
+        self._walk(self.root, lambda n: self.remaining.update(self.order(n)))
+        self._backward(self.root)
+        if self.events and self.queued != 1:
+            raise SimError(f"end of backward queued {self.queued} times in one backward with "
+                           f"{self.events} events (QueueEndOfBackward must come exactly once)")
+        if not self.events:
+            if self.queued or self.contributed:
+                raise SimError(f"a backward without events queued {self.queued} ends; params "
+                               f"{sorted(self.contributed)} got grads")
+            return False
+        covered("call decisions", "end of backward queued once")
+        self.fire("end_of_backward")
+        if self.due or self.placeholder:
+            raise SimError(f"grad placeholders left after the end of backward: {sorted(self.due)}")
+        return True
+
+    def hit(self, node: Node) -> bool:
+        """Its outputs get a grad."""
+        return self.outputs_grad(node.call) and (self.reached is None or node.index in self.reached)
+
+    def order(self, node: Node) -> list[int]:
+        """The params a hit call's backward accumulates into, in order ([Note: own params
+        last])."""
+        if not self.hit(node):
+            return []
+        own = set(self.spec.modules[node.call.module].params)
+        used = [p for p in sorted(node.used, reverse=True) if self.trainable[p]]
+        return [p for p in used if p not in own] + [p for p in used if p in own]
+
+    def _walk(self, node: Node, visit: Callable[[Node], object]) -> None:
+        visit(node)
+        for c in node.children:
+            self._walk(c, visit)
+
+    def _backward(self, node: Node) -> None:
+        m, hit = node.call.module, self.hit(node)
+        if hit and node.outputs_node:
+            self.event("pre_backward", m)
+        for p in self.order(node):
+            self.compute_backward(node)
+            self.accumulate(p)
+        for child in reversed(node.children):
+            self._backward(child)
+        if hit and node.call.grad_inputs:
+            self.compute_backward(node)
+        if hit and node.inputs_node:
+            self.event("post_backward", m)
+
+    def event(self, kind: str, *args: object, **kwargs: object) -> None:
+        self.events += 1
+        self.fire(kind, *args, **kwargs)
+
+    def compute_backward(self, node: Node) -> None:
+        """I5 in backward: a call that saved params reads them (and all it used) again."""
+        if not node.call.saves:
+            return
+        m, params = node.call.module, self.driver.state.params
+        for p in sorted(set(unit_of(params, m)) | node.used):
+            if params.param_rows[p][STATUS] != AVAILABLE:
+                raise SimError(f"I5 in backward: {self._m(m)} computes with {self._p(p)}, which "
+                               f"is {self._status(p)}")
+        covered("I5", "backward compute, " + ("with a PreBackward node" if node.outputs_node
+                                              else "no PreBackward node (inert)"))
+
+    def accumulate(self, p: int) -> None:
+        """AccumulateGrad for p (it needs p's shape), then p's grad hook at its last one."""
+        if self.driver.state.params.param_rows[p][STATUS] != AVAILABLE:
+            if p not in self.placeholder:
+                raise SimError(f"AccumulateGrad of {self._p(p)}: it is {self._status(p)} with no "
+                               "GradDue placeholder keeping its shape")
+            covered("call decisions", "grad accumulated over a GradDue placeholder")
+        self.remaining[p] -= 1
+        self.contributed.add(p)
+        if self.remaining[p] == 0 and self.hooked[p]:
+            self.event("grad_ready", p, dtype="float32", graph_task=0)
+
+    # ---- names -----------------------------------------------------------------------------------
+    def _m(self, m: int) -> str:
+        return f"m{m} ({self.spec.modules[m].name})"
+
+    def _p(self, p: int) -> str:
+        return f"p{p} ({self.spec.params[p].name})"
+
+    def _status(self, p: int) -> str:
+        return Status(self.driver.state.params.param_rows[p][STATUS]).name

@@ -1,0 +1,125 @@
+"""A deliberately naive model of the module-call decisions, held against fz3/core/calls.py.
+
+Plain sets and lists, written from the design's words (fz3/core/calls.py's Notes), not from its
+code: no tables, no frames with log offsets, no waiting records. For each event it says which
+hook effects the core must return, in order (ZeroGrads aside: when a leaf is reduced is checked
+by the grad reports, fz3/testing/calls_machine.py), and it keeps the externals each module must
+have.
+
+    inert        not the root, not a leaf, and every own param persistent (numel <=
+                 param_persistence_threshold), or none at all: its calls get no autograd nodes
+    enter        the root: BeginPass. Grad on, inputs need grad, not inert: WrapInputs
+    waiting      grad on, inputs not wrapped, not a leaf, not inert, some own param trainable:
+                 the call is released by its params' grads
+    reads none   a waiting call that began while a root forward watched the saves (the root's
+                 own call begins before they are watched) and saved none of its unit's params:
+                 GradDue(its trainable own params) at its leave, and no PreBackward node
+    leave        reads none: GradDue. Outputs need grad, not inert, not reads none: WrapOutputs.
+                 The root: EndPass
+    raised       the root: EndPass
+    externals    a param a call returns is its caller's, a param a call reads off another
+                 module's _parameters is the reader's, unless they own it
+    backward     the first backward event of a backward: QueueEndOfBackward; grad_ready(p):
+                 GradIn(p); end_of_backward: ClearGradDue ... EndOfBackward
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
+                                   QueueEndOfBackward, WrapInputs, WrapOutputs)
+from fz3.core.spec import ModelSpec
+
+
+@dataclass
+class _Open:
+    module: int
+    may_read_none: bool  # waiting, and its saves are watched
+    saved: set[int] = field(default_factory=set)  # params logged as saved since it began
+
+
+class NaiveCalls:
+    def __init__(self, spec: ModelSpec, trainable: tuple[bool, ...], threshold: int) -> None:
+        self.own = [frozenset(ms.params) for ms in spec.modules]
+        self.leaf = [ms.is_leaf for ms in spec.modules]
+        persistent = [ps.numel <= threshold for ps in spec.params]
+        self.inert = [m > 0 and not self.leaf[m] and all(persistent[p] for p in self.own[m])
+                      for m in range(len(self.own))]
+        self.trainable = trainable
+        self.externals: list[set[int]] = [set() for _ in self.own]
+        self.open: list[_Open] = []
+        self.grad_leaves: set[int] = set()  # leaves called with grad in this pass
+        self.in_backward = False
+
+    def expect(self, kind: str, args: tuple, kwargs: dict) -> list:
+        """The hook effects (less ZeroGrads) event `kind` must return; updates this model."""
+        return getattr(self, kind)(*args, **kwargs)
+
+    def grad_params(self, m: int) -> tuple[int, ...]:
+        return tuple(sorted(p for p in self.own[m] if self.trainable[p]))
+
+    def saved(self, params: frozenset[int]) -> None:
+        for c in self.open:
+            c.saved |= params
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def enter(self, m: int, *, grad: bool, grad_inputs: bool, training: bool = True,
+              recomputing: bool = False, saved: int = -1) -> list:
+        out: list = []
+        if m == 0:
+            out.append(BeginPass())
+            self.open, self.grad_leaves = [], set()
+        wrapped = grad and grad_inputs and not self.inert[m]
+        if wrapped:
+            out.append(WrapInputs(m))
+        waiting = (grad and not wrapped and not self.leaf[m] and not self.inert[m]
+                   and bool(self.grad_params(m)))
+        if grad and self.leaf[m]:
+            self.grad_leaves.add(m)
+        self.open.append(_Open(m, waiting and saved >= 0))
+        return out
+
+    def read(self, owner: int, p: int) -> list:
+        if self.open and self.open[-1].module != owner and p not in self.own[self.open[-1].module]:
+            self.externals[self.open[-1].module].add(p)
+        return []
+
+    def leave(self, m: int, *, grad_outputs: bool, returned: tuple[int, ...] = (),
+              saved: object = None, recomputing: bool = False) -> list:
+        call = self.open.pop()
+        assert call.module == m, f"naive model: leave of m{m} while m{call.module} is open"
+        if returned and self.open:
+            caller = self.open[-1].module
+            self.externals[caller] |= set(returned) - self.own[caller]
+        reads_none = call.may_read_none and not (call.saved & (self.own[m] | self.externals[m]))
+        out: list = [GradDue(self.grad_params(m))] if reads_none else []
+        if grad_outputs and not self.inert[m] and not reads_none:
+            out.append(WrapOutputs(m))
+        return out + ([EndPass()] if m == 0 else [])
+
+    def raised(self, m: int, *, recomputing: bool = False) -> list:
+        if not self.open or self.open[-1].module != m:
+            return []
+        self.open.pop()
+        return [EndPass()] if m == 0 else []
+
+    # ---- backward --------------------------------------------------------------------------------
+    def _backward_event(self) -> list:
+        first, self.in_backward = not self.in_backward, True
+        return [QueueEndOfBackward()] if first else []
+
+    def pre_backward(self, m: int) -> list:
+        return self._backward_event()
+
+    def post_backward(self, m: int) -> list:
+        return self._backward_event()
+
+    def grad_ready(self, p: int, *, dtype: str, graph_task: int = 0) -> list:
+        return self._backward_event() + [GradIn(p)]
+
+    def end_of_backward(self) -> list:
+        self.in_backward = False
+        return [ClearGradDue(), EndOfBackward()]
+
+    def stepped(self) -> list:
+        return []

@@ -1,0 +1,11 @@
+"""The module-call state machine (fz3/testing/calls_machine.py) under the active profile: the real
+fz3/core/calls.py, driven by a simulation of torch autograd, against a naive model.
+
+    CI=1 pytest property_tests/test_calls_machine.py      # the ci profile, derandomized
+"""
+from hypothesis import settings
+
+from fz3.testing.calls_machine import CallsMachine
+
+TestCallsMachine = CallsMachine.TestCase
+TestCallsMachine.settings = settings(stateful_step_count=20)

@@ -1,0 +1,165 @@
+"""Teeth: the calls machine must catch deliberately broken module-call decisions.
+
+Each test monkeypatches one decision of fz3.core.calls at its use site (the machine looks each
+event up on fz3.core.calls when it runs it; the events find their helpers in the module's
+globals) and asserts that the machine fails, deterministically (derandomized, no database,
+generate phase only, within the 100 examples allowed), and that the check meant for the bug is
+the one that fires. Where the naive model (fz3/testing/calls_naive.py) sees the bug first,
+because it predicts the hook effects, the test runs twice: the naive model must catch it, and
+without it the simulation must too, where torch would fail (fz3/testing/autograd_sim.py).
+
+    CI=1 pytest property_tests/test_calls_teeth.py
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+import fz3.core.calls as calls
+from fz3.core.calls import Lifecycle
+from fz3.core.hook_effects import QueueEndOfBackward
+from fz3.core.pvec import Log
+from fz3.core.spec import ModelSpec
+from fz3.testing.calls_machine import CallsMachine
+
+HUNT = settings(max_examples=100, stateful_step_count=12, derandomize=True, database=None,
+                deadline=None, phases=(Phase.generate,), report_multiple_bugs=False,
+                suppress_health_check=list(HealthCheck))
+
+
+class WithoutNaive(CallsMachine):
+    """The machine with only the simulation's checks and the invariants."""
+
+    naive = False
+
+
+def assert_caught(pattern: str, machine: type = CallsMachine,
+                  errors: tuple = (AssertionError,)) -> None:
+    """`machine` fails with one of `errors` whose message matches `pattern`."""
+    with pytest.raises(errors) as info:
+        run_state_machine_as_test(machine, settings=HUNT)
+    assert re.search(pattern, str(info.value)), f"caught by another check: {info.value}"
+
+
+BY_NAIVE_OR_SIM = pytest.mark.parametrize("naive", [True, False], ids=["naive model", "simulation"])
+
+
+@BY_NAIVE_OR_SIM
+def test_inertness_too_wide_is_caught(monkeypatch, naive):
+    """(a) every non-leaf module but the root is inert, whatever its params: a module whose
+    params are freed after its forward gets no PreBackward node, so its backward computes
+    without them."""
+    real = calls.call_tables
+
+    def all_persistent(spec, trainable):
+        persistent = tuple(p._replace(persistent=True) for p in spec.params)
+        return real(ModelSpec(persistent, spec.modules, spec.world_size), trainable)
+
+    monkeypatch.setattr(calls, "call_tables", all_persistent)
+    if naive:
+        assert_caught(r"naive model: enter.*emitted hook effects \[\], expected \[WrapInputs")
+    else:
+        assert_caught(r"I5 in backward: .* NOT_AVAILABLE", WithoutNaive)
+
+
+def test_waiting_call_released_at_its_first_grad_is_caught(monkeypatch):
+    """(b) a call without grad inputs is released when the first of its params' grads comes in,
+    not the last: its backward computes the next grad with its params freed."""
+    real = calls._grad_in
+
+    def eager(c, params, m, p, config):
+        waiting = tuple(w._replace(due=frozenset({p})) if w.module == m and p in w.due else w
+                        for w in c.waiting)
+        return real(c._replace(waiting=waiting), params, m, p, config)
+
+    monkeypatch.setattr(calls, "_grad_in", eager)
+    assert_caught(r"I5 in backward: .* NOT_AVAILABLE")
+
+
+@BY_NAIVE_OR_SIM
+def test_reads_none_ignoring_the_saved_log_is_caught(monkeypatch, naive):
+    """(c) every watched call without grad inputs is taken to read none of its params in
+    backward (the saved-param log is not read): one that saved them is freed, with no
+    PreBackward node to gather them again."""
+    real = calls.leave
+
+    def blind(st, m, *, saved=None, **kwargs):
+        return real(st, m, saved=None if saved is None else Log(), **kwargs)
+
+    monkeypatch.setattr(calls, "leave", blind)
+    if naive:
+        assert_caught(r"naive model: leave.*expected \[WrapOutputs")
+    else:
+        assert_caught(r"I5 in backward: .* NOT_AVAILABLE", WithoutNaive)
+
+
+def test_leaf_reduced_at_its_first_post_backward_is_caught(monkeypatch):
+    """(d) a leaf is reduced at the post_backward of any of its calls, not its last: the grads
+    of its earlier calls come after the report."""
+    real = calls.post_backward
+
+    def eager(st, m, *, config):
+        if m not in st.calls.leaves:
+            return real(st, m, config=config)
+        c, queued = calls._in_backward(st.calls)
+        c, grads, reduced = calls._reduce_leaf(c, st.grads, st.params.spec, m, config)
+        st, effects = real(Lifecycle(st.params, grads, c), m, config=config)
+        return st, queued + reduced + effects
+
+    monkeypatch.setattr(calls, "post_backward", eager)
+    assert_caught("reported at post_backward before its last contribution")
+
+
+def test_leaf_not_reduced_at_end_of_backward_is_caught(monkeypatch):
+    """(e) end_of_backward forgets the leaves no post_backward reduced (a leaf whose inputs need
+    no grad): their grads are never reported."""
+    real = calls.end_of_backward
+
+    def forgetful(st, *, config):
+        return real(st._replace(calls=st.calls._replace(leaves=frozenset())), config=config)
+
+    monkeypatch.setattr(calls, "end_of_backward", forgetful)
+    assert_caught("got grads in this backward but were never reported")
+
+
+@BY_NAIVE_OR_SIM
+def test_returned_params_not_registered_is_caught(monkeypatch, naive):
+    """(f) a param a call returns is not registered on its caller: the callee's release frees
+    it, and the caller computes with it."""
+    real = calls.leave
+
+    def dropped(st, m, *, returned=(), **kwargs):
+        return real(st, m, returned=(), **kwargs)
+
+    monkeypatch.setattr(calls, "leave", dropped)
+    if naive:
+        assert_caught(r"naive model: after leave.* has externals")
+    else:
+        assert_caught(r"I5 in forward: .* NOT_AVAILABLE", WithoutNaive)
+
+
+@BY_NAIVE_OR_SIM
+def test_borrowed_params_not_registered_is_caught(monkeypatch, naive):
+    """(g) a param read off another module's _parameters is not registered on the reader: it
+    computes with a param nobody gathered."""
+    monkeypatch.setattr(calls, "read", lambda st, owner, p, *, config: (st, ()))
+    if naive:
+        assert_caught(r"naive model: after read.* has externals")
+    else:
+        assert_caught(r"I5 in forward: .* NOT_AVAILABLE", WithoutNaive)
+
+
+@pytest.mark.parametrize("queue", ["every event", "never"])
+@BY_NAIVE_OR_SIM
+def test_end_of_backward_not_queued_once_is_caught(monkeypatch, queue, naive):
+    """(h) the end of backward is queued at every backward event (autograd would run the
+    epilogue several times), or never (it would not run)."""
+    queued = (QueueEndOfBackward(),) if queue == "every event" else ()
+    monkeypatch.setattr(calls, "_in_backward", lambda c: (c._replace(backward=True), queued))
+    if naive:
+        assert_caught(r"naive model: (pre_backward|post_backward|grad_ready)")
+    else:
+        assert_caught(r"end of backward queued (0|[2-9]\d*) times in one backward", WithoutNaive)
