@@ -1,0 +1,64 @@
+"""Teeth for I7 at the engine's level: the drawn, bitwise property (test_engine_exact.py) must
+catch deliberately broken arithmetic and timing, each within the examples allowed.
+
+    (a) the boundary divides by W alone, not W x gradient_accumulation_steps
+    (b) a leaf module is reduced at its first call's post-backward, before its other calls add
+        their grads (the [Note: leaf modules] condition dropped)
+    (c) a micro-step's partition write always copies (the accumulation of earlier micro-steps lost)
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+
+import fz3.core.calls as calls
+import fz3.core.epilogue as epilogue
+import fz3.core.grads as grads
+from fz3.core.effects import COPY
+from fz3.testing import drawn_nets as dn
+
+HUNT = settings(max_examples=100, derandomize=True, database=None, deadline=None,
+                phases=(Phase.generate,), report_multiple_bugs=False,
+                suppress_health_check=list(HealthCheck))
+
+
+def assert_caught() -> None:
+    @HUNT
+    @given(dn.nets(), dn.setups())
+    def hunt(spec, setup):
+        world, config, options = setup
+        dn.check_on_threads(spec, world, config, options)
+
+    with pytest.raises(AssertionError):
+        hunt()
+
+
+def test_dividing_by_the_world_size_alone_is_caught(monkeypatch):
+    real = epilogue.grad_divisor
+    monkeypatch.setattr(epilogue, "grad_divisor", lambda w, gas, predivide=1.0: real(w, 1, predivide))
+    assert_caught()
+
+
+def test_a_leaf_reduced_before_its_other_calls_is_caught(monkeypatch):
+    real = calls._reduce_leaf
+
+    def eager(c, g, spec, m, config):  # at any post_backward of a leaf still pending
+        return real(c, g, spec, m, config)
+
+    def post_backward(st, m, *, config):
+        cs, effects = calls._in_backward(st.calls)
+        g = st.grads
+        if m in cs.leaves:
+            cs, g, eff = eager(cs, g, st.params.spec, m, config)
+            effects += eff
+        params, eff = calls.core_bwd.post_backward(st.params, m, config=config)
+        cs, params, eff2 = calls._end_waiting(cs, params, m, config)
+        return calls.Lifecycle(params, g, cs), effects + eff + eff2
+
+    monkeypatch.setattr(calls, "post_backward", post_backward)
+    assert_caught()
+
+
+def test_writes_that_always_copy_are_caught(monkeypatch):
+    monkeypatch.setattr(grads, "write_mode", lambda pg, window: COPY)
+    assert_caught()
