@@ -8,12 +8,15 @@ with the trace COMPLETE (steady state). No tensors, no torch: this is the contro
     python bench/core_overhead.py            # table to stdout
     python bench/core_overhead.py --json out.json
     python bench/core_overhead.py --events calls   # through fz3/core/calls.py, as the shell drives it
+    python bench/core_overhead.py --events lifecycles   # the same pass, straight to the lifecycles
 
 `--events params` (the default) drives the parameter transitions alone (fetch, release,
 pre_backward, post_backward): the cost of the lifecycle itself. `--events calls` drives the
 events the shell sends since #12 (enter, leave, pre_backward, post_backward, and grad_ready for
 each param, which adds the gradient lifecycle's bucket_add), over the three lifecycles together:
 what the core costs a hook, the decisions that used to be the shell's included.
+`--events lifecycles` sends the same pass straight to the two lifecycles, as the shell did
+before #12: the difference is what the decisions cost in the core.
 
 Target (issue #2): flat (10 000-module cost within 1.5x of 100-module) and < 20 us per visit.
 """
@@ -30,7 +33,8 @@ from fz3.core.config import Config
 from fz3.core.fetch import fetch
 from fz3.core.release import release
 from fz3.core.spec import build_spec
-from fz3.core.grads import init_grad_state
+from fz3.core.epilogue import epilogue
+from fz3.core.grads import bucket_add, init_grad_state
 from fz3.core.state import initial_state
 from fz3.core.step import finish_backward, reset_step
 
@@ -89,14 +93,39 @@ def one_pass_calls(box, order, config):
     box.append(st)
 
 
+def one_pass_lifecycles(box, order, config):
+    """What the shell called before #12 moved its decisions into fz3/core/calls.py: the same
+    pass as `one_pass_calls`, straight to the two lifecycles' transitions (box holds a pair)."""
+    config = config.replace(gradient_accumulation_steps=1 << 40)
+    st, gs = box.pop()
+    st, _ = reset_step(st, config=config)
+    st, _ = fetch(st, 0, forward=True, config=config)
+    units = st.spec.modules
+    for m in order:
+        st, _ = fetch(st, m, forward=True, config=config, grad_inputs=1)
+        st, _ = release(st, m, config=config, grad_outputs=True)
+    st, _ = release(st, 0, config=config, grad_outputs=True)
+    for m in reversed(order):
+        st, _ = pre_backward(st, m, config=config)
+        for p in units[m].params:
+            if gs.params[p].reported != gs.backward:
+                gs, _ = bucket_add(gs, p, config=config, dtype="float32")
+        st, _ = post_backward(st, m, config=config)
+    gs, _ = epilogue(gs, config=config)
+    st, _ = finish_backward(st, config=config)
+    box.append((st, gs))
+
+
 def initial(spec, events: str):
     if events == "params":
         return initial_state(spec)
+    if events == "lifecycles":
+        return initial_state(spec), init_grad_state(spec)
     trainable = [True] * len(spec.params)
     return calls.Lifecycle(initial_state(spec), init_grad_state(spec), calls.initial_calls(spec, trainable))
 
 
-PASSES = {"params": one_pass, "calls": one_pass_calls}
+PASSES = {"params": one_pass, "lifecycles": one_pass_lifecycles, "calls": one_pass_calls}
 
 
 def measure(sizes: list[int], config: Config, *, world_size: int = 2,
@@ -131,7 +160,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 1000, 10000])
     ap.add_argument("--json", help="also write the table here")
     ap.add_argument("--events", choices=sorted(PASSES), default="params",
-                    help="params: the parameter transitions; calls: the shell's events (fz3/core/calls.py)")
+                    help="params: the parameter transitions; lifecycles: + the grad lifecycle, as the shell drove them before #12; calls: the shell's events (fz3/core/calls.py)")
     args = ap.parse_args()
     rows = []
     for name, cfg in CONFIGS.items():

@@ -156,10 +156,7 @@ class DistInterpreter:
                 case Wait(handle=h):
                     self._wait(h)
                 case Free(params=ps, refetch=refetch):
-                    for p in ps:
-                        if not refetch:  # next gathered in the next pass: the memory goes now
-                            self.buffers_pool.discard(self.store.params[p].data)
-                        self.store.free(p)
+                    self._free(ps, refetch)
                 case CopyToBucket():
                     self._copy_to_bucket(e)
                 case HoldGrad():
@@ -199,6 +196,12 @@ class DistInterpreter:
                                 prefetch=prefetch)
         work, fulls, keep = self.gather.gather(ps, shards)
         self.gathers[h] = (work, ps, fulls, keep)  # keep: alive until the work completes
+
+    def _free(self, ps: tuple[int, ...], refetch: bool) -> None:
+        for p in ps:
+            if not refetch:  # next gathered in the next pass: the memory goes now
+                self.buffers_pool.discard(self.store.params[p].data)
+            self.store.free(p)
 
     def _wait(self, h: Handle) -> None:
         work, ps, fulls, _ = self.gathers.pop(h)
