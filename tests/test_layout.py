@@ -56,3 +56,13 @@ def test_vmap_over_rank_axis():
     assert torch.equal(layout.unshard(rows, (7,)), full * 2)
     batch = torch.stack([full, -full])
     assert torch.equal(vmap(lambda t: layout.shard(t, 3))(batch)[1], -layout.shard(full, 3))
+
+
+@pytest.mark.parametrize("n,world", [(10, 4), (7, 3), (2, 4), (0, 2), (9, 1)])
+def test_rank_slice_into_writes_what_rank_slice_returns(n, world):
+    """fz3.Init writes each rank's slice into its preallocated shard (fz3/shell/init.py)."""
+    flat = torch.arange(1, n + 1, dtype=torch.float32)
+    for r in range(world):
+        out = torch.full((shard_numel(n, world),), float("nan"))
+        got = layout.rank_slice_into(flat, r, world, out)
+        assert got is out and torch.equal(out, layout.rank_slice(flat, r, world)), (n, world, r)

@@ -25,19 +25,27 @@ def test_build_spec_tables():
     head = spec.module_named("head")
     assert head.params == (0, 1) and head.numel == 12  # tied ids appear once, sorted
     assert spec.modules[3].is_leaf and spec.modules[3].params == (0, 1)
-    with pytest.raises(KeyError):
+    assert [(p.id, p.name) for p in spec.params] == [(0, "emb.w"), (1, "b"), (2, "empty")]
+    assert [(m.id, m.name) for m in spec.modules] == [(0, ""), (1, "emb"), (2, "head"), (3, "moe")]
+    assert spec.world_size == 4
+    with pytest.raises(KeyError, match="no module named 'nope'"):
         spec.module_named("nope")
 
 
-@pytest.mark.parametrize("params,modules,world", [
-    ([("w", 1)], [("m", [0], False)], 0),
-    ([("w", 1)], [("m", [0], False)], True),
-    ([("w", -1)], [("m", [0], False)], 1),
-    ([("w", 1.0)], [("m", [0], False)], 1),
-    ([("w", 1)], [("m", [1], False)], 1),
+def test_one_rank_is_a_world():
+    spec = build_spec([("w", 3)], [("m", [0], False)], world_size=1, persistence_threshold=0)
+    assert spec.world_size == 1 and spec.params[0].shard_numel == 3
+
+
+@pytest.mark.parametrize("params,modules,world,message", [
+    ([("w", 1)], [("m", [0], False)], 0, r"world_size must be an int >= 1, got 0"),
+    ([("w", 1)], [("m", [0], False)], True, r"world_size must be an int >= 1, got True"),
+    ([("w", -1)], [("m", [0], False)], 1, r"param 'w' has numel -1; expected an int >= 0"),
+    ([("w", 1.0)], [("m", [0], False)], 1, r"param 'w' has numel 1.0"),
+    ([("w", 1)], [("m", [1], False)], 1, r"module 'm' names param id 1; ids run 0\.\.0"),
 ])
-def test_build_spec_rejects(params, modules, world):
-    with pytest.raises(ValueError):
+def test_build_spec_rejects(params, modules, world, message):
+    with pytest.raises(ValueError, match=message):
         build_spec(params, modules, world_size=world, persistence_threshold=0)
 
 
@@ -47,6 +55,7 @@ def test_build_spec_rejects(params, modules, world):
     ([3, 4, 1, 2], 10, 5, (True, False, True, False)),  # 4 would overflow; later 1 still fits
     ([2, 2], 4, 0, (False, False)),
     ([0, 3], 0, 0, (True, False)),  # an empty param persists at no cost
+    ([5, 3], 4, 3, (False, True)),  # a param too large to keep uses none of the cap
 ])
 def test_persistent_flags_mirror_deepspeed(numels, param_threshold, model_threshold, flags):
     """DeepSpeed: DeepSpeedZeRoOffload.mark_persistent_parameters."""
