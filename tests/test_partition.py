@@ -13,7 +13,7 @@ def test_write_copy_and_add():
     assert old.tolist() == [1, 2] and new.tolist() == [10, 20]  # inputs untouched
 
 
-@pytest.mark.parametrize("part, mode, msg", [(None, "add", "never written"),
+@pytest.mark.parametrize("part, mode, msg", [(None, "add", r"^add into a grad partition that was never written \(expected copy\)$"),
                                              (torch.zeros(2), "avg", "unknown")])
 def test_write_errors(part, mode, msg):
     with pytest.raises(ValueError, match=msg):
@@ -23,6 +23,7 @@ def test_write_errors(part, mode, msg):
 def test_average_zeros_and_master_cast():
     assert partition.average(torch.tensor([6.0, -3.0]), 3).tolist() == [2, -1]
     assert partition.zeros_partition(3).tolist() == [0, 0, 0]
+    assert partition.zeros_partition(2, torch.bfloat16).dtype == torch.bfloat16
     bf = torch.tensor([1.5, 2.0], dtype=torch.bfloat16)
     m = partition.to_master(bf)
     assert m.dtype == torch.float32 and m.tolist() == [1.5, 2.0]

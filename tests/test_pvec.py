@@ -21,11 +21,12 @@ def test_basics():
 @pytest.mark.parametrize("bad", [-1, 3, 100])
 def test_index_errors(bad):
     v = PVec([1, 2, 3])
-    with pytest.raises(IndexError):
+    message = rf"PVec index {bad} out of range \[0, 3\)"
+    with pytest.raises(IndexError, match=message if bad < 0 else "out of range"):  # past the end: the list's
         v[bad]
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=message):
         v.set(bad, 0)
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=message):
         v.set_many({0: 9, bad: 0})
     assert list(v) == [1, 2, 3]  # a refused update changes nothing
 
