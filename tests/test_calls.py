@@ -112,3 +112,39 @@ def test_borrowing_a_leafs_own_param_with_grad_is_refused_naming_it():
         calls.read(st, 3, 2, config=CFG)
     same, eff = calls.read(st, 3, 2, config=CFG, grad=False)  # no grad: borrowed as any param
     assert 2 in same.params.module_rows[4][-1]
+
+
+def test_a_leaf_whose_call_needs_no_grad_gets_zero_grads_of_its_params_shape():
+    """Every row goes to a frozen expert: the leaf's call needs no grad, so its trainable params
+    get no grad from autograd and the core zero-fills them (ZeroGrads) while they are freed; the
+    engine once gave them empty grads (found by property_tests/test_interpreters_differential.py)."""
+    import torch
+    from torch import nn
+
+    import fz3
+    from fz3 import launch
+    from fz3.testing.drawn_nets import Experts
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.experts, self.head = Experts(3), nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.head(self.experts(x))
+
+    def train(rank, world, contiguous):
+        net = Net()
+        net.experts.experts[1].requires_grad_(False)
+        fz3.set_leaf_modules(net, [Experts])
+        before = net.experts.experts[0].weight.detach().clone()
+        engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                fz3.Config(param_persistence_threshold=0, contiguous_gradients=contiguous))
+        engine.backward(engine(torch.tensor([[-1., 1, 1], [0., 1, 0]])).sum())  # first feature <= 0
+        engine.step()
+        return torch.equal(engine.full_state_dict()["experts.experts.0.weight"], before)
+
+    for world in (1, 2):
+        for contiguous in (True, False):
+            assert launch.run_threads(train, world, args=(contiguous,), timeout_s=60) == [True] * world

@@ -223,9 +223,8 @@ class Engine:
 
     def _zero_grads(self, e: ZeroGrads, tree):
         for p in e.params:
-            param = self.tables.params[p]
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
+            if self.tables.params[p].grad is None:
+                self.store.zero_grad(p)  # by its shape: it may be freed ([Note: a leaf whose call needs no grad])
         return tree
 
     def _queue_end_of_backward(self, e: QueueEndOfBackward, tree):

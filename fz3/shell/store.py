@@ -81,6 +81,15 @@ class TensorStore:
             self.params[p].data = self._empty
         self._forget(p)
 
+    def zero_grad(self, p: int) -> None:
+        """param.grad = zeros of p's shape, gathered or not: torch checks a grad against .data's
+        shape, and a freed param's .data is empty, so its shape is lent for the assignment."""
+        param = self.params[p]
+        data = param.data
+        param.data = self._empty.new_empty(()).expand(self.shapes[p])
+        param.grad = torch.zeros(self.shapes[p], dtype=self.dtype, device=self.device)
+        param.data = data
+
     def grad_in(self, p: int) -> None:
         """Param p's grad was accumulated: if it is freed, its .data becomes empty again."""
         if p in self.grad_due:

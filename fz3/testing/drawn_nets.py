@@ -131,7 +131,11 @@ def nets(draw, max_blocks: int = 3) -> NetSpec:
     tied = bool(vocab) and head == vocab and draw(st.booleans())
     names = [n for n, _ in Net(NetSpec(d, vocab, blocks, tuple(order), shared, head, tied, (), 0))
              .named_parameters()]
-    frozen = tuple(sorted(draw(st.sets(st.sampled_from(names), max_size=2)))) if draw(st.booleans()) else ()
+    # not inside a leaf of experts: a frozen expert makes whether the leaf's call needs grad depend
+    # on the rows each rank routes, so ranks could diverge (test_interpreters_differential.py,
+    # [Note: a leaf whose call needs no grad])
+    names = [n for n in names if ".experts." not in n]
+    frozen = tuple(sorted(draw(st.sets(st.sampled_from(names), max_size=2)))) if names and draw(st.booleans()) else ()
     return NetSpec(d, vocab, blocks, tuple(order), shared, head, tied, frozen, draw(st.integers(0, 1000)))
 
 
