@@ -47,6 +47,14 @@ def assert_caught(pattern: str, machine: type = CallsMachine,
 BY_NAIVE_OR_SIM = pytest.mark.parametrize("naive", [True, False], ids=["naive model", "simulation"])
 
 
+def caught_by(naive: bool, by_naive: str, by_simulation: str) -> None:
+    """Caught by the naive model (`by_naive`), or, without it, by the simulation's own checks."""
+    if naive:
+        assert_caught(by_naive)
+    else:
+        assert_caught(by_simulation, WithoutNaive)
+
+
 @BY_NAIVE_OR_SIM
 def test_inertness_too_wide_is_caught(monkeypatch, naive):
     """(a) every non-leaf module but the root is inert, whatever its params: a module whose
@@ -59,10 +67,8 @@ def test_inertness_too_wide_is_caught(monkeypatch, naive):
         return real(ModelSpec(persistent, spec.modules, spec.world_size), trainable)
 
     monkeypatch.setattr(calls, "call_tables", all_persistent)
-    if naive:
-        assert_caught(r"naive model: enter.*emitted hook effects \[\], expected \[WrapInputs")
-    else:
-        assert_caught(r"I5 in backward: .* NOT_AVAILABLE", WithoutNaive)
+    caught_by(naive, r"naive model: enter.*emitted hook effects \[\], expected \[WrapInputs",
+              r"I5 in backward: .* NOT_AVAILABLE")
 
 
 def test_waiting_call_released_at_its_first_grad_is_caught(monkeypatch):
@@ -90,10 +96,8 @@ def test_reads_none_ignoring_the_saved_log_is_caught(monkeypatch, naive):
         return real(st, m, saved=None if saved is None else Log(), **kwargs)
 
     monkeypatch.setattr(calls, "leave", blind)
-    if naive:
-        assert_caught(r"naive model: leave.*expected \[WrapOutputs")
-    else:
-        assert_caught(r"I5 in backward: .* NOT_AVAILABLE", WithoutNaive)
+    caught_by(naive, r"naive model: leave.*expected \[WrapOutputs",
+              r"I5 in backward: .* NOT_AVAILABLE")
 
 
 def test_leaf_reduced_at_its_first_post_backward_is_caught(monkeypatch):
@@ -135,10 +139,8 @@ def test_returned_params_not_registered_is_caught(monkeypatch, naive):
         return real(st, m, returned=(), **kwargs)
 
     monkeypatch.setattr(calls, "leave", dropped)
-    if naive:
-        assert_caught(r"naive model: after leave.* has externals")
-    else:
-        assert_caught(r"I5 in forward: .* NOT_AVAILABLE", WithoutNaive)
+    caught_by(naive, r"naive model: after leave.* has externals",
+              r"I5 in forward: .* NOT_AVAILABLE")
 
 
 @BY_NAIVE_OR_SIM
@@ -146,10 +148,8 @@ def test_borrowed_params_not_registered_is_caught(monkeypatch, naive):
     """(g) a param read off another module's _parameters is not registered on the reader: it
     computes with a param nobody gathered."""
     monkeypatch.setattr(calls, "read", lambda st, owner, p, *, config: (st, ()))
-    if naive:
-        assert_caught(r"naive model: after read.* has externals")
-    else:
-        assert_caught(r"I5 in forward: .* NOT_AVAILABLE", WithoutNaive)
+    caught_by(naive, r"naive model: after read.* has externals",
+              r"I5 in forward: .* NOT_AVAILABLE")
 
 
 @pytest.mark.parametrize("queue", ["every event", "never"])
@@ -159,7 +159,5 @@ def test_end_of_backward_not_queued_once_is_caught(monkeypatch, queue, naive):
     epilogue several times), or never (it would not run)."""
     queued = (QueueEndOfBackward(),) if queue == "every event" else ()
     monkeypatch.setattr(calls, "_in_backward", lambda c: (c._replace(backward=True), queued))
-    if naive:
-        assert_caught(r"naive model: (pre_backward|post_backward|grad_ready)")
-    else:
-        assert_caught(r"end of backward queued (0|[2-9]\d*) times in one backward", WithoutNaive)
+    caught_by(naive, r"naive model: (pre_backward|post_backward|grad_ready)",
+              r"end of backward queued (0|[2-9]\d*) times in one backward")
