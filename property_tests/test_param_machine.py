@@ -5,6 +5,7 @@
     the rest             targeted properties: prefetch is not vacuous, an order change
                          invalidates once, a repeated program never does, configs change timing
                          and never what is computed (I5), two processes emit the same effects (I6)
+    NESTED               a parent and its child sharing a param: the keep rule's regression
 
     CI=1 pytest property_tests/test_param_machine.py      # the ci profile, derandomized
 """
@@ -159,3 +160,16 @@ def test_two_processes_emit_the_same_effects():
         logs.append(json.loads(out))
     assert logs[0] == logs[1] == effect_log()
     assert any("prefetch=True" in e for e in logs[0])
+
+
+NESTED = Case(  # a root and its child share (tie) one param; no reuse distance, no prefetch
+    Model(1, (("w", 4),), (("", (0,), False), ("child", (0,), False)), (1,)),
+    Config(prefetch_bucket_size=0, max_reuse_distance=0, param_persistence_threshold=0),
+    (Call(0, True, 0, (Call(1, True, 0),)),))
+
+
+def test_release_keeps_by_the_documented_rule():
+    """Liveness under the rule in words: the root's forward release frees w (max_reuse_distance
+    0 keeps nothing for reuse, and w was not prefetched; the child's fetch marked it, which kept
+    it until the core compared the mark with the latest fetch's step: [Note: fetch marks])."""
+    run_passes(NESTED, [(0, "complete")] * 3)

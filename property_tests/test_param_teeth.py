@@ -3,8 +3,8 @@
 Each test monkeypatches one function of fz3.core at its use site (the core's modules import
 names directly: `fetch_into` finds `prefetch` in fz3.core.fetch's globals) and asserts that the
 machine fails, deterministically (derandomized, no database, generate phase only; each is
-caught within the first ~12 examples of the 100 allowed), and that the check meant for the bug
-is the one that fires. A machine that passes a broken core proves nothing; these keep it
+caught within the first ~55 examples of the 100 allowed, the liveness ones within ~125 of
+300), and that the check meant for the bug is the one that fires. A machine that passes a broken core proves nothing; these keep it
 honest. The patches touch the core's internals (Txn, row columns), so a refactor of the core
 may need them rewritten: keep each one a few lines.
 
@@ -31,10 +31,11 @@ HUNT = settings(max_examples=100, stateful_step_count=12, derandomize=True, data
                 suppress_health_check=list(HealthCheck))
 
 
-def assert_caught(pattern: str, errors: tuple = (AssertionError,)) -> None:
+def assert_caught(pattern: str, errors: tuple = (AssertionError,), examples: int = 100) -> None:
     """The machine fails with one of `errors` whose message matches `pattern`."""
     with pytest.raises(errors) as info:
-        run_state_machine_as_test(ParamLifecycleMachine, settings=HUNT)
+        run_state_machine_as_test(ParamLifecycleMachine,
+                                  settings=settings(HUNT, max_examples=examples))
     assert re.search(pattern, str(info.value)), f"caught by another check: {info.value}"
 
 
@@ -169,3 +170,52 @@ def test_free_refetch_not_from_the_backward_count_is_caught(monkeypatch, always)
 
     monkeypatch.setattr(release, "free", fixed)
     assert_caught("refetch should be")
+
+
+# ---- liveness: conservative cores, safe but doing less than the trace's rules say -------------
+# Only fz3/testing/naive_rules.py catches these: every effect is legal and every invariant holds
+# (with the liveness check off, the machine passes each). They need a COMPLETE trace whose
+# prefetch reaches far or whose plan reuses a param: 300 examples, a margin over the ~125 the
+# last one takes.
+LIVENESS_EXAMPLES = 300
+
+
+def test_prefetch_stopping_one_param_early_is_caught(monkeypatch):
+    """(j) the prefetch walk never takes the last param that fits (the one after which it would
+    stop): that param is fetched on demand instead."""
+    real = fetch.gather
+
+    def timid(tx, pids, *, prefetch, forward, fetched_for):
+        if prefetch:  # drop the walk's last pick: the queue is in (step, param) order
+            last = max(range(len(pids)), key=lambda i: (fetched_for[i], pids[i]))
+            rest = [i for i in range(len(pids)) if i != last]
+            pids, fetched_for = tuple(pids[i] for i in rest), tuple(fetched_for[i] for i in rest)
+            if not pids:
+                return
+        real(tx, pids, prefetch=prefetch, forward=forward, fetched_for=fetched_for)
+
+    monkeypatch.setattr(fetch, "gather", timid)
+    assert_caught(r"liveness: .* prefetched .*; the rules prefetch", examples=LIVENESS_EXAMPLES)
+
+
+def test_release_keeping_nothing_for_reuse_is_caught(monkeypatch):
+    """(k) `_keep_for_reuse` keeps nothing: tied and prefetched params the plan needs again
+    soon are freed, and fetched again on demand."""
+    monkeypatch.setattr(release, "_keep_for_reuse", lambda tx, module, candidates, config: [])
+    assert_caught(r"liveness: .* freed .*; the rules free .* and keep", examples=LIVENESS_EXAMPLES)
+
+
+def test_prefetch_never_past_the_next_step_is_caught(monkeypatch):
+    """(l) the prefetch walk stops at the end of the next step's params, however much the bucket
+    and the budget allow."""
+    real = fetch.prefetch
+
+    def short_sighted(tx, step_, *, forward, config):
+        plan = tx.trace.plan
+        end = plan.step_start[min(step_ + 2, len(plan.order))]
+        tx.trace = tx.trace._replace(plan=plan._replace(queue=plan.queue[:end]))
+        real(tx, step_, forward=forward, config=config)
+        tx.trace = tx.trace._replace(plan=plan)
+
+    monkeypatch.setattr(fetch, "prefetch", short_sighted)
+    assert_caught(r"liveness: .* prefetched .*; the rules prefetch", examples=LIVENESS_EXAMPLES)

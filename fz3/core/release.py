@@ -69,8 +69,10 @@ def _keep_for_reuse(tx: Txn, module: ModuleId, candidates: list[ParamId],
     if tr.mode is not TraceMode.COMPLETE or not (
             0 <= step < len(tr.plan.order) and tr.plan.order[step] == module):
         return []
-    reused, slots = tr.plan.reused[step], tx.slots
-    keep = [p for p in candidates if p in reused or slots[p][FETCHED_FOR] > step]
+    reused, slots, now = tr.plan.reused[step], tx.slots, tr.step_id - 1
+    # prefetched for a step still to come (a later fetch that already ran, a child sharing the
+    # param, marks it too, and keeps nothing: DeepSpeed compares with __step_id at the release)
+    keep = [p for p in candidates if p in reused or slots[p][FETCHED_FOR] > now]
     if not keep:
         return keep
     spec = tx.st.spec.params

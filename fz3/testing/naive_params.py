@@ -1,6 +1,6 @@
 """A deliberately naive model of the parameter lifecycle, held against the core by the machines.
 
-Plain dicts, sets and lists; no persistent vectors, no cons lists, no cursors. It does two jobs:
+Plain dicts, sets and lists; no persistent vectors, no cons lists, no cursors. It does three jobs:
 
   interpreter  executes the core's effects (AllGather / Wait / Free) the way the real one would,
                and refuses the illegal ones: a gather of a param that is not NOT_AVAILABLE, a
@@ -11,17 +11,21 @@ Plain dicts, sets and lists; no persistent vectors, no cons lists, no cursors. I
                are active, the backward counters, the externals, the holds of
                gathered_parameters, the trace (mode, plan, invalidations) -- so `agree(state)`
                can compare field by field
+  rules        feeds naive_rules.py (`self.rules`), which predicts what a COMPLETE trace's
+               prefetch and reuse-keeping must do; `rules.check` holds the core to it (liveness)
 
 Every check raises AssertionError with a message naming the param, module or handle.
 """
 from __future__ import annotations
 
 from collections import Counter
+from typing import Callable, Sequence
 
 from fz3.core.config import Config
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.ids import Status, TraceMode
 from fz3.core.spec import ModelSpec
+from fz3.testing.naive_rules import Liveness
 
 NA, INFLIGHT, AV = Status.NOT_AVAILABLE, Status.INFLIGHT, Status.AVAILABLE
 FETCHING = ("fetch", "pre_backward")
@@ -33,6 +37,8 @@ class NaiveTrace:
 
     def __init__(self) -> None:
         self.mode, self.plan, self.this_pass, self.invalidations = TraceMode.INVALID, None, [], 0
+        self.units: list[frozenset[int]] = []  # the plan's fetch units, as at its freeze
+        self.step_numel: list[int] = []
 
     def _invalidate(self) -> None:
         self.mode, self.plan, self.invalidations = TraceMode.INVALID, None, self.invalidations + 1
@@ -47,7 +53,8 @@ class NaiveTrace:
         if self.mode is TraceMode.COMPLETE:
             self._invalidate()
 
-    def reset(self, aborted: bool = False) -> None:
+    def reset(self, aborted: bool = False, unit: Callable[[int], set[int]] | None = None,
+              numel: Sequence[int] = ()) -> None:
         if aborted:  # a pass that raised is forgotten: neither recorded nor a departure
             self.mode = TraceMode.RECORD if self.mode is TraceMode.INVALID else self.mode
             self.this_pass = []
@@ -58,6 +65,8 @@ class NaiveTrace:
             self.mode = TraceMode.RECORD
         elif self.mode is TraceMode.RECORD and self.this_pass:
             self.mode, self.plan = TraceMode.COMPLETE, list(self.this_pass)
+            self.units = [frozenset(unit(m)) for m in self.plan]
+            self.step_numel = [sum(numel[p] for p in u) for u in self.units]
         self.this_pass = []
 
 
@@ -84,6 +93,7 @@ class NaiveParams:
         self.pass_freed: set[int] = set()
         self.holds: Counter[int] = Counter()  # gathered_parameters: param -> open holds
         self.module: int | None = None  # the module the current event is about
+        self.rules = Liveness(self.numel, config)  # what the trace's rules require (liveness)
 
     # ---- derived views ---------------------------------------------------------------------------
     def unit(self, m: int) -> set[int]:
@@ -103,6 +113,21 @@ class NaiveParams:
         else:
             self.active.pop(m, None)
 
+    def release(self, m: int) -> None:
+        """Close one open call of `m`; at the last, the rules say which of its params go."""
+        last = self.active[m] == 1
+        self.close(m)
+        if not last:
+            return
+        used, sticky = self.in_use(), self.persistent | self.external()
+        candidates = {p for p in self.unit(m) if self.status[p] is AV and p not in used and p not in sticky}
+        tr = self.trace
+        self.rules.released(m, candidates, self.live, tr.plan if tr.mode is TraceMode.COMPLETE else None,
+                            tr.units, tr.step_numel)
+
+    def not_available(self) -> set[int]:
+        return {p for p, s in self.status.items() if s is NA}
+
     def exempt(self) -> set[int]:
         """Params the live budget does not cover: in use, persistent, external."""
         return self.in_use() | self.persistent | self.external()
@@ -117,6 +142,8 @@ class NaiveParams:
         m = self.module = ev[1] if len(ev) > 1 and isinstance(ev[1], int) else None
         self.ev = ev
         fetching = kind == "fetch"
+        self.rules.begin(ev, fetching=kind == "fetch" or (kind == "pre_backward" and self.pre[m] > 0),
+                         releasing=kind in ("release", "post_backward"))
         if kind == "outputs" or (kind == "release" and len(ev) > 2 and ev[2]):
             self.pre[m] += 1  # grad wrapping, reported apart or folded into fetch / release
         if kind == "inputs" or (kind == "fetch" and len(ev) > 2):
@@ -125,10 +152,10 @@ class NaiveParams:
             self.pre[m] -= 1
             fetching = True
         elif kind == "release":
-            self.close(m)
+            self.release(m)
         elif kind == "post_backward" and self.grads[m] > 0:
             self.grads[m] -= 1
-            self.close(m)  # one call's backward is done
+            self.release(m)  # one call's backward is done
         elif kind == "external":  # the core may sweep (invalidation) before the unit grows
             new = set(ev[2]) - self.unit(m)
             if new:
@@ -145,21 +172,28 @@ class NaiveParams:
                                 and (ev[2] or p not in sticky)}
         if fetching:
             self.trace.fetch(m)
+            self.rules.fetched(m, len(self.trace.this_pass) - 1, self.trace.mode is TraceMode.COMPLETE,
+                               self.unit(m))
         elif kind in FETCHING:
             assert not effects, f"pre_backward of m{m} with no forward call left emitted {effects}"
         for e in effects:
+            if isinstance(e, AllGather) and e.prefetch:  # the prefetch point: the rules walk here
+                self.rules.predict_prefetch(self.not_available(), self.live)
             self._execute(e, kind)
+        if fetching:  # no prefetch emitted: what would the rules have taken?
+            self.rules.predict_prefetch(self.not_available(), self.live)
         if kind == "external":
             self.externals[m] |= new
         if kind == "reset":
             grad, aborted = (ev[1], ev[2]) if len(ev) > 1 else (True, False)
-            self.trace.reset(aborted)
+            self.trace.reset(aborted, self.unit, self.numel)
             self.kind = "train" if grad else "train_no_grad"
             if self.kind not in self.traces:
                 self.traces[self.kind] = NaiveTrace()
                 self.traces[self.kind].reset()
             self.trace = self.traces[self.kind]
             self.pass_gathered, self.pass_freed = set(), set()
+            self.rules.start_pass(self.trace.mode is TraceMode.COMPLETE, self.trace.units)
         self._after(kind, m, fetching, effects)
 
     def _after(self, kind: str, m: int | None, fetching: bool, effects: tuple) -> None:
@@ -258,6 +292,7 @@ class NaiveParams:
             self.status[p] = NA
             self.live -= self.numel[p]
         self.pass_freed |= set(ps)
+        self.rules.freed(ps)
         # refetch: the module releasing them has a backward fetch still to come in this pass
         refetch = kind in ("release", "post_backward") and self.pre[self.module] > 0
         assert e.refetch == refetch, f"{e} during {kind} of m{self.module}: refetch should be {refetch}"

@@ -12,13 +12,15 @@
 
 After every event: check_state; the naive model (naive_params.py) executed the effects without
 refusing one and agrees with the core field by field (statuses, handles, in-flight order, live
-numel, users, counters, externals, trace); I1 after a prefetch and the live bound at all
-times; every active module finds its whole unit AVAILABLE; the transition left the state it was
-given unchanged and, replayed from that (now older) version, gives the same result (purity,
-over pvec.py's rerooting); and a twin core, built from its own spec and fed the same events,
-emitted the same effects (I6). After finish_backward: I2 (check_quiescent, and for a complete
-backward the counters were 0 before it) and nothing gathered in the pass leaked. I5: each
-`compute` finds its whole unit AVAILABLE, whatever the trace mode (recorded in `computed`).
+numel, users, counters, externals, trace); liveness: with a COMPLETE trace, each fetch's
+prefetch and each release's Free are exactly what naive_rules.py predicts; I1 after a prefetch
+and the live bound at all times; every active module finds its whole unit AVAILABLE; the
+transition left the state it was given unchanged and, replayed from that (now older) version,
+gives the same result (purity, over pvec.py's rerooting); and a twin core, built from its own
+spec and fed the same events, emitted the same effects (I6). After finish_backward: I2
+(check_quiescent, and for a complete backward the counters were 0 before it) and nothing
+gathered in the pass leaked. I5: each `compute` finds its whole unit AVAILABLE, whatever the
+trace mode (recorded in `computed`).
 
 Reuse:  from fz3.testing.param_machine import ParamLifecycleMachine
         TestParams = ParamLifecycleMachine.TestCase
@@ -140,6 +142,12 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
         self.model.on_event(ev, effects)
         self.model.agree(self.state)
         covered("naive model", ev[0])
+        rules = self.model.rules
+        rules.check(effects, self.state)  # liveness: what the trace's rules require, exactly
+        if rules.want_prefetch:
+            covered("naive model", "liveness: a prefetch, as the rules say")
+        if rules.kept:
+            covered("naive model", "liveness: a release keeps params, as the rules say")
         _inv.check_state(self.state)
         mode = before.trace.mode.name.lower()
         if ev[0] in ("fetch", "compute"):
