@@ -148,3 +148,19 @@ def test_a_leaf_whose_call_needs_no_grad_gets_zero_grads_of_its_params_shape():
     for world in (1, 2):
         for contiguous in (True, False):
             assert launch.run_threads(train, world, args=(contiguous,), timeout_s=60) == [True] * world
+
+
+def test_a_backward_that_never_ended_does_not_silence_the_next_one():
+    """A backward that raised never runs its queued end; the next pass's backward must queue its
+    own (else no epilogue would ever run again: no reduce, no optimizer step)."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.leave(st, 4, config=CFG, grad_outputs=True)
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    st, eff = calls.pre_backward(st, 0, config=CFG)
+    assert QueueEndOfBackward() in eff  # ... and the backward raises before its end
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    st, eff = calls.pre_backward(st, 0, config=CFG)
+    assert QueueEndOfBackward() in eff

@@ -160,7 +160,8 @@ def enter(st: Lifecycle, m: ModuleId, *, config: Config, grad: bool, grad_inputs
     if m == 0 and not recomputing:
         params, eff = reset_step(params, config=config, grad_enabled=grad, training=training,
                                  aborted=calls.aborted or bool(calls.stack))
-        calls = calls._replace(stack=(), aborted=False, waiting=(), leaves=frozenset())
+        # a backward still marked running never reached its end (it raised): it is over now
+        calls = calls._replace(stack=(), aborted=False, waiting=(), leaves=frozenset(), backward=False)
         effects += eff + (BeginPass(),)
     t = calls.tables
     wrap = grad and grad_inputs and not t.inert[m]
