@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import fz3.core.calls as calls
+from fz3.core.grads import GradError
 from fz3.core.calls import Lifecycle
 from fz3.core.hook_effects import QueueEndOfBackward
 from fz3.core.pvec import Log
@@ -161,3 +162,19 @@ def test_end_of_backward_not_queued_once_is_caught(monkeypatch, queue, naive):
     monkeypatch.setattr(calls, "_in_backward", lambda c: (c._replace(backward=True), queued))
     caught_by(naive, r"naive model: (pre_backward|post_backward|grad_ready)",
               r"end of backward queued (0|[2-9]\d*) times in one backward")
+
+
+@pytest.mark.parametrize("wrong", ["every trainable param hooked", "no param hooked"])
+def test_a_wrong_hook_set_is_caught(monkeypatch, wrong):
+    """(i) which params get a post-accumulate-grad hook (the core's CallTables.hooked, which the
+    shell installs): hooking a leaf's own params reports them twice (by the hook and with the
+    leaf); hooking none leaves every other param's grad unreported."""
+    real = calls.call_tables
+
+    def tables(spec, trainable):
+        t = real(spec, trainable)
+        return t._replace(hooked=tuple(bool(x) and wrong.startswith("every") for x in trainable))
+
+    monkeypatch.setattr(calls, "call_tables", tables)
+    assert_caught(r"reported twice|never reported|without a grad|not one leaf.s trainable params",
+                  errors=(AssertionError, GradError))

@@ -45,7 +45,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from fz3.core.calls import Lifecycle, call_tables
+from fz3.core.calls import Lifecycle
 from fz3.core.effects import Free
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, WrapInputs, WrapOutputs)
@@ -93,7 +93,7 @@ class AutogradSim:
     def __init__(self, spec: ModelSpec, trainable: tuple[bool, ...], driver: Driver, *,
                  avoid: frozenset[str] = frozenset()) -> None:
         self.spec, self.trainable, self.driver, self.avoid = spec, trainable, driver, avoid
-        self.hooked = call_tables(spec, trainable).hooked  # what the shell hooks: the core says
+        self.hooked = driver.state.calls.tables.hooked  # what the shell hooks: the core says
         self.log: Log[int] = Log()  # the saved-param log (fz3/shell/saved.py)
         self.watching = False  # the saved-tensor hooks are open (a root forward)
         self.due: set[int] = set()  # the store's grad_due
