@@ -70,12 +70,17 @@ def test_a_waiting_call_that_saved_none_of_its_params_is_over_at_its_forward():
     assert not st.calls.waiting
 
 
-def test_end_of_backward_is_queued_once_per_backward():
-    st = lifecycle(*MODEL)
+def forward_through_lin(st):
+    """One forward with grad: the root, which calls lin."""
     st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
     st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
     st, _ = calls.leave(st, 4, config=CFG, grad_outputs=True)
     st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    return st
+
+
+def test_end_of_backward_is_queued_once_per_backward():
+    st = forward_through_lin(lifecycle(*MODEL))
     st, eff = calls.pre_backward(st, 0, config=CFG)
     assert eff == (QueueEndOfBackward(),)
     st, eff = calls.pre_backward(st, 4, config=CFG)
@@ -153,11 +158,7 @@ def test_a_leaf_whose_call_needs_no_grad_gets_zero_grads_of_its_params_shape():
 def test_a_backward_that_never_ended_does_not_silence_the_next_one():
     """A backward that raised never runs its queued end; the next pass's backward must queue its
     own (else no epilogue would ever run again: no reduce, no optimizer step)."""
-    st = lifecycle(*MODEL)
-    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
-    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
-    st, _ = calls.leave(st, 4, config=CFG, grad_outputs=True)
-    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    st = forward_through_lin(lifecycle(*MODEL))
     st, eff = calls.pre_backward(st, 0, config=CFG)
     assert QueueEndOfBackward() in eff  # ... and the backward raises before its end
     st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
