@@ -3,22 +3,30 @@
     python3 bench/mutation.py                               # every file of fz3/core and fz3/data
     python3 bench/mutation.py --paths fz3/data/layout.py --tests tests/test_layout.py ...
     python3 bench/mutation.py ... --md bench/RESULTS.md     # also write the section there
+    python3 bench/mutation.py --rerun --md bench/RESULTS.md # after adding tests: only the mutants not killed
 
 mutmut (installed into bench/.env with hypothesis, pytest and pytest-timeout, as the peers are:
 never a dependency of fz3) copies the code into mutants/, makes every mutant of `--paths`
 (operators, constants, conditions, returns) and runs, for each, the selected tests that cover the
-mutated function. A mutant is killed when a test fails, survives when all pass; "no tests": no
-selected test runs that function. The run happens in a clone of the repository's HEAD under
-/tmp, so the work tree is never touched. Prints the score per file and every survivor's diff;
-with --md, replaces (or appends) the "Mutation score" section of that file.
+mutated function, fastest first, stopping at the first failure. A mutant is killed when a test
+fails, survives when all pass; "no tests": no selected test runs that function. The Hypothesis
+properties run under the `mutation` profile (property_tests/conftest.py: derandomized, 10
+examples, no shrinking). The run happens in a clone of the repository's HEAD under /tmp, so the
+work tree is never touched. Prints the score per file and every survivor's diff, marking those
+that change only a message's wording; with --md, replaces (or appends) the "Mutation score"
+section of that file.
 
-Time: about 7 mutants a second against the layout tests; a file whose tests are the Hypothesis
-machines costs the machines' run time per mutant (seconds), so the whole core is hours on 2 cores.
+Time: a survivor costs every covering test, the machines included (~10 s), a mutant killed by
+a unit test well under a second; the whole of fz3/core and fz3/data (~3400 mutants) is about
+two hours on 2 cores. --rerun copies the work tree's tests into the clone and runs only the
+mutants not killed, so a new test's kills are counted without the whole run again.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
+import difflib
 import os
 import re
 import subprocess
@@ -49,49 +57,104 @@ def setup_cfg(paths: list[str], tests: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mutmut(workdir: str, args: list[str], max_children: int) -> None:
+    # the `mutation` Hypothesis profile: derandomized as in CI, a tenth of its examples, no shrinking (each mutant
+    # runs the machines again); one OpenMP thread, as mutmut forks a worker per mutant from a process that ran torch
+    env = dict(os.environ, CI="1", FZ3_HYPOTHESIS_PROFILE="mutation", OMP_NUM_THREADS="1")
+    with open(os.path.join(workdir, "mutmut.log"), "a") as log:  # progress: tail -f it
+        subprocess.run([os.path.join(ENV, "mutmut"), "run", f"--max-children={max_children}", *args], cwd=workdir,
+                       env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def results(workdir: str) -> dict[str, str]:
+    out = subprocess.run([os.path.join(ENV, "mutmut"), "results", "--all", "true"], cwd=workdir,
+                         capture_output=True, text=True, check=True).stdout
+    return dict(re.findall(r"^\s*(\S+): (.+)$", out, re.M))
+
+
 def run(paths: list[str], tests: list[str], workdir: str, max_children: int) -> dict[str, str]:
     """-> {mutant name: status} after a full mutmut run in a fresh clone at `workdir`."""
     subprocess.run(["rm", "-rf", workdir], check=True)
     subprocess.run(["git", "clone", "-q", ROOT, workdir], check=True)
     with open(os.path.join(workdir, "setup.cfg"), "w") as f:
         f.write(setup_cfg(paths, tests))
-    # the `mutation` Hypothesis profile: derandomized as in CI, a quarter of its examples (each mutant runs the
-    # machines again); one OpenMP thread, as mutmut forks a worker per mutant from a process that ran torch
-    env = dict(os.environ, CI="1", FZ3_HYPOTHESIS_PROFILE="mutation", OMP_NUM_THREADS="1")
-    with open(os.path.join(workdir, "mutmut.log"), "w") as log:  # progress: tail -f it
-        subprocess.run([os.path.join(ENV, "mutmut"), "run", f"--max-children={max_children}"], cwd=workdir, env=env,
-                       stdout=log, stderr=subprocess.STDOUT)
-    out = subprocess.run([os.path.join(ENV, "mutmut"), "results", "--all", "true"], cwd=workdir,
-                         capture_output=True, text=True, check=True).stdout
-    return dict(re.findall(r"^\s*(\S+): (.+)$", out, re.M))
+    mutmut(workdir, [], max_children)
+    return results(workdir)
+
+
+def rerun(workdir: str, max_children: int) -> dict[str, str]:
+    """Every mutant not killed in an earlier run at `workdir`, again, against the work tree's current tests (mutmut
+    collects coverage for the new tests only). The code under mutation must be unchanged since that run."""
+    for d in ("tests", "property_tests"):
+        for dest in (workdir, os.path.join(workdir, "mutants")):
+            subprocess.run(["rm", "-rf", os.path.join(dest, d)], check=True)
+            subprocess.run(["cp", "-r", os.path.join(ROOT, d), dest], check=True)
+    open_ = [name for name, status in results(workdir).items() if status != "killed"]
+    if open_:
+        mutmut(workdir, open_, max_children)
+    return results(workdir)
 
 
 def diff(workdir: str, name: str) -> str:
-    out = subprocess.run([os.path.join(ENV, "mutmut"), "show", name], cwd=workdir, capture_output=True,
-                         text=True).stdout
-    return "\n".join(l for l in out.splitlines() if l.startswith(("-", "+")) and not l.startswith(("---", "+++")))
+    """The mutant's changed lines, from the mutated module mutmut wrote (every mutant is a copy of the function)."""
+    module, func = name.rsplit(".", 1)
+    path = os.path.join(workdir, "mutants", *module.split(".")) + ".py"
+    with open(path) as f:
+        src = f.read()
+    funcs = {n.name: ast.get_source_segment(src, n) for n in ast.walk(ast.parse(src))
+             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    base = func.rsplit("__mutmut_", 1)[0]
+    orig, mutant = funcs[base + "__mutmut_orig"], funcs[func].replace(func, base + "__mutmut_orig", 1)
+    return "\n".join(l for l in difflib.unified_diff(orig.splitlines(), mutant.splitlines(), lineterm="", n=0)
+                     if l.startswith(("-", "+")) and not l.startswith(("---", "+++")))
+
+
+def wording_only(d: str) -> bool:
+    """True when the mutant changes only the text of a message: string literals of several words wrapped in XX or
+    with their case changed, nothing else on the line (a key or a one-word value is not wording)."""
+    minus = [l[1:] for l in d.splitlines() if l.startswith("-")]
+    plus = [l[1:] for l in d.splitlines() if l.startswith("+")]
+    if not minus or len(minus) != len(plus):
+        return False
+    for a, b in zip(minus, plus):
+        for la, lb in zip(re.findall(r'"[^"]*"', a), re.findall(r'"[^"]*"', b)):
+            if la != lb and len(la.split()) < 3:
+                return False
+        norm = re.sub(r'"XX(.*?)XX"', r'"\1"', b)
+        if norm.lower() != a.lower():
+            return False
+    return True
 
 
 def report(results: dict[str, str], workdir: str, command: str, started: str, minutes: float) -> str:
     by_file: dict[str, Counter] = {}
+    diffs = {name: diff(workdir, name) for name, status in results.items() if status != "killed"}
+    wording = {name for name, d in diffs.items() if results[name] == "survived" and wording_only(d)}
     for name, status in results.items():
         module = re.split(r"\.x[_ǁ]", name)[0]
         by_file.setdefault(module, Counter())[status] += 1
+        by_file[module]["wording"] += name in wording
     lines = [SECTION, "", f"`{command}`, {started}, {minutes:.1f} min, fz3 at "
              + subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True).stdout.strip() + ".", "",
-             "| module | mutants | killed | survived | no tests | other | score (killed ÷ mutants) |",
+             "| module | mutants | killed | survived (of which wording) | no tests | other | score (killed ÷ mutants) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
+    total = Counter()
     for module, c in sorted(by_file.items()):
-        n = sum(c.values())
+        n = sum(v for k, v in c.items() if k != "wording")
         other = n - c["killed"] - c["survived"] - c["no tests"]
-        lines.append(f"| {module} | {n} | {c['killed']} | {c['survived']} | {c['no tests']} | {other} | "
-                     f"{c['killed'] / n:.1%} |")
-    lines += ["", "Survivors and untested mutants (the diff of each):", ""]
-    for name, status in sorted(results.items()):
-        if status != "killed":
-            lines += [f"- `{name}` ({status}):", "  ```", *("  " + l for l in diff(workdir, name).splitlines()),
-                      "  ```"]
+        lines.append(f"| {module} | {n} | {c['killed']} | {c['survived']} ({c['wording']}) | {c['no tests']} | "
+                     f"{other} | {c['killed'] / n:.1%} |")
+        total.update(c)
+        total["n"] += n
+    lines.append(f"| **all** | {total['n']} | {total['killed']} | {total['survived']} ({total['wording']}) | "
+                 f"{total['no tests']} | {total['n'] - total['killed'] - total['survived'] - total['no tests']} | "
+                 f"**{total['killed'] / total['n']:.1%}** |")
+    lines += ["", "Survivors and untested mutants (the diff of each); *wording*: the mutant changes only the text of "
+              "a message, which the tests match only where it names the offending value:", ""]
+    for name, d in sorted(diffs.items()):
+        tag = "survived, wording" if name in wording else results[name]
+        lines += [f"- `{name}` ({tag}):", "  ```", *("  " + l for l in d.splitlines()), "  ```"]
     return "\n".join(lines) + "\n"
 
 
@@ -114,12 +177,15 @@ def main() -> None:
     ap.add_argument("--tests", nargs="+", default=FAST_TESTS)
     ap.add_argument("--workdir", default="/tmp/fz3-mutation")
     ap.add_argument("--max-children", type=int, default=os.cpu_count(), help="mutants run at once")
+    ap.add_argument("--rerun", action="store_true",
+                    help="keep --workdir's results and run again only the mutants not killed, against the current tests")
     ap.add_argument("--md", help="write the section into this markdown file")
     args = ap.parse_args()
     if not os.path.exists(os.path.join(ENV, "mutmut")):
         sys.exit(f"no mutmut in {ENV}: {ENV}/pip install mutmut hypothesis pytest pytest-timeout")
     started, t0 = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), time.time()
-    results = run(args.paths, args.tests, args.workdir, args.max_children)
+    results = (rerun(args.workdir, args.max_children) if args.rerun
+               else run(args.paths, args.tests, args.workdir, args.max_children))
     if not results:
         sys.exit("mutmut produced no results (run it by hand in the workdir with debug=true in setup.cfg)")
     text = report(results, args.workdir, "python3 bench/mutation.py " + " ".join(sys.argv[1:]), started,
