@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 
 import pytest
@@ -369,3 +370,132 @@ def test_every_table_key_is_handled():
             continue  # translated: test_translated
         with pytest.warns(UserWarning, match=key):
             Config.from_deepspeed(ds({key: value}))
+
+
+# ---- defaults, predicates and messages of the translation (mutation testing, fz3/core) ---------
+
+def test_zero_optimization_without_stage_is_stage_0():
+    """DeepSpeed's stage default is 0, and the message shows that value."""
+    with pytest.raises(ValueError, match=r"zero_optimization\.stage = 0: fz3 implements stage 3 only"):
+        Config.from_deepspeed({"zero_optimization": {}})
+
+
+def test_not_a_dict_names_the_type_given():
+    with pytest.raises(TypeError, match=r"from_deepspeed expects a dict \(DeepSpeed JSON config\), got list"):
+        Config.from_deepspeed([("zero_optimization", ZERO3)])  # type: ignore[arg-type]
+
+
+def test_unknown_key_message_lists_the_translated_keys():
+    with pytest.raises(ValueError, match="fz3 knows zero_optimization, bf16, gradient_accumulation_steps, "
+                                         "gradient_clipping, communication_data_type, prescale_gradients, "
+                                         "gradient_predivide_factor and"):
+        Config.from_deepspeed(ds(train_batch_sise=8))
+
+
+@pytest.mark.parametrize("key,section", [("fp16", {"loss_scale": 0}), ("bf16", {"immediate_grad_update": True}),
+                                         ("nebula", {"persistent_storage_path": "/tmp/nebula"})])
+def test_section_without_enabled_is_off(key, section):
+    """DeepSpeed's `enabled` defaults to False: a section that does not say is switched off."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 / nebula: accepted and reported
+        assert Config.from_deepspeed(ds(**{key: section})) == Config(gradient_clipping=1.0)
+
+
+def test_truthy_non_dict_section_is_on():
+    """A section given as a bare value rather than a dict counts as switched on when truthy."""
+    with pytest.raises(ValueError, match="DeepSpeed key 'fp16' = True turns on"):
+        Config.from_deepspeed(ds(fp16=True))
+    assert Config.from_deepspeed(ds(bf16=True)).compute_dtype == "bf16"
+
+
+def test_compression_training_with_every_technique_disabled_is_accepted():
+    with pytest.warns(UserWarning, match="compression_training"):
+        got = Config.from_deepspeed(ds(compression_training={
+            "weight_quantization": {"shared_parameters": {"enabled": False}},
+            "sparse_pruning": {"shared_parameters": {}}}))
+    assert got == Config(gradient_clipping=1.0)
+
+
+def test_any_true_predicate():
+    """checkpoint / compile: on when one of the named sub-keys is truthy; a non-dict is off.
+    Called here, not only through TOP_LACKING: the table builds its lambdas at import time."""
+    from fz3.core._deepspeed_keys import _any_true
+    on = _any_true("load_universal", "use_node_local_storage")
+    assert on({"use_node_local_storage": 1}) is True
+    assert on({"load_universal": False, "tag_validation": "Fail"}) is False
+    assert on({}) is False
+    assert on(True) is False
+
+
+@pytest.mark.parametrize("key", ["offload_param", "offload_optimizer"])
+def test_offload_section_without_device_is_off(key):
+    """DeepSpeed's offload device defaults to "none"."""
+    with pytest.warns(UserWarning, match=f"zero_optimization.{key}"):
+        got = Config.from_deepspeed(ds({key: {"pin_memory": True}}))
+    assert got == Config(gradient_clipping=1.0)
+
+
+def test_offload_given_as_a_non_dict_is_on():
+    with pytest.raises(ValueError, match="'zero_optimization.offload_param' = True turns on"):
+        Config.from_deepspeed(ds({"offload_param": True}))
+
+
+@pytest.mark.parametrize("names", [{"h.0"}, ["h.0", 1]], ids=["set", "non-string entry"])
+def test_leaf_module_entries_must_be_a_list_of_strings(names):
+    with pytest.raises(TypeError, match=r"zero_optimization\.leaf_module\.names must be a list of strings, "
+                                        r"got " + re.escape(repr(names))):
+        Config.from_deepspeed(ds({"leaf_module": {"names": names}}))
+
+
+def test_data_types_must_be_a_dict():
+    with pytest.raises(TypeError, match=r"data_types must be a dict, got \['fp32'\]"):
+        Config.from_deepspeed(ds(data_types=["fp32"]))
+
+
+def test_both_batch_sizes_with_accumulation_steps_are_accepted():
+    """Only the two batch sizes without gradient_accumulation_steps are rejected."""
+    with pytest.warns(UserWarning, match="train_batch_size"):
+        got = Config.from_deepspeed(ds(train_batch_size=32, train_micro_batch_size_per_gpu=4,
+                                       gradient_accumulation_steps=8))
+    assert got == Config(gradient_clipping=1.0, gradient_accumulation_steps=8)
+
+
+def test_unused_keys_warning_lists_them_comma_separated():
+    with pytest.warns(UserWarning) as record:
+        Config.from_deepspeed(ds({"sub_group_size": 1e9}, steps_per_print=10, wandb={"enabled": True}))
+    listed = str(record[0].message).split(": ", 1)[1]
+    assert listed.split(", ") == ["zero_optimization.sub_group_size", "steps_per_print", "wandb"]
+
+
+def test_unused_keys_warning_points_at_the_caller(monkeypatch):
+    """stacklevel: the warning is attributed to the line that called from_deepspeed, not to fz3.
+    The caller is read at the warn call, so a wrapper around from_deepspeed (mutmut's
+    trampoline) counts as the caller."""
+    import sys
+    import types
+
+    import fz3.core.config as config_module
+    callers = []
+
+    def warn(message, category=None, stacklevel=1):
+        caller = sys._getframe(2)  # 0: this shim, 1: from_deepspeed, 2: its caller
+        callers.append((caller.f_code.co_filename, caller.f_lineno))
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+    monkeypatch.setattr(config_module, "warnings", types.SimpleNamespace(warn=warn))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        Config.from_deepspeed(ds(steps_per_print=10))
+    (w,) = record
+    assert [(w.filename, w.lineno)] == callers
+    if not hasattr(Config.from_deepspeed, "__wrapped__"):  # called directly from this file
+        assert w.filename == __file__
+
+
+def test_differences_are_the_fields_off_deepspeeds_defaults():
+    """config.differences (printed by fz3.shell.log and fz3.shell.plan), in field order."""
+    from fz3.core.config import differences
+    assert differences(Config()) == {}
+    got = differences(Config(compute_dtype="bf16", prefetch_bucket_size=0, leaf_module_names=["h.0"]))
+    assert list(got.items()) == [("prefetch_bucket_size", 0), ("compute_dtype", "bf16"),
+                                 ("leaf_module_names", ("h.0",))]
