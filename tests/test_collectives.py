@@ -105,3 +105,10 @@ def test_unpack_gather_into_matches_unpack(world_size):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert all(x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for x in got)
     assert not out.isnan().any()
+
+
+def test_packing_nothing_gives_an_empty_buffer():
+    """An empty bucket (N = 0), like an empty gather or reduce-scatter input, is (0,)."""
+    assert c.pack_bucket([]).shape == (0,)
+    assert c.pack_gather([]).shape == (0,)
+    assert c.pack_reduce_scatter([], 2).shape == (0,)

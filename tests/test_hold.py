@@ -67,3 +67,28 @@ def test_optimizer_step_inside_gathered_parameters():
     assert d(end_of_step) == [Free((0, 1)), AllGather(h, (0, 1), False, True), Wait(h)]
     assert d.st.params[0].users == 1 and d.statuses() == "AA"
     assert d(unhold, (0,), stale=False) == [Free((0,))]
+
+
+def test_a_held_param_is_marked_fetched_for_no_step():
+    """hold gathers for no trace step (fetched_for -1): a module that fetches the param later
+    marks its own step, and its release frees the param as if the hold had not gathered it
+    (a mark of a later step would keep it, as if prefetched for that step)."""
+    d = Driver(*MODEL, config=CFG)
+    d(reset_step)
+    d.forward([1, 2], inputs=0)  # RECORD: m1 is step 0, m2 step 1
+    d(reset_step)  # the next pass runs on the COMPLETE trace
+    d(hold, (0,))
+    assert d.st.params[0].fetched_for == -1
+    d(fetch, 1, forward=True)
+    assert d.st.params[0].fetched_for == 0
+    assert d(unhold, (0,), stale=False) == []  # m1 still uses it
+    assert d(release, 1) == [Free((0,))]
+
+
+def test_unhold_assumes_stale_by_default():
+    """Without `stale`, the full values may have been edited: even a persistent param is freed,
+    so the next fetch gathers the current shards."""
+    d = Driver(*MODEL, config=CFG)
+    d(hold, (1,))
+    assert d(unhold, (1,)) == [Free((1,))]
+    assert d.statuses() == "NN"

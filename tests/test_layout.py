@@ -66,3 +66,12 @@ def test_rank_slice_into_writes_what_rank_slice_returns(n, world):
         out = torch.full((shard_numel(n, world),), float("nan"))
         got = layout.rank_slice_into(flat, r, world, out)
         assert got is out and torch.equal(out, layout.rank_slice(flat, r, world)), (n, world, r)
+
+
+def test_unshard_of_stacked_shards_copies_nothing():
+    """(W, s) in one tensor (fz3.Init gathers every rank's shard into one such buffer,
+    fz3/shell/init.py): the full value is a view of it, no second full-size copy."""
+    rows = layout.shard(torch.arange(1.0, 8), 3)
+    full = layout.unshard(rows, (7,))
+    assert full.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+    assert full.tolist() == list(range(1, 8))

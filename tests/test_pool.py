@@ -106,3 +106,82 @@ def test_release_drops_every_free_buffer():
     pool.take(20, torch.float32)  # free at once
     assert pool.release() == 80 and pool.bytes == 40  # the one in use stays
     assert list(pool.buffers) == [(10, torch.float32)] and kept.numel() == 10
+
+
+def pooled(pool: BufferPool) -> list[int]:
+    """The storages the pool keeps, by data pointer."""
+    return [ptr(t) for held in pool.buffers.values() for t in held]
+
+
+def test_every_hit_is_counted():
+    pool = BufferPool(CPU, limit_bytes=1 << 20)
+    for _ in range(3):
+        pool.take(16, torch.float32)  # free again at once: the later two reuse the first
+    assert pool.misses == 1 and pool.hits == 2
+
+
+def test_stats_report_bytes_hits_and_misses():
+    pool = BufferPool(CPU, limit_bytes=1 << 20)
+    pool.take(16, torch.float32)
+    pool.take(16, torch.float32)
+    pool.take(8, torch.bfloat16)
+    assert pool.stats() == {"pool_bytes": 16 * 4 + 8 * 2, "pool_hits": 1, "pool_misses": 2}
+
+
+def test_buffers_live_on_the_pools_device():
+    """The pool allocates on its own device, not the default one (meta stands in for an
+    accelerator here)."""
+    pool = BufferPool(torch.device("meta"), limit_bytes=1 << 20)
+    assert pool.take(16, torch.float32).device.type == "meta"
+    with torch.device("meta"):
+        assert BufferPool(CPU, limit_bytes=1 << 20).take(16, torch.float32).device == CPU
+
+
+def test_eviction_stops_as_soon_as_the_buffer_fits_exactly():
+    """The least recently used free buffers go only until the new one fits; at exactly the limit
+    it is kept, and the later keys stay."""
+    pool = BufferPool(CPU, limit_bytes=100 * 4)
+    for n in (20, 30, 40):
+        pool.take(n, torch.float32)  # free at once
+    pool.take(60, torch.float32)  # 90 + 60 > 100: the 20 and the 30 go, 40 + 60 = 100
+    assert pool.bytes == 100 * 4 and list(pool.buffers) == [(40, torch.float32), (60, torch.float32)]
+
+
+def test_eviction_within_one_size_stops_at_an_exact_fit():
+    pool = BufferPool(CPU, limit_bytes=100 * 4)
+    a = pool.take(30, torch.float32)
+    b = pool.take(30, torch.float32)  # a in use: a second 30
+    del a, b  # both free
+    pool.take(70, torch.float32)  # 60 + 70 > 100: one 30 goes, 30 + 70 = 100
+    assert pool.bytes == 100 * 4 and len(pool.buffers[(30, torch.float32)]) == 1
+    assert (70, torch.float32) in pool.buffers
+
+
+def test_eviction_drops_several_buffers_of_one_size_when_needed():
+    pool = BufferPool(CPU, limit_bytes=100 * 4)
+    a = pool.take(30, torch.float32)
+    b = pool.take(30, torch.float32)
+    del a, b
+    pool.take(90, torch.float32)  # 60 + 90 > 100: both 30s must go for the 90 to be kept
+    assert pool.bytes == 90 * 4 and list(pool.buffers) == [(90, torch.float32)]
+
+
+def test_room_made_by_dropping_every_free_buffer_to_exactly_the_limit():
+    pool = BufferPool(CPU, limit_bytes=100 * 4)
+    in_use = pool.take(40, torch.float32)
+    pool.take(30, torch.float32)  # free at once
+    pool.take(60, torch.float32)  # 40 in use + 60 = 100: the free 30 goes, the 60 is kept
+    assert pool.bytes == 100 * 4 and list(pool.buffers) == [(40, torch.float32), (60, torch.float32)]
+    assert in_use.numel() == 40
+
+
+def test_discard_drops_exactly_the_buffer_given_and_its_bytes():
+    pool = BufferPool(CPU, limit_bytes=1 << 20)
+    a = pool.take(10, torch.float32)
+    b = pool.take(10, torch.float32)  # a in use: a second buffer of the same key
+    c = pool.take(20, torch.float32)
+    assert pool.bytes == 40 * 4
+    assert pool.discard(a[2:]) == 10 * 4 and pool.bytes == 30 * 4
+    assert pooled(pool) == [ptr(b), ptr(c)]  # the other buffer of a's size stays
+    assert pool.discard(c) == 20 * 4 and pool.bytes == 10 * 4
+    assert list(pool.buffers) == [(10, torch.float32)]  # c's key is gone with its last buffer
