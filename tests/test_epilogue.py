@@ -71,6 +71,17 @@ def test_window_lifecycle_and_errors():
     assert never_written(state) == (0,)  # a new window: nothing written yet
 
 
+def test_optimizer_step_refuses_open_buckets_and_says_why():
+    """optimizer_step at the boundary with an IPG bucket still open is refused, and the error says
+    so. The transitions never leave one open there (the epilogue flushes before micro_step
+    reaches gas, bucket_add refuses a complete window), so the state is made by hand."""
+    config = Config(gradient_accumulation_steps=1, reduce_bucket_size=100)
+    state, _ = bucket_add(init_grad_state(grad_spec([3], 2)), 0, config=config)
+    state = state._replace(micro_step=1)  # at the boundary, bucket 0 still open
+    with pytest.raises(GradError, match="(?i)open ipg buckets"):
+        optimizer_step(state, config=config)
+
+
 def test_epilogue_flushes_every_dtype_in_order():
     config = Config(reduce_bucket_size=100)
     state = init_grad_state(grad_spec([3, 4], 1))

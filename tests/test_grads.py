@@ -5,7 +5,8 @@ from fz3.core.config import Config
 from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, HoldGrad, ReduceBucket, Slot,
                               WritePartition)
 from fz3.core.epilogue import epilogue, optimizer_step
-from fz3.core.grads import GradError, bucket_add, flush, grad_route, init_grad_state
+from fz3.core.grads import (GradError, ParamGrad, bucket_add, flush, grad_route,
+                            init_grad_state)
 from fz3.core.invariants_grad import check_grad_state
 from fz3.core.spec import build_spec
 
@@ -31,11 +32,11 @@ def run(numels, order, *, world_size=2, **cfg):
     return state, out, config
 
 
-def reduced(bucket, slots, path="allreduce", contiguous=True, modes=None):
+def reduced(bucket, slots, path="allreduce", contiguous=True, modes=None, dtype="float32"):
     """The effects of one flush of `slots` [(param, offset, numel)]."""
     ps = tuple(s[0] for s in slots)
     modes = modes or [COPY] * len(ps)
-    return (ReduceBucket(bucket, "float32", path, tuple(Slot(*s) for s in slots), contiguous),
+    return (ReduceBucket(bucket, dtype, path, tuple(Slot(*s) for s in slots), contiguous),
             *(WritePartition(bucket, p, m) for p, m in zip(ps, modes)),
             DropGrads(bucket, ps, contiguous))
 
@@ -99,6 +100,67 @@ def test_unknown_param():
     state, _, config = run([3], [])
     with pytest.raises(GradError, match="no param with id 5"):
         bucket_add(state, 5, config=config)
+
+
+def test_param_id_one_past_the_last_is_refused_with_the_id_range():
+    """The id check's upper bound is exclusive (id == number of params is unknown, refused as a
+    GradError rather than an IndexError), and the message gives the valid range 0..n-1."""
+    state, _, config = run([3, 4, 5], [])
+    with pytest.raises(GradError, match=r"no param with id 3 \(ids run 0\.\.2\)"):
+        bucket_add(state, 3, config=config)
+
+
+def test_oversized_grad_records_the_bucket_it_was_reduced_in():
+    """A grad reduced alone still gets a BucketId of its own (next_bucket advances), and its
+    ParamGrad records that bucket, in the first graph task and in a later one."""
+    state, _, config = run([3, 20], [0, 1], reduce_bucket_size=8, **AR)
+    assert state.params[1] == ParamGrad(reported=0, task=0, bucket=1, written=0)
+    assert state.next_bucket == 2 and [b.id for b in state.buckets] == []
+    state, eff = bucket_add(state, 1, config=config, graph_task=1)
+    assert eff == reduced(2, [(1, 0, 20)], contiguous=False, modes=[ADD])
+    assert state.params[1] == ParamGrad(reported=0, task=1, bucket=2, written=0)
+    assert state.next_bucket == 3
+
+
+def test_new_graph_task_flushes_only_the_stale_bucket_of_its_dtype():
+    """A second report in a new graph task flushes the bucket holding the first grad, and only
+    that one: the open bucket of another dtype stays open with its slots."""
+    config = Config(reduce_bucket_size=100, **AR)
+    state = init_grad_state(grad_spec([3, 4], 2))
+    state, _ = bucket_add(state, 0, config=config, dtype="float32")  # bucket 0
+    state, _ = bucket_add(state, 1, config=config, dtype="bfloat16")  # bucket 1
+    state, eff = bucket_add(state, 0, config=config, dtype="float32", graph_task=1)
+    assert eff == reduced(0, [(0, 0, 3)]) + (CopyToBucket(2, "float32", 0, 0, 3),)
+    assert [(b.id, b.dtype, b.slots) for b in state.buckets] == [
+        (1, "bfloat16", (Slot(1, 0, 4),)), (2, "float32", (Slot(0, 0, 3),))]
+
+
+def test_overflow_flushes_only_the_bucket_of_its_dtype():
+    """A grad that would overflow its comm dtype's bucket flushes that bucket alone; the bucket
+    of another dtype stays open."""
+    config = Config(reduce_bucket_size=8, **AR)
+    state = init_grad_state(grad_spec([3, 4, 6], 2))
+    state, _ = bucket_add(state, 0, config=config, dtype="float32")  # bucket 0, fill 3
+    state, _ = bucket_add(state, 1, config=config, dtype="bfloat16")  # bucket 1, fill 4
+    state, eff = bucket_add(state, 2, config=config, dtype="bfloat16")  # 4 + 6 > 8
+    assert eff == (reduced(1, [(1, 0, 4)], dtype="bfloat16")
+                   + (CopyToBucket(2, "bfloat16", 2, 0, 6),))
+    assert [(b.id, b.dtype, b.fill) for b in state.buckets] == [(2, "bfloat16", 6),
+                                                                 (0, "float32", 3)]
+
+
+def test_stale_flush_and_overflow_flush_both_reach_the_effects():
+    """A report in a new graph task whose grad dtype differs from its first one's flushes the
+    stale bucket (of the first dtype), then, when the grad overflows the bucket of its new dtype,
+    that bucket too: both reduces are returned, stale first, then the placement."""
+    config = Config(reduce_bucket_size=8, **AR)
+    state = init_grad_state(grad_spec([3, 6], 2))
+    state, _ = bucket_add(state, 0, config=config, dtype="bfloat16")  # bucket 0, fill 3
+    state, _ = bucket_add(state, 1, config=config, dtype="float32")  # bucket 1, fill 6
+    state, eff = bucket_add(state, 0, config=config, dtype="float32", graph_task=1)  # 6 + 3 > 8
+    assert eff == (reduced(0, [(0, 0, 3)], dtype="bfloat16") + reduced(1, [(1, 0, 6)])
+                   + (CopyToBucket(2, "float32", 0, 0, 3),))
+    assert [(b.id, b.dtype, b.fill) for b in state.buckets] == [(2, "float32", 3)]
 
 
 def test_new_graph_task_contiguous_flushes_the_stale_bucket():
