@@ -14,9 +14,11 @@ from fz3.core.backward import (inputs_wrapped, outputs_wrapped, post_backward, p
 from fz3.core.config import Config
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.fetch import fetch
+from fz3.core.ids import Status, TraceMode
 from fz3.core.invariants import check_fetched, check_quiescent
 from fz3.core.release import release
 from fz3.core.step import end_of_step, finish_backward, reset_step
+from fz3.core.trace import EXTERNALS
 from fz3.testing.driver import Driver
 
 CFG = Config(prefetch_bucket_size=0, param_persistence_threshold=0, max_reuse_distance=0)
@@ -38,6 +40,14 @@ def test_wrapping_counts():
             inputs_wrapped(d.st, 1, bad)
         with pytest.raises(ValueError, match=f"grad_inputs must be 0 or 1.*got {bad}"):
             fetch(d.st, 1, forward=True, config=CFG, grad_inputs=bad)
+
+
+def test_inputs_wrapped_with_no_grad_input_counts_nothing():
+    """count 0 is allowed (a call whose inputs need no grad) and leaves both counters as they are."""
+    d = Driver(*BLOCK, config=CFG)
+    st = inputs_wrapped(d.st, 1, 0)
+    assert list(st.modules) == list(d.st.modules) and list(st.params) == list(d.st.params)
+    assert (st.modules[1].pre_backward, st.modules[1].grads_remaining) == (0, 0)
 
 
 def test_module_called_twice_is_fetched_twice_in_backward():
@@ -126,6 +136,39 @@ def test_external_param_lifecycle():
     assert d(end_of_step) == [Free((0,))]
     d(reset_step)
     assert d(fetch, 0, forward=True) == [G(2, [0]), Wait(2)]  # fetched with its module
+
+
+def test_registering_on_an_inactive_module_adds_no_user():
+    """The post-forward dangling-param scan registers after the module's release: the param is
+    gathered and marked external, but no open call of the module counts among its users."""
+    d = Driver([("child.w", 4), ("other.w", 4)],
+               [("", [], False), ("child", [0], False), ("other", [1], False)], config=CFG)
+    d(reset_step)
+    d(fetch, 0, forward=True)
+    d(release, 0)
+    assert d(register_external, 0, (1,)) == [G(0, [1]), Wait(0)]
+    assert not d.st.modules[0].active and d.st.modules[0].externals == (1,)
+    assert tuple(d.st.params[1]) == (Status.AVAILABLE, None, 0, 0, True)  # users 0, fetched for step 0
+    assert d(fetch, 0, forward=True) == []  # gathered already; now the root uses it
+    assert d.st.params[1].users == 1
+
+
+def test_new_external_param_departs_from_a_complete_plan_at_its_module():
+    """On a COMPLETE trace, registering invalidates the plan and logs the departure as
+    (fetch index, the module that took the param, EXTERNALS), not as an order mismatch."""
+    d = Driver([("a.w", 4), ("b.w", 4)], [("", [], False), ("a", [0], False), ("b", [1], False)],
+               config=CFG)
+    for _ in range(2):  # RECORD, then COMPLETE with plan (root, a)
+        d(reset_step)
+        d.forward([[0, [1]]], inputs=0)
+    assert d.st.trace.mode is TraceMode.COMPLETE and d.st.trace.plan.order == (0, 1)
+    d(reset_step)
+    assert d(fetch, 0, forward=True) == []
+    assert d(fetch, 1, forward=True) == [G(2, [0]), Wait(2)]
+    assert d(register_external, 1, (1,)) == [G(3, [1]), Wait(3)]
+    assert d.st.trace.mode is TraceMode.INVALID and d.st.trace.invalidations == 1
+    assert d.st.trace.departure == (1, 1, EXTERNALS)  # a, fetched second (index 1), took b.w
+    assert d.st.params[1].users == 1 and d.statuses() == "AA"
 
 
 def test_registering_an_own_param_is_a_no_op():
