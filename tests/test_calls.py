@@ -7,10 +7,11 @@ import pytest
 
 from fz3.core import calls
 from fz3.core.config import Config
-from fz3.core.effects import AllGather, Free
+from fz3.core.effects import AllGather, CopyToBucket, Free
 from fz3.core.grads import init_grad_state
-from fz3.core.hook_effects import (BeginPass, EndPass, GradDue, QueueEndOfBackward, WrapInputs,
-                                   WrapOutputs, ZeroGrads)
+from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
+                                   QueueEndOfBackward, WrapInputs, WrapOutputs, ZeroGrads)
+from fz3.core.ids import Status, TraceMode
 from fz3.core.pvec import Log
 from fz3.core.spec import build_spec
 from fz3.core.state import initial_state
@@ -165,3 +166,435 @@ def test_a_backward_that_never_ended_does_not_silence_the_next_one():
     st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
     st, eff = calls.pre_backward(st, 0, config=CFG)
     assert QueueEndOfBackward() in eff
+
+
+# ---- tables and the initial state ------------------------------------------------------------------
+
+def test_tables_waiters_map_each_grad_param_to_the_modules_it_ends():
+    """`waiters`: a param -> every module with it in grad_params, in module order (a tied
+    param ends the waiting calls of each of its modules); leaves and inert modules wait on none."""
+    assert lifecycle(*MODEL).calls.tables.waiters == {0: (1,), 3: (4,)}
+    params, modules = MODEL
+    tied = modules[:4] + [("lin", [0, 3], False)]
+    assert lifecycle(params, tied).calls.tables.waiters == {0: (1, 4), 3: (4,)}
+
+
+def test_the_initial_call_state_has_nothing_open_waiting_or_running():
+    """Before any pass: no call open, no pass cut short, no waiting call, no leaf to reduce, no
+    backward running; and a submodule called on its own (outside the root's forward) runs."""
+    c = lifecycle(*MODEL).calls
+    assert c.stack == () and not c.aborted and c.waiting == () and c.leaves == frozenset()
+    assert not c.backward
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=0)  # waits
+    assert [f.module for f in st.calls.stack] == [1]
+    assert st.calls.waiting == (calls.Waiting(1, 1, frozenset({0})),)
+    st, eff = calls.pre_backward(st, 1, config=CFG)
+    assert eff[0] == QueueEndOfBackward()
+
+
+# ---- waiting calls ([Note: modules without grad inputs]) -----------------------------------------
+
+def test_a_module_called_twice_without_grad_inputs_ends_both_calls_at_its_grad():
+    """Two calls of emb on ids: one Waiting entry counting 2 calls (not two entries); the grad of
+    w ends both (a post_backward each), even the one whose outputs needed no grad and so got no
+    pre_backward: its release is the one that frees w."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0]))
+    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=1)
+    assert st.calls.waiting == (calls.Waiting(1, 2, frozenset({0})),)
+    assert st.params.modules[1].grads_remaining == 2
+    st, _ = calls.leave(st, 1, config=CFG, grad_outputs=False)  # returns indices: no grad
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    st, _ = calls.pre_backward(st, 0, config=CFG)
+    st, _ = calls.pre_backward(st, 1, config=CFG)
+    st, eff = calls.grad_ready(st, 0, config=CFG, dtype="float32")
+    assert Free((0,)) in eff and eff[-1] == GradIn(0)
+    assert st.calls.waiting == () and st.params.modules[1].grads_remaining == 0
+    assert st.params.params[0].status == Status.NOT_AVAILABLE
+
+
+@pytest.mark.parametrize("first", [0, 3])
+def test_waiting_modules_end_apart_each_at_its_own_grad(first):
+    """emb and lin both called without grad inputs: one Waiting entry each, in call order; the
+    grad of one param ends its module's calls only, whichever comes first, and the other entry
+    stays as it was."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0]))
+    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=False, saved=1)
+    st, _ = calls.leave(st, 4, config=CFG, grad_outputs=True, saved=Log([0, 3]))
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    emb, lin = calls.Waiting(1, 1, frozenset({0})), calls.Waiting(4, 1, frozenset({3}))
+    assert st.calls.waiting == (emb, lin)
+    for m in (0, 4, 1):
+        st, _ = calls.pre_backward(st, m, config=CFG)
+    second = 3 if first == 0 else 0
+    st, eff = calls.grad_ready(st, first, config=CFG, dtype="float32")
+    assert Free((first,)) in eff
+    assert st.calls.waiting == ((lin,) if first == 0 else (emb,))
+    st, eff = calls.grad_ready(st, second, config=CFG, dtype="float32")
+    assert Free((second,)) in eff and st.calls.waiting == ()
+
+
+def test_a_call_that_reads_none_of_its_params_ends_one_waiting_call_and_keeps_the_rest():
+    """emb called twice without grad inputs, the second call saving none of w: that call's
+    backward is over at its post-forward, so emb waits for one call less, and lin's entry (after
+    it in the tuple) stays; emb's remaining call still ends at w's grad."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0]))
+    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=False, saved=1)
+    st, _ = calls.leave(st, 4, config=CFG, grad_outputs=True, saved=Log([0, 3]))
+    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=2)
+    st, eff = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0, 3]))
+    assert GradDue((0,)) in eff and WrapOutputs(1) not in eff
+    assert st.calls.waiting == (calls.Waiting(1, 1, frozenset({0})), calls.Waiting(4, 1, frozenset({3})))
+    assert st.params.modules[1].grads_remaining == 1
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    for m in (0, 4, 1):
+        st, _ = calls.pre_backward(st, m, config=CFG)
+    st, eff = calls.grad_ready(st, 0, config=CFG, dtype="float32")
+    assert Free((0,)) in eff and st.calls.waiting == (calls.Waiting(4, 1, frozenset({3})),)
+
+
+def test_a_grad_for_a_tied_param_reaches_each_module_waiting_on_it():
+    """w tied in a (id 1) and b (id 2), b called first: the waiting tuple is (b, a) while
+    waiters[w] is (a, b). w's grad takes w off both entries, each its own: a (waiting on w only)
+    ends, b still waits on its other param u, and ends at u's grad."""
+    st = lifecycle([("w", 8), ("u", 8)], [("", [], False), ("a", [0], False), ("b", [0, 1], False)])
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.enter(st, 2, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.leave(st, 2, config=CFG, grad_outputs=True, saved=Log([0, 1]))
+    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=2)
+    st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0, 1, 0]))
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    assert [w.module for w in st.calls.waiting] == [2, 1]
+    for m in (0, 1, 2):
+        st, _ = calls.pre_backward(st, m, config=CFG)
+    st, _ = calls.grad_ready(st, 0, config=CFG, dtype="float32")
+    assert st.calls.waiting == (calls.Waiting(2, 1, frozenset({1})),)
+    assert st.params.modules[1].grads_remaining == 0
+    st, eff = calls.grad_ready(st, 1, config=CFG, dtype="float32")
+    assert st.calls.waiting == () and Free((0, 1)) in eff
+
+
+def test_a_waiting_call_ends_at_its_modules_other_call_post_backward_when_that_comes_last():
+    """emb called once with grad inputs, once without: w's grad alone does not end the waiting
+    call (the other call's backward still reads w); that call's post_backward does, releasing
+    both (w freed once both are closed)."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True)
+    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0]))
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    for m in (0, 1, 1):
+        st, _ = calls.pre_backward(st, m, config=CFG)
+    st, eff = calls.grad_ready(st, 0, config=CFG, dtype="float32")
+    assert not any(isinstance(e, Free) for e in eff)
+    assert st.calls.waiting == (calls.Waiting(1, 1, frozenset()),)
+    st, eff = calls.post_backward(st, 1, config=CFG)
+    assert Free((0,)) in eff and st.calls.waiting == ()
+    assert st.params.modules[1].grads_remaining == 0 and st.params.modules[1].active == 0
+
+
+# ---- a planned pass: releases keep what the plan reuses ------------------------------------------
+
+# root; c (c 8, x 8 frozen, shared); a (w 8, x): c runs with grad inputs, a on ids
+SHARED = ([("w", 8), ("x", 8), ("c", 8)],
+          [("", [], False), ("c", [2, 1], False), ("a", [0, 1], False)], [True, False, True])
+
+
+def a_pass(st, *, twice):
+    """One step: forward root -> c -> a (-> a again with grad inputs, if `twice`); backward
+    root, a (, a), w's grad, [a's post_backward], c; its end; the optimizer step. Returns the
+    state and the effects of the event that ends a's waiting call."""
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True)
+    st, _ = calls.enter(st, 2, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.leave(st, 2, config=CFG, grad_outputs=True, saved=Log([0]))
+    if twice:
+        st, _ = calls.enter(st, 2, config=CFG, grad=True, grad_inputs=True)
+        st, _ = calls.leave(st, 2, config=CFG, grad_outputs=True)
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    for m in (0, 2, 2) if twice else (0, 2):
+        st, _ = calls.pre_backward(st, m, config=CFG)
+    st, ended = calls.grad_ready(st, 0, config=CFG, dtype="float32")
+    if twice:
+        st, ended = calls.post_backward(st, 2, config=CFG)
+    assert st.calls.waiting == ()
+    st, _ = calls.pre_backward(st, 1, config=CFG)
+    st, _ = calls.grad_ready(st, 2, config=CFG, dtype="float32")
+    st, _ = calls.post_backward(st, 1, config=CFG)
+    st, _ = calls.end_of_backward(st, config=CFG)
+    st, _ = calls.stepped(st, config=CFG)
+    return st, ended
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_waiting_call_ended_in_a_planned_pass_keeps_a_param_the_plan_reuses(twice):
+    """Second pass, the trace COMPLETE: when a's waiting call ends (at w's grad, or at its other
+    call's post_backward) w is freed but the frozen x, which c's backward fetches next, is kept
+    (release's reuse rule, bounded by the config's max_live_parameters)."""
+    st, ended = a_pass(lifecycle(*SHARED), twice=twice)
+    assert Free((0, 1)) in ended  # recording: nothing planned, nothing kept
+    st, ended = a_pass(st, twice=twice)
+    assert st.params.trace.mode is TraceMode.COMPLETE
+    assert Free((0,)) in ended and not any(isinstance(e, Free) and 1 in e.params for e in ended)
+
+
+def test_a_forward_that_raises_in_a_planned_pass_keeps_a_param_the_plan_reuses():
+    """raised releases as leave does: in a COMPLETE pass, lin's v (fetched again by lin's
+    backward in the plan) is kept, not freed."""
+    st = forward_through_lin(lifecycle(*MODEL))
+    for event, m in ((calls.pre_backward, 0), (calls.pre_backward, 4), (calls.post_backward, 4),
+                     (calls.post_backward, 0)):
+        st, _ = event(st, m, config=CFG)
+    st, _ = calls.end_of_backward(st, config=CFG)
+    st, _ = calls.stepped(st, config=CFG)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    assert st.params.trace.mode is TraceMode.COMPLETE
+    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
+    st, eff = calls.raised(st, 4, config=CFG)
+    assert not any(isinstance(e, Free) for e in eff)
+    assert st.params.params[3].status == Status.AVAILABLE and [f.module for f in st.calls.stack] == [0]
+
+
+# ---- grad_ready and the leaves' reduction ---------------------------------------------------------
+
+def test_grad_ready_first_in_a_backward_queues_its_end_and_buckets_by_dtype_and_task():
+    """A grad may be the backward's first event (a loss on a param itself): it queues the end of
+    backward before bucketing; the grad goes to the bucket of its own dtype, recorded with its
+    graph task (0 unless said)."""
+    st = forward_through_lin(lifecycle(*MODEL))
+    st, eff = calls.grad_ready(st, 3, config=CFG, dtype="bfloat16", graph_task=3)
+    assert eff == (QueueEndOfBackward(), CopyToBucket(0, "bfloat16", 3, 0, 8), GradIn(3))
+    assert st.grads.params[3].task == 3
+    st, eff = calls.grad_ready(st, 0, config=CFG, dtype="float32")
+    assert eff == (CopyToBucket(1, "float32", 0, 0, 8), GradIn(0))
+    assert st.grads.params[0].task == 0
+
+
+def test_a_leafs_grads_are_bucketed_in_the_compute_dtype():
+    """The zeros and grads of a leaf's params are reduced as the compute dtype's (bf16), as every
+    grad is."""
+    cfg = CFG.replace(compute_dtype="bf16")
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=cfg, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 3, config=cfg, grad=True, grad_inputs=False)
+    st, _ = calls.leave(st, 3, config=cfg, grad_outputs=True)
+    st, _ = calls.leave(st, 0, config=cfg, grad_outputs=True)
+    st, eff = calls.end_of_backward(st, config=cfg)
+    assert ZeroGrads((2,)) in eff and CopyToBucket(0, "bfloat16", 2, 0, 8) in eff
+
+
+def test_a_leaf_called_once_is_reduced_at_its_post_backward():
+    """Its only call's post_backward is its last: the leaf is reduced there (GRADS_REMAINING 1
+    before it), not again at the end of backward."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 3, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.leave(st, 3, config=CFG, grad_outputs=True)
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    st, _ = calls.pre_backward(st, 0, config=CFG)
+    st, _ = calls.pre_backward(st, 3, config=CFG)
+    st, eff = calls.post_backward(st, 3, config=CFG)
+    assert ZeroGrads((2,)) in eff and st.calls.leaves == frozenset()
+    st, eff = calls.end_of_backward(st, config=CFG)
+    assert not any(isinstance(e, ZeroGrads) for e in eff)
+
+
+def test_a_leaf_called_twice_with_grad_inputs_is_reduced_at_its_second_post_backward():
+    """Two calls with grad inputs, both pre_backwards run: the first post_backward (2 grads
+    remaining) does not reduce, the second (1 remaining) does."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    for _ in range(2):
+        st, _ = calls.enter(st, 3, config=CFG, grad=True, grad_inputs=True)
+        st, _ = calls.leave(st, 3, config=CFG, grad_outputs=True)
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    for m in (0, 3, 3):
+        st, _ = calls.pre_backward(st, m, config=CFG)
+    st, eff = calls.post_backward(st, 3, config=CFG)
+    assert not any(isinstance(e, ZeroGrads) for e in eff) and st.calls.leaves == {3}
+    st, eff = calls.post_backward(st, 3, config=CFG)
+    assert ZeroGrads((2,)) in eff and st.calls.leaves == frozenset()
+
+
+def test_a_backward_that_starts_at_a_leafs_inputs_queues_its_end_before_reducing_it():
+    """None of the leaf's outputs needs grad (a loss taken inside it): its post_backward is the
+    backward's first event; it queues the end of backward, then reduces the leaf."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 3, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.leave(st, 3, config=CFG, grad_outputs=False)
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=False)
+    st, eff = calls.post_backward(st, 3, config=CFG)
+    assert eff[0] == QueueEndOfBackward() and ZeroGrads((2,)) in eff
+
+
+def test_end_of_backward_clears_grad_due_reduces_leaves_and_drops_waiting_calls():
+    """Effects: ClearGradDue first, the leaves never reduced (called without grad inputs), the
+    epilogue, EndOfBackward last; a waiting call whose grad never came is dropped and the
+    backward is no longer running."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0]))
+    st, _ = calls.enter(st, 3, config=CFG, grad=True, grad_inputs=False)
+    st, _ = calls.leave(st, 3, config=CFG, grad_outputs=True)
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    st, _ = calls.pre_backward(st, 0, config=CFG)
+    assert st.calls.waiting and st.calls.leaves == {3}
+    st, eff = calls.end_of_backward(st, config=CFG)
+    assert eff[0] == ClearGradDue() and ZeroGrads((2,)) in eff and eff[-1] == EndOfBackward()
+    assert st.calls.waiting == () and st.calls.leaves == frozenset() and not st.calls.backward
+
+
+# ---- enter: a new pass, fetch ---------------------------------------------------------------------
+
+def test_a_new_pass_takes_up_the_trace_of_its_kind():
+    """The root's pre-forward resets the step with the pass kind: grad mode and train mode
+    (train mode on unless said)."""
+    for kw, kind in (({}, "train"), ({"grad": False}, "train_no_grad"), ({"training": False}, "eval")):
+        args = {"grad": True, **kw}
+        st, _ = calls.enter(lifecycle(*MODEL), 0, config=CFG, grad_inputs=False, **args)
+        assert st.params.trace.kind == kind, kw
+
+
+def forward_that_raises(st):
+    """A forward with grad that raises in lin: both calls closed by raised."""
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.raised(st, 4, config=CFG)
+    st, eff = calls.raised(st, 0, config=CFG)
+    assert eff[-1] == EndPass() and not st.calls.stack
+    return st
+
+
+def test_a_pass_after_one_that_raised_forgets_its_partial_trace():
+    """A forward that raised marks the pass aborted; the next root tells reset_step, so the
+    partial log is dropped (the trace records again instead of freezing it), and clears the
+    mark. A pass that ended normally freezes its log."""
+    st = forward_that_raises(lifecycle(*MODEL))
+    assert st.calls.aborted
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    assert st.params.trace.mode is TraceMode.RECORD and not st.calls.aborted
+    st, _ = calls.enter(forward_through_lin(lifecycle(*MODEL)), 0, config=CFG, grad=True, grad_inputs=True)
+    assert st.params.trace.mode is TraceMode.COMPLETE and not st.calls.aborted
+
+
+def test_a_pass_whose_calls_never_closed_is_aborted_and_its_stack_dropped():
+    """Calls still open at the next root (their post-forward never ran): that pass is aborted too,
+    and the new pass's stack holds only its root."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    assert [f.module for f in st.calls.stack] == [0]
+    assert st.params.trace.mode is TraceMode.RECORD and not st.calls.aborted
+
+
+def test_a_recompute_that_raises_does_not_cut_the_pass_short():
+    """torch.utils.checkpoint's recompute stops by raising in backward: the call is closed, but
+    the pass is not aborted, and the next pass freezes its trace."""
+    st = forward_through_lin(lifecycle(*MODEL))
+    st, _ = calls.pre_backward(st, 0, config=CFG)
+    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True, recomputing=True)
+    st, eff = calls.raised(st, 4, config=CFG, recomputing=True)
+    assert not st.calls.stack and not st.calls.aborted and EndPass() not in eff
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    assert st.params.trace.mode is TraceMode.COMPLETE
+
+
+def test_a_new_pass_forgets_the_last_passs_waiting_calls_and_leaves():
+    """A pass whose backward never came (or never ended): its waiting calls and unreduced leaves
+    are not the new pass's."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=0)
+    st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0]))
+    st, _ = calls.enter(st, 3, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.leave(st, 3, config=CFG, grad_outputs=True)
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    assert st.calls.waiting and st.calls.leaves
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    assert st.calls.waiting == () and st.calls.leaves == frozenset()
+
+
+def test_enter_fetches_for_forward_and_counts_one_grad_input_for_a_wrapped_or_waiting_call():
+    """The fetch is a forward one; a call whose inputs are wrapped, or that waits on its grads,
+    counts one grad input (GRADS_REMAINING), a call under no_grad none."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, eff = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
+    assert eff[0] == WrapInputs(4) and AllGather(0, (3,), False, True) in eff
+    assert st.params.modules[4].grads_remaining == 1
+    st, _ = calls.leave(st, 4, config=CFG, grad_outputs=True)
+    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=0)
+    assert st.params.modules[1].grads_remaining == 1
+    st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0]))
+    st, _ = calls.enter(st, 1, config=CFG, grad=False, grad_inputs=False)
+    assert st.params.modules[1].grads_remaining == 1
+
+
+# ---- leave, raised, read -------------------------------------------------------------------------
+
+def test_a_param_returned_by_the_root_is_borrowed_by_no_one():
+    """The root has no caller: a param among its outputs is registered nowhere."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, eff = calls.leave(st, 0, config=CFG, grad_outputs=True, returned=(0,))
+    assert eff == (WrapOutputs(0), EndPass()) and st.params.modules[0].externals == ()
+
+
+def test_a_leafs_own_param_returned_to_a_caller_with_grad_is_refused_naming_both():
+    """moe returns e to lin: with grad that is refused, naming the param, the leaf, the caller
+    and the module that returned it; without grad e is borrowed by the caller."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 3, config=CFG, grad=True, grad_inputs=True)
+    with pytest.raises(ValueError, match=r"param 'e' belongs to the leaf module 'moe' only, and "
+                                         r"module 'lin' uses it \('moe' returns it\)"):
+        calls.leave(st, 3, config=CFG, grad_outputs=True, returned=(2,))
+    st, _ = calls.leave(st, 3, config=CFG, grad_outputs=False, returned=(2,))
+    assert st.params.modules[4].externals == (2,)
+
+
+def test_raised_without_its_call_open_changes_nothing():
+    """The forward raised in a pre-forward hook before ours opened the call: no call of it on top
+    of the stack (none at all, or another module's), so nothing is closed."""
+    st = lifecycle(*MODEL)
+    assert calls.raised(st, 1, config=CFG) == (st, ())
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
+    assert calls.raised(st, 1, config=CFG) == (st, ())
+
+
+def test_a_root_that_raises_releases_its_params_then_ends_the_pass():
+    st = lifecycle([("r", 8)], [("", [0], False)])
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, eff = calls.raised(st, 0, config=CFG)
+    assert eff == (Free((0,)), EndPass())
+
+
+def test_a_read_outside_any_call_borrows_nothing():
+    st = lifecycle(*MODEL)
+    assert calls.read(st, 4, 3, config=CFG) == (st, ())
+
+
+def test_reading_a_leafs_frozen_param_with_grad_is_allowed():
+    """A frozen param gets no grad, so a leaf's own frozen param may be borrowed with grad."""
+    st = lifecycle(*MODEL, trainable=[True, True, False, True])
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.read(st, 3, 2, config=CFG)
+    assert st.params.modules[4].externals == (2,)
