@@ -129,3 +129,20 @@ def test_free_says_whether_the_module_fetches_again_in_this_pass():
     assert d(release, 1) == [Free((0,), refetch=False)]  # no backward fetch: next pass's
     assert d(pre_backward, 2)[-1:] == [Wait(2)]
     assert d(post_backward, 2) == [Free((1, 2), refetch=False)]  # its backward is over
+
+
+# x owns a tied weight (10, used again by z) and a bias (6); y (1 element) runs in between
+TIED_BIAS = ([("x.w", 10), ("x.b", 6), ("y.w", 1)],
+             [("", [], False), ("x", [0, 1], False), ("y", [2], False), ("z", [0], False)])
+
+
+@pytest.mark.parametrize("live,expected", [(10, [Free((1,), True)]), (9, [Free((0, 1), True)])],
+                         ids=["16 live - 6 freed = budget 10: kept", "budget 9: the keep is dropped"])
+def test_keep_budget_counts_what_the_release_frees(live, expected):
+    """The keep's live check is on what stays live after the release frees the rest: 16 live
+    (x.w + x.b) less the 6 of x.b freed must be <= max_live_parameters."""
+    d = Driver(*TIED_BIAS, config=cfg(live=live))
+    assert tied_pass(d)[2] == [Free((0, 1), True)]  # RECORD: nothing kept
+    got = tied_pass(d)
+    assert d.st.trace.mode is TraceMode.COMPLETE and d.st.trace.plan.reused[1] == (0,)
+    assert got[2] == expected

@@ -5,10 +5,12 @@ from fz3.core.backward import post_backward, pre_backward, register_external
 from fz3.core.config import Config
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.fetch import fetch
+from fz3.core.hold import hold, unhold
 from fz3.core.ids import TraceMode
 from fz3.core.invariants import check_quiescent
 from fz3.core.release import release
 from fz3.core.step import end_of_step, finish_backward, reset_step
+from fz3.core.trace import EXTERNALS
 from fz3.testing.driver import Driver
 
 HUGE = 10**9
@@ -99,3 +101,68 @@ def test_gradient_accumulation_keeps_the_trace():
     d(end_of_step)
     train_pass(d)
     assert d.st.trace.mode is TraceMode.COMPLETE and d.st.trace.invalidations == 0
+
+
+def test_end_of_step_regathers_held_params_for_no_step():
+    """A param a gathered_parameters holds across the optimizer step is gathered again marked
+    fetched_for -1 (for no step): on the next COMPLETE pass, once the hold is gone, the release
+    of the module at step 0 frees it like any param, not as one prefetched for a later step."""
+    d = Driver([("w", 4)], [("", [], False), ("m", [0], False)], config=cfg())
+    for _ in range(2):  # RECORD, then COMPLETE with the plan (m,)
+        d(reset_step)
+        d(fetch, 1, forward=True)
+        d(release, 1)
+    d(hold, (0,))
+    h = d.st.next_handle
+    assert d(end_of_step) == [Free((0,)), AllGather(h, (0,), False, True), Wait(h)]
+    assert d.st.params[0].fetched_for == -1 and d.st.params[0].users == 1
+    d(reset_step)
+    assert d.st.trace.mode is TraceMode.COMPLETE
+    assert d(fetch, 1, forward=True) == []  # still gathered for the hold
+    assert d.st.params[0].fetched_for == 0  # the fetch marks it for its own step
+    assert d(unhold, (0,), stale=False) == []  # m still uses it
+    assert d(release, 1) == [Free((0,))]  # not prefetched for a step after 0: freed
+
+
+def complete_trace() -> Driver:
+    """Two training passes over root[a, b]: the plan is (root, a, b, root, b, a)."""
+    d = Driver(*MODEL, config=cfg())
+    train_pass(d)
+    train_pass(d)
+    d(reset_step)
+    assert d.st.trace.mode is TraceMode.COMPLETE and d.st.trace.plan.order == (0, 1, 2, 0, 2, 1)
+    return d
+
+
+def test_fetch_departure_records_module_and_expected():
+    """A fetch off the plan invalidates the trace with the module fetched and the one the plan
+    expected at that fetch index (not EXTERNALS: the fetch units did not change)."""
+    d = complete_trace()
+    d(fetch, 0, forward=True)
+    d(fetch, 2, forward=True)  # the plan expected a at index 1
+    assert d.st.trace.mode is TraceMode.INVALID and d.st.trace.invalidations == 1
+    assert d.st.trace.departure == (1, 2, 1)
+
+
+def test_register_external_departure_expects_externals():
+    """On a COMPLETE trace, a module taking params it does not own invalidates the trace with
+    departure (its fetch index, it, EXTERNALS), whatever module the plan has there."""
+    d = complete_trace()
+    d(fetch, 0, forward=True)
+    d(register_external, 0, (1,))
+    assert d.st.trace.mode is TraceMode.INVALID and d.st.trace.invalidations == 1
+    assert d.st.trace.departure == (0, 0, EXTERNALS)
+
+
+def test_reset_step_defaults_to_a_grad_enabled_training_pass():
+    """reset_step with no pass kind given starts a "train" pass (grad enabled, train mode): the
+    trace built by such passes is the one an explicit grad_enabled=True, training=True pass takes
+    up; a no_grad pass takes up another."""
+    d = Driver(*MODEL, config=cfg())
+    train_pass(d)
+    assert d.st.trace.kind == "train" and d.st.trace.parked == ()
+    train_pass(d)
+    d(reset_step, grad_enabled=True, training=True)
+    assert d.st.trace.kind == "train" and d.st.trace.mode is TraceMode.COMPLETE
+    d(reset_step, grad_enabled=False)
+    assert d.st.trace.kind == "train_no_grad" and d.st.trace.mode is TraceMode.RECORD
