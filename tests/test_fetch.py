@@ -59,6 +59,46 @@ def test_fetch_of_available_params_is_silent():
     assert d(release, 0) == [Free((0,))]
 
 
+def test_fetch_marks_an_available_param_for_its_own_later_step():
+    """A fetch moves fetched_for up to its step even for a param it does not gather (held by
+    an active parent): the mark is the latest step the param was fetched for."""
+    d = Driver([("w", 4)], [("", [0], False), ("child", [0], False)], config=cfg())
+    d(reset_step)
+    d(fetch, 0, forward=True)
+    assert d.st.params[0].fetched_for == 0
+    assert d(fetch, 1, forward=True) == []
+    assert d.st.params[0].fetched_for == 1
+
+
+def test_prefetch_walk_goes_on_forward_from_its_step():
+    """A walk that starts past a param too big for the live budget (b's, left to fetch on
+    demand) goes on forward to the end of the queue; it never steps back to that param."""
+    d = Driver([("a.w", 1), ("b.w", 100), ("c.w", 1), ("d.w", 1), ("e.w", 1)],
+               [("", [], False), ("a", [0], False), ("b", [1], False), ("c", [2], False),
+                ("d", [3], False), ("e", [4], False)], config=cfg(live=10))
+    one_pass(d, [1, 2, 3, 4, 5])  # handles 0..4
+    got = one_pass(d, [1, 2, 3, 4, 5])
+    assert d.st.trace.mode is TraceMode.COMPLETE
+    fetches = [got[i] for i in (0, 1, 3, 5, 7, 9)]  # root, a, b, c, d, e
+    assert fetches == [[G(5, [0], True)], [Wait(5)], [G(6, [1]), Wait(6)],
+                       [G(7, [2]), Wait(7), G(8, [3, 4], True)], [Wait(8)], []]
+
+
+def test_bucket_zero_does_not_walk_the_plan():
+    """prefetch_bucket_size 0 turns prefetch off: a COMPLETE pass leaves the queue cursor at 0,
+    where a bucket of 1 moves it past each fetch's step."""
+    for bucket, cursors in ((0, [0, 0, 0, 0]), (1, [1, 2, 3, 3])):
+        d = Driver(*THREE, config=cfg(bucket=bucket))
+        one_pass(d, [1, 2, 3])
+        d(reset_step)
+        assert d.st.trace.mode is TraceMode.COMPLETE
+        got = []
+        for m in (0, 1, 2, 3):
+            d(fetch, m, forward=True)
+            got.append(d.st.trace.cursor)
+        assert got == cursors, bucket
+
+
 # (prefetch_bucket_size, max_live_parameters) -> effects of the COMPLETE pass, event by event:
 # fetch root, fetch a, release a, fetch b, release b, fetch c, release c, release root.
 # The RECORD pass before it used handles 0..2.
@@ -123,6 +163,32 @@ def test_departure_invalidates_and_drops_prefetched_params():
     assert d(fetch, 2, forward=True) == [Wait(4), Free((0, 2))]
     assert d.st.trace.mode is TraceMode.INVALID and d.st.trace.invalidations == 1
     assert d(fetch, 1, forward=True) == [G(5, [0]), Wait(5)]  # no prefetch while INVALID
+
+
+def test_departure_records_the_fetch_and_the_module_the_plan_expected():
+    """An invalidating fetch records (its index in the pass, the module fetched, the module the
+    plan expected there)."""
+    d = Driver(*THREE, config=cfg())
+    one_pass(d, [1, 2, 3])
+    one_pass(d, [1, 2, 3])
+    d(reset_step)
+    d(fetch, 0, forward=True)
+    d(fetch, 2, forward=True)  # the plan expects a (module 1) at index 1
+    assert d.st.trace.departure == (1, 2, 1)
+
+
+def test_departure_survives_prefetch_in_later_passes():
+    """The last departure stays on the trace through the passes that record and follow a new
+    plan, prefetch included."""
+    d = Driver(*THREE, config=cfg())
+    one_pass(d, [1, 2, 3])
+    one_pass(d, [1, 2, 3])
+    one_pass(d, [2, 1, 3])  # departs at index 1: fetched b, the plan expected a
+    one_pass(d, [2, 1, 3])  # RECORD
+    got = one_pass(d, [2, 1, 3])  # COMPLETE: prefetches
+    assert got[0] == [G(10, [0, 1, 2], True)]
+    assert d.st.trace.mode is TraceMode.COMPLETE and d.st.trace.invalidations == 1
+    assert d.st.trace.departure == (1, 2, 1)
 
 
 def test_prefetch_respects_live_budget_exactly():
