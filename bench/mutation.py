@@ -42,7 +42,7 @@ FAST_TESTS = ["tests/test_layout.py", "tests/test_collectives.py", "tests/test_p
               "tests/test_step.py", "tests/test_trace.py", "tests/test_hold.py", "tests/test_grads.py",
               "tests/test_epilogue.py", "tests/test_calls.py", "tests/test_effects.py", "tests/test_simulated.py",
               "tests/test_config.py", "tests/test_pool.py", "tests/test_invariants_grad.py", "tests/test_tables.py",
-              "tests/test_core_is_pure.py", "tests/test_invariants.py",
+              "tests/test_core_is_pure.py", "tests/test_invariants.py", "tests/test_state.py",
               "property_tests/test_layout_properties.py", "property_tests/test_param_machine.py",
               "property_tests/test_grad_machine.py", "property_tests/test_grad_properties.py",
               "property_tests/test_calls_machine.py", "property_tests/test_trace_safety.py",
