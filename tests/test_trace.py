@@ -12,7 +12,7 @@ from fz3.core.config import Config
 from fz3.core.fetch import fetch
 from fz3.core.ids import TraceMode
 from fz3.core.step import reset_step
-from fz3.core.trace import build_plan, initial_trace, invalidated, on_fetch, reset
+from fz3.core.trace import EXTERNALS, build_plan, initial_trace, invalidated, on_fetch, pass_kind, reset
 from fz3.testing.driver import Driver
 
 UNITS = {0: (), 1: (0,), 2: (1, 2), 3: (0,)}  # root, emb, l1, head (tied emb.w)
@@ -42,6 +42,13 @@ def test_initial_record_complete():
     tr = new_pass(tr)
     assert tr.mode is TraceMode.COMPLETE and tr.plan.order == (0, 1, 2, 3)
     assert (tr.step_id, list(tr.recording), tr.cursor, tr.invalidations) == (0, [], 0, 0)
+
+
+def test_initial_trace_is_empty_and_invalid():
+    """Before the first pass: no plan, nothing logged, cursor 0, no departure, of the given kind."""
+    for kind, tr in (("train", initial_trace()), ("eval", initial_trace("eval"))):
+        assert (tr.mode, tr.step_id, list(tr.recording), tr.plan, tr.cursor, tr.invalidations, tr.kind,
+                tr.parked, tr.departure) == (TraceMode.INVALID, 0, [], None, 0, 0, kind, (), ())
 
 
 def complete():
@@ -136,7 +143,6 @@ def test_new_external_param_invalidates_a_complete_trace():
 # ---- pass kinds and aborted passes --------------------------------------------------------------
 
 def test_pass_kind_by_grad_and_train_mode():
-    from fz3.core.trace import pass_kind
     kinds = {pass_kind(g, t) for g in (True, False) for t in (True, False)}
     assert len(kinds) == 4 and pass_kind(True, True) == "train"
 
@@ -184,3 +190,108 @@ def test_an_aborted_pass_is_forgotten(mode_before):
     assert (tr.mode, tr.invalidations, tr.step_id, len(tr.recording)) == (expected, 0, 0, 0)
     if mode_before == "complete":
         assert tr.plan.order == (0, 1, 2, 3)
+
+
+def test_pass_kind_names_are_the_documented_ones():
+    """docs/architecture.md names the four kinds; they key the parked traces."""
+    assert [pass_kind(g, t) for g, t in ((True, True), (True, False), (False, True), (False, False))] == [
+        "train", "eval", "train_no_grad", "eval_no_grad"]
+
+
+# ---- departure: where the last invalidation happened --------------------------------------------
+
+# (fetches against the plan [0, 1, 2, 3], departure after invalidated(tr, last fetch))
+DEPARTURES = [
+    ("another module", [0, 2], (1, 2, 1)),
+    ("at the first fetch", [1], (0, 1, 0)),
+    ("module 0 where the plan expected 1", [0, 0], (1, 0, 1)),
+    ("past the end of the plan", [0, 1, 2, 3, 3], (4, 3, -1)),
+]
+
+
+@pytest.mark.parametrize("why,order,departure", DEPARTURES, ids=[d[0] for d in DEPARTURES])
+def test_departure_names_fetch_index_module_and_expected(why, order, departure):
+    """invalidated(tr, module) (externals off by default) records the index of the fetch that
+    departed (on_fetch has counted it already), that module, and what the plan expected there
+    (-1 past its end); it drops the plan and counts one invalidation."""
+    tr, departed = run(complete(), order)
+    assert departed[-1]
+    tr = invalidated(tr, order[-1])
+    assert (tr.mode, tr.plan, tr.invalidations, tr.departure) == (TraceMode.INVALID, None, 1, departure)
+    assert tr.step_id == len(order) and list(tr.recording) == order  # the pass goes on logging
+
+
+def test_departure_of_external_params_expects_externals():
+    """A module that took params it does not own: its own fetch index, the module, EXTERNALS."""
+    tr, _ = run(complete(), [0, 1])
+    tr = invalidated(tr, 1, externals=True)
+    assert (tr.mode, tr.invalidations, tr.departure) == (TraceMode.INVALID, 1, (1, 1, EXTERNALS))
+
+
+def test_pass_ended_early_records_where_it_ended():
+    """No module (-1): the index is the fetch count, the expected module the plan's next one,
+    whether invalidated directly or by the reset that closes the short pass."""
+    tr, _ = run(complete(), [0, 1])
+    assert invalidated(tr).departure == (2, -1, 2)
+    tr = new_pass(tr)
+    assert (tr.mode, tr.invalidations, tr.departure) == (TraceMode.RECORD, 1, (2, -1, 2))
+
+
+def test_invalidation_rewinds_the_prefetch_cursor():
+    """The plan is gone, so is the queue position prefetch had reached."""
+    tr, _ = run(complete(), [0, 2])
+    tr = invalidated(tr._replace(cursor=3), 2)  # as prefetch leaves it after two fetches
+    assert tr.cursor == 0
+
+
+def test_departure_is_kept_until_the_next_invalidation():
+    """Later fetches, resets (recording again, completing again) and an aborted pass all keep the
+    last departure; an aborted reset still rewinds the cursor and keeps the plan."""
+    tr, _ = run(complete(), [0, 2])
+    tr = invalidated(tr, 2)
+    tr, _ = run(tr, [3])
+    assert tr.departure == (1, 2, 1)
+    tr = new_pass(tr)
+    assert (tr.mode, tr.departure) == (TraceMode.RECORD, (1, 2, 1))
+    tr, _ = run(tr, [0, 1, 2, 3])
+    tr = new_pass(tr)
+    assert (tr.mode, tr.departure) == (TraceMode.COMPLETE, (1, 2, 1))
+    tr, _ = run(tr, [0, 1])
+    tr = reset(tr._replace(cursor=2), UNITS.__getitem__, NUMEL.__getitem__, 10**9, aborted=True)
+    assert (tr.mode, tr.cursor, tr.invalidations, tr.departure) == (TraceMode.COMPLETE, 0, 1, (1, 2, 1))
+    assert tr.plan.order == (0, 1, 2, 3) and tr.parked == ()
+
+
+def test_an_aborted_pass_keeps_the_parked_traces():
+    tr = complete()
+    tr = reset(tr, UNITS.__getitem__, NUMEL.__getitem__, 10**9, kind="eval")
+    tr, _ = run(tr, [0])
+    tr = reset(tr, UNITS.__getitem__, NUMEL.__getitem__, 10**9, kind="eval", aborted=True)
+    assert (tr.kind, tr.mode, tr.departure) == ("eval", TraceMode.RECORD, ())
+    assert [k for k, _ in tr.parked] == ["train"] and tr.parked[0][1].plan.order == (0, 1, 2, 3)
+
+
+def test_departure_follows_across_kinds():
+    """Like `invalidations`, `departure` is the last one over every kind: a new kind takes it over
+    from the trace it parks, not from its own parked trace."""
+    tr, _ = run(complete(), [0, 2])
+    tr = invalidated(tr, 2)  # train: (1, 2, 1)
+    tr = reset(tr, UNITS.__getitem__, NUMEL.__getitem__, 10**9, kind="eval")
+    assert (tr.kind, tr.mode, tr.departure, tr.invalidations) == ("eval", TraceMode.RECORD, (1, 2, 1), 1)
+    tr, _ = run(tr, [0, 1])
+    tr = reset(tr, UNITS.__getitem__, NUMEL.__getitem__, 10**9, kind="eval")  # eval COMPLETE [0, 1]
+    tr, _ = run(tr, [3])
+    tr = invalidated(tr, 3)  # eval: (0, 3, 0)
+    tr = reset(tr, UNITS.__getitem__, NUMEL.__getitem__, 10**9, kind="train")
+    assert (tr.kind, tr.departure, tr.invalidations) == ("train", (0, 3, 0), 2)
+
+
+def test_parked_traces_hold_no_parked_traces():
+    """Only the current trace holds the others: each parked one has parked == ()."""
+    tr = complete()
+    for kind in ("eval", "eval_no_grad"):
+        tr = reset(tr, UNITS.__getitem__, NUMEL.__getitem__, 10**9, kind=kind)
+        tr, _ = run(tr, [0])
+    parked = dict(tr.parked)
+    assert sorted(parked) == ["eval", "train"]
+    assert parked["train"].parked == () and parked["eval"].parked == ()
