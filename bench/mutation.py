@@ -27,6 +27,7 @@ import argparse
 import ast
 import datetime
 import difflib
+import json
 import os
 import re
 import subprocess
@@ -82,13 +83,30 @@ def run(paths: list[str], tests: list[str], workdir: str, max_children: int) -> 
     return results(workdir)
 
 
-def rerun(workdir: str, max_children: int) -> dict[str, str]:
-    """Every mutant not killed in an earlier run at `workdir`, again, against the work tree's current tests (mutmut
-    collects coverage for the new tests only). The code under mutation must be unchanged since that run."""
+def rerun(workdir: str, tests: list[str], max_children: int) -> dict[str, str]:
+    """Every mutant not killed in an earlier run at `workdir`, again, against the work tree's current tests and
+    selection (mutmut collects coverage for the new tests only). The code under mutation must be unchanged since
+    that run: only tests were added."""
     for d in ("tests", "property_tests"):
         for dest in (workdir, os.path.join(workdir, "mutants")):
             subprocess.run(["rm", "-rf", os.path.join(dest, d)], check=True)
             subprocess.run(["cp", "-r", os.path.join(ROOT, d), dest], check=True)
+    with open(os.path.join(workdir, "setup.cfg")) as f:
+        paths = re.search(r"source_paths=\n((?:    .*\n)+)", f.read()).group(1).split()
+    with open(os.path.join(workdir, "setup.cfg"), "w") as f:
+        f.write(setup_cfg(paths, tests))
+    # mutmut drops every result when the test selection changes; added test files change no earlier verdict (a
+    # killed mutant stays killed), so record the new selection as the one the results were taken with
+    fingerprint = json.loads(subprocess.run(
+        [os.path.join(ENV, "python"), "-c", "import json; from mutmut.configuration import config; "
+         "print(json.dumps(config().config_fingerprint()))"], cwd=workdir, capture_output=True, text=True,
+        check=True).stdout)
+    stats_path = os.path.join(workdir, "mutants", "mutmut-stats.json")
+    with open(stats_path) as f:
+        stats = json.load(f)
+    stats["config_fingerprint"] = fingerprint
+    with open(stats_path, "w") as f:
+        json.dump(stats, f)
     open_ = [name for name, status in results(workdir).items() if status != "killed"]
     if open_:
         mutmut(workdir, open_, max_children)
@@ -184,7 +202,7 @@ def main() -> None:
     if not os.path.exists(os.path.join(ENV, "mutmut")):
         sys.exit(f"no mutmut in {ENV}: {ENV}/pip install mutmut hypothesis pytest pytest-timeout")
     started, t0 = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), time.time()
-    results = (rerun(args.workdir, args.max_children) if args.rerun
+    results = (rerun(args.workdir, args.tests, args.max_children) if args.rerun
                else run(args.paths, args.tests, args.workdir, args.max_children))
     if not results:
         sys.exit("mutmut produced no results (run it by hand in the workdir with debug=true in setup.cfg)")
