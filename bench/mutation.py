@@ -27,6 +27,7 @@ import argparse
 import ast
 import datetime
 import difflib
+import functools
 import json
 import os
 import re
@@ -113,14 +114,20 @@ def rerun(workdir: str, tests: list[str], max_children: int) -> dict[str, str]:
     return results(workdir)
 
 
+@functools.lru_cache(maxsize=None)
+def functions(path: str) -> dict[str, str]:
+    """{name: source} of every function in the mutated module at `path`."""
+    with open(path) as f:
+        src = f.read()
+    lines = src.splitlines()
+    return {n.name: "\n".join(lines[n.lineno - 1:n.end_lineno]) for n in ast.walk(ast.parse(src))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
 def diff(workdir: str, name: str) -> str:
     """The mutant's changed lines, from the mutated module mutmut wrote (every mutant is a copy of the function)."""
     module, func = name.rsplit(".", 1)
-    path = os.path.join(workdir, "mutants", *module.split(".")) + ".py"
-    with open(path) as f:
-        src = f.read()
-    funcs = {n.name: ast.get_source_segment(src, n) for n in ast.walk(ast.parse(src))
-             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    funcs = functions(os.path.join(workdir, "mutants", *module.split(".")) + ".py")
     base = func.rsplit("__mutmut_", 1)[0]
     orig, mutant = funcs[base + "__mutmut_orig"], funcs[func].replace(func, base + "__mutmut_orig", 1)
     return "\n".join(l for l in difflib.unified_diff(orig.splitlines(), mutant.splitlines(), lineterm="", n=0)
