@@ -569,6 +569,20 @@ def test_a_leafs_own_param_returned_to_a_caller_with_grad_is_refused_naming_both
     assert st.params.modules[4].externals == (2,)
 
 
+def test_a_leafs_own_param_borrowed_without_grad_is_refused_when_read_with_grad():
+    """moe returns e to lin under no_grad (borrowed, allowed); a later read of e with grad is
+    refused as a first one would be, not let through because e is already lin's external."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 3, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.leave(st, 3, config=CFG, grad_outputs=False, returned=(2,))
+    assert calls.read(st, 3, 2, config=CFG, grad=False) == (st, ())
+    with pytest.raises(ValueError, match=r"param 'e' belongs to the leaf module 'moe' only, and "
+                                         r"module 'lin' uses it \(reads it\)"):
+        calls.read(st, 3, 2, config=CFG)
+
+
 def test_raised_without_its_call_open_changes_nothing():
     """The forward raised in a pre-forward hook before ours opened the call: no call of it on top
     of the stack (none at all, or another module's), so nothing is closed."""

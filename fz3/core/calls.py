@@ -186,10 +186,12 @@ def read(st: Lifecycle, owner: ModuleId, p: ParamId, *, config: Config, grad: bo
     if not stack or stack[-1].module == owner:
         return st, ()
     m = stack[-1].module
-    if p in st.params.spec.modules[m].params or p in st.params.module_rows[m][EXTERNALS]:
+    if p in st.params.spec.modules[m].params:
         return st, ()
-    if grad:
+    if grad:  # also when already borrowed (under no_grad, or returned to m without grad): as leave does
         _check_not_leaf_own(st, m, (p,), "reads it")
+    if p in st.params.module_rows[m][EXTERNALS]:
+        return st, ()
     params, effects = core_bwd.register_external(st.params, m, (p,), config=config)
     return st._replace(params=params), effects
 
