@@ -216,17 +216,24 @@ def test_a_module_called_twice_without_grad_inputs_ends_both_calls_at_its_grad()
     assert st.params.params[0].status == Status.NOT_AVAILABLE
 
 
-@pytest.mark.parametrize("first", [0, 3])
-def test_waiting_modules_end_apart_each_at_its_own_grad(first):
-    """emb and lin both called without grad inputs: one Waiting entry each, in call order; the
-    grad of one param ends its module's calls only, whichever comes first, and the other entry
-    stays as it was."""
+def emb_then_lin_waiting():
+    """Inside a root call without grad inputs: emb (1) then lin (4) called without grad inputs,
+    each saving its param; both wait."""
     st = lifecycle(*MODEL)
     st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False, saved=0)
     st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=0)
     st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0]))
     st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=False, saved=1)
     st, _ = calls.leave(st, 4, config=CFG, grad_outputs=True, saved=Log([0, 3]))
+    return st
+
+
+@pytest.mark.parametrize("first", [0, 3])
+def test_waiting_modules_end_apart_each_at_its_own_grad(first):
+    """emb and lin both called without grad inputs: one Waiting entry each, in call order; the
+    grad of one param ends its module's calls only, whichever comes first, and the other entry
+    stays as it was."""
+    st = emb_then_lin_waiting()
     st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
     emb, lin = calls.Waiting(1, 1, frozenset({0})), calls.Waiting(4, 1, frozenset({3}))
     assert st.calls.waiting == (emb, lin)
@@ -244,12 +251,7 @@ def test_a_call_that_reads_none_of_its_params_ends_one_waiting_call_and_keeps_th
     """emb called twice without grad inputs, the second call saving none of w: that call's
     backward is over at its post-forward, so emb waits for one call less, and lin's entry (after
     it in the tuple) stays; emb's remaining call still ends at w's grad."""
-    st = lifecycle(*MODEL)
-    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False, saved=0)
-    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=0)
-    st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0]))
-    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=False, saved=1)
-    st, _ = calls.leave(st, 4, config=CFG, grad_outputs=True, saved=Log([0, 3]))
+    st = emb_then_lin_waiting()
     st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=2)
     st, eff = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0, 3]))
     assert GradDue((0,)) in eff and WrapOutputs(1) not in eff
@@ -440,17 +442,23 @@ def test_a_backward_that_starts_at_a_leafs_inputs_queues_its_end_before_reducing
     assert eff[0] == QueueEndOfBackward() and ZeroGrads((2,)) in eff
 
 
-def test_end_of_backward_clears_grad_due_reduces_leaves_and_drops_waiting_calls():
-    """Effects: ClearGradDue first, the leaves never reduced (called without grad inputs), the
-    epilogue, EndOfBackward last; a waiting call whose grad never came is dropped and the
-    backward is no longer running."""
+def forward_with_a_waiting_lin(leaf_grad_inputs: bool):
+    """A forward without grad inputs at the root: lin waits (it saved w), then moe (the leaf) runs."""
     st = lifecycle(*MODEL)
     st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False, saved=0)
     st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=0)
     st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0]))
-    st, _ = calls.enter(st, 3, config=CFG, grad=True, grad_inputs=False)
+    st, _ = calls.enter(st, 3, config=CFG, grad=True, grad_inputs=leaf_grad_inputs)
     st, _ = calls.leave(st, 3, config=CFG, grad_outputs=True)
     st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    return st
+
+
+def test_end_of_backward_clears_grad_due_reduces_leaves_and_drops_waiting_calls():
+    """Effects: ClearGradDue first, the leaves never reduced (called without grad inputs), the
+    epilogue, EndOfBackward last; a waiting call whose grad never came is dropped and the
+    backward is no longer running."""
+    st = forward_with_a_waiting_lin(leaf_grad_inputs=False)
     st, _ = calls.pre_backward(st, 0, config=CFG)
     assert st.calls.waiting and st.calls.leaves == {3}
     st, eff = calls.end_of_backward(st, config=CFG)
@@ -517,13 +525,7 @@ def test_a_recompute_that_raises_does_not_cut_the_pass_short():
 def test_a_new_pass_forgets_the_last_passs_waiting_calls_and_leaves():
     """A pass whose backward never came (or never ended): its waiting calls and unreduced leaves
     are not the new pass's."""
-    st = lifecycle(*MODEL)
-    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False, saved=0)
-    st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=0)
-    st, _ = calls.leave(st, 1, config=CFG, grad_outputs=True, saved=Log([0]))
-    st, _ = calls.enter(st, 3, config=CFG, grad=True, grad_inputs=True)
-    st, _ = calls.leave(st, 3, config=CFG, grad_outputs=True)
-    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    st = forward_with_a_waiting_lin(leaf_grad_inputs=True)
     assert st.calls.waiting and st.calls.leaves
     st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
     assert st.calls.waiting == () and st.calls.leaves == frozenset()

@@ -112,11 +112,16 @@ RS = R._replace(path="reduce_scatter")
     (WRITES[1:], [], "WritePartition of param 1 from bucket 0, which is not"),
 ])
 def test_check_reduce_log(log, reported, msg):
+    expect_reduce_log(log, reported, msg, CFG)
+
+
+def expect_reduce_log(log, reported, msg, config):
+    """msg None: the log passes; else check_reduce_log raises matching msg."""
     if msg is None:
-        check_reduce_log(log, reported, config=CFG)
+        check_reduce_log(log, reported, config=config)
         return
     with pytest.raises(InvariantError, match=msg):
-        check_reduce_log(log, reported, config=CFG)
+        check_reduce_log(log, reported, config=config)
 
 
 NC = Config(reduce_bucket_size=8, contiguous_gradients=False)  # a re-report merges into param.grad
@@ -133,11 +138,7 @@ NC_LOG = [R0, WritePartition(0, 0, "copy"), DropGrads(0, (0,), False)]
      r"reduced \{0: 2\} != reported \{0: 1\}"),  # reduced more often than reported
 ])
 def test_check_reduce_log_without_contiguous_gradients(log, reported, msg):
-    if msg is None:
-        check_reduce_log(log, reported, config=NC)
-        return
-    with pytest.raises(InvariantError, match=msg):
-        check_reduce_log(log, reported, config=NC)
+    expect_reduce_log(log, reported, msg, NC)
 
 
 def test_check_drained():
