@@ -71,13 +71,18 @@ def test_a_waiting_call_that_saved_none_of_its_params_is_over_at_its_forward():
     assert not st.calls.waiting
 
 
+def forward_through(st, m, grad_outputs=True):
+    """One forward with grad inputs: the root, which calls module m once."""
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, m, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.leave(st, m, config=CFG, grad_outputs=grad_outputs)
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=grad_outputs)
+    return st
+
+
 def forward_through_lin(st):
     """One forward with grad: the root, which calls lin."""
-    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
-    st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
-    st, _ = calls.leave(st, 4, config=CFG, grad_outputs=True)
-    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
-    return st
+    return forward_through(st, 4)
 
 
 def test_end_of_backward_is_queued_once_per_backward():
@@ -397,14 +402,15 @@ def test_a_leafs_grads_are_bucketed_in_the_compute_dtype():
     assert ZeroGrads((2,)) in eff and CopyToBucket(0, "bfloat16", 2, 0, 8) in eff
 
 
+def forward_through_moe(grad_outputs: bool):
+    """One forward with grad inputs: the root, which calls moe (the leaf) once."""
+    return forward_through(lifecycle(*MODEL), 3, grad_outputs=grad_outputs)
+
+
 def test_a_leaf_called_once_is_reduced_at_its_post_backward():
     """Its only call's post_backward is its last: the leaf is reduced there (GRADS_REMAINING 1
     before it), not again at the end of backward."""
-    st = lifecycle(*MODEL)
-    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
-    st, _ = calls.enter(st, 3, config=CFG, grad=True, grad_inputs=True)
-    st, _ = calls.leave(st, 3, config=CFG, grad_outputs=True)
-    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    st = forward_through_moe(grad_outputs=True)
     st, _ = calls.pre_backward(st, 0, config=CFG)
     st, _ = calls.pre_backward(st, 3, config=CFG)
     st, eff = calls.post_backward(st, 3, config=CFG)
@@ -433,11 +439,7 @@ def test_a_leaf_called_twice_with_grad_inputs_is_reduced_at_its_second_post_back
 def test_a_backward_that_starts_at_a_leafs_inputs_queues_its_end_before_reducing_it():
     """None of the leaf's outputs needs grad (a loss taken inside it): its post_backward is the
     backward's first event; it queues the end of backward, then reduces the leaf."""
-    st = lifecycle(*MODEL)
-    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
-    st, _ = calls.enter(st, 3, config=CFG, grad=True, grad_inputs=True)
-    st, _ = calls.leave(st, 3, config=CFG, grad_outputs=False)
-    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=False)
+    st = forward_through_moe(grad_outputs=False)
     st, eff = calls.post_backward(st, 3, config=CFG)
     assert eff[0] == QueueEndOfBackward() and ZeroGrads((2,)) in eff
 
