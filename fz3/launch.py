@@ -14,7 +14,9 @@ present), make it current, and init the group with its backend: gloo on CPU, ncc
 on Ascend; an explicit `backend` must fit that device (fz3/shell/pick.py). Every rank
 ends with barrier, destroy_process_group, flush, os._exit(0): on torch 2.13 a gloo worker
 thread can abort a rank during interpreter shutdown after all its work is done (DESIGN.md §5).
-A rank that raises or a run that exceeds `timeout` fails the whole run with every rank's error.
+A rank that raises, or exits without a result, fails the whole run with every rank's error:
+the others get `_GRACE_S` to report theirs (a peer's exit usually makes them raise too, e.g.
+fz3.DivergenceError), then are killed. A run that exceeds `timeout` fails with TimeoutError.
 """
 from __future__ import annotations
 
@@ -64,14 +66,14 @@ def _init_group(backend: str | None, timeout_s: float, **rendezvous: int) -> Non
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any],
-           results: "mp.Queue", timeout_s: float, threads: int, backend: str | None) -> None:
+           results: "mp.Queue", group_timeout_s: float, threads: int, backend: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
     torch.set_num_threads(threads)
     code = 0
     try:
-        _init_group(backend, timeout_s, rank=rank, world_size=world_size)
+        _init_group(backend, group_timeout_s, rank=rank, world_size=world_size)
         # plain pickle: tensors travel by value, not as shared-memory handles that die with us
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         dist.barrier()
@@ -87,59 +89,74 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[A
 
 
 _POLL_S = 1.0  # how often run() looks for ranks that died without reporting
+_GRACE_S = 10.0  # once a rank failed, how long run() waits for the others' own reports
 
 
-def _died_silently(procs: list, out: dict) -> list[str]:
-    """'rank r (exit code c)' for each rank that exited with no result and a nonzero code.
-    A rank that put a result may still die at shutdown (DESIGN.md §5): that is not a failure."""
-    return [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(procs)
-            if r not in out and p.exitcode not in (None, 0)]
+def _died_silently(procs: list, reported: set) -> dict[int, str]:
+    """rank -> 'exited without a result (exit code c)' for each rank that exited and reported
+    nothing: a crash while starting, or os._exit in `fn`. A rank that put a result may still die
+    at shutdown (DESIGN.md §5): that is not a failure."""
+    return {r: f"exited without a result (exit code {p.exitcode})" for r, p in enumerate(procs)
+            if r not in reported and p.exitcode is not None}
 
 
 def run(fn: Callable, *, world_size: int = 2, args: Sequence[Any] = (), timeout: float = 300,
-        threads: int = 1, backend: str | None = None) -> list[Any]:
+        threads: int = 1, backend: str | None = None, group_timeout: float | None = None) -> list[Any]:
     """fn(rank, world_size, *args) on `world_size` spawned ranks; -> per-rank results.
 
     Rank r is local rank r, so on accelerators it needs device r (FZ3_DEVICE=cpu runs any
-    number of ranks on gloo); `backend` as in `init_from_env`."""
+    number of ranks on gloo); `backend` as in `init_from_env`. `group_timeout`: seconds the
+    process group's waits give up after (init_process_group's timeout; None: `timeout`)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    group_timeout_s = timeout if group_timeout is None else group_timeout
     procs = [ctx.Process(target=_entry, daemon=True,
-                         args=(r, world_size, port, fn, args, results, timeout, threads, backend))
+                         args=(r, world_size, port, fn, args, results, group_timeout_s, threads, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + timeout
+    errors: dict[int, str] = {}
     try:
-        while len(out) + len(errors) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=_POLL_S)
-            except queue.Empty:
-                dead = _died_silently(procs, out)
-                if dead:  # e.g. a crash while starting (no traceback reaches the queue); what a
-                    time.sleep(_POLL_S)  # rank put just before exiting is read first
-                    if not results.empty():
-                        continue
-                    raise RuntimeError(f"fz3.launch.run: rank(s) exited without a result: {dead}") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"fz3.launch.run: no result within {timeout}s; ranks alive: "
-                                       f"{[r for r, p in enumerate(procs) if p.is_alive()]}") from None
-                continue
-            if ok:
-                out[rank] = pickle.loads(value)
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-                break
+        _collect(procs, results, out, errors, timeout)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
                 p.kill()
     if errors:
-        raise RuntimeError("fz3.launch.run: a rank failed\n" + "\n".join(errors))
+        raise RuntimeError("fz3.launch.run: a rank failed\n" + "\n".join(f"rank {r}:\n{errors[r]}"
+                                                                       for r in sorted(errors)))
     return [out[r] for r in range(world_size)]
+
+
+def _collect(procs: list, results: "mp.Queue", out: dict, errors: dict, timeout: float) -> None:
+    """Fill `out` (rank -> result) and `errors` (rank -> traceback or how it died) until every
+    rank reported, or `_GRACE_S` after the first failure; TimeoutError past `timeout` with no
+    failure."""
+    deadline = time.monotonic() + timeout
+    while len(out.keys() | errors.keys()) < len(procs):
+        if errors and time.monotonic() > deadline:
+            return  # the ranks still running are killed: their failures are what errors say
+        try:
+            rank, ok, value = results.get(timeout=_POLL_S)
+        except queue.Empty:
+            dead = _died_silently(procs, out.keys() | errors.keys())
+            if dead:  # what a rank put just before exiting is read first
+                time.sleep(_POLL_S)
+                if not results.empty():
+                    continue
+                errors.update(dead)
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+            elif time.monotonic() > deadline and not errors:
+                raise TimeoutError(f"fz3.launch.run: no result within {timeout}s; ranks alive: "
+                                   f"{[r for r, p in enumerate(procs) if p.is_alive()]}") from None
+            continue
+        if ok:
+            out[rank] = pickle.loads(value)
+        else:
+            errors[rank] = value
+            deadline = min(deadline, time.monotonic() + _GRACE_S)

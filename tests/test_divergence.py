@@ -4,7 +4,12 @@ mismatched collective's data moves, instead of hanging (fz3/interpreters/agreeme
 A branch that one rank takes and the others do not, in forward (an extra module) and in backward
 (a detached output: no backward through two modules), on 2 and 3 ranks, at the first step (the
 trace is recording: on-demand gathers) and at the third (prefetch along a recorded trace). Every
-rank must end with the error, naming each rank's position, in well under the test's timeout.
+rank must end with the error, naming each rank's position, in well under the test's timeout;
+and every later call on its engine must raise one clear DivergenceError saying what to do.
+
+Faults named for what they are (issue #23): a peer that raises or exits is named as gone, with
+the collective each survivor was at, within seconds; a peer that stalls, after the process
+group's own timeout; a data-dependent expert choice names the leaf module that fixes it.
 """
 from __future__ import annotations
 
@@ -51,7 +56,9 @@ def _train(rank: int, world: int, where: str, at_step: int) -> dict:
             engine.backward(engine(x).square().mean())
             engine.step()
     except fz3.DivergenceError as e:
-        return {"error": str(e), "step": step, "seconds": time.monotonic() - t0}
+        import tempfile
+        seconds = time.monotonic() - t0
+        return {"error": str(e), "step": step, "seconds": seconds, "after": _every_call(engine, tempfile.mkdtemp())}
     return {"error": None, "step": step}
 
 
@@ -70,6 +77,8 @@ def test_every_rank_raises_instead_of_hanging(world, where, at_step):
         for r in range(world):
             assert f"rank {r}: step {at_step + 1}, collective" in msg, msg
         assert "module '" in msg, msg
+        assert "These are modules under one parent" not in msg, msg  # siblings under the root: no leaf hint
+        _assert_refused_after(out, "ranks diverged")  # a user trying the next batch
 
 
 def test_the_message_names_what_each_rank_was_about_to_gather():
@@ -141,3 +150,280 @@ def test_agreeing_ranks_exchange_their_data_and_sum_the_norm_in_rank_order(runne
     for rank, out in enumerate(RUNNERS[runner](_exchange, (0,))):
         assert out["error"] is None and out["got"] == [float(1 - rank)] * 4, out
         assert out["norm"] == 0.1 + 1.1  # the same bits on every rank: rank 0's value plus rank 1's
+
+
+# ---- faults named for what they are (issue #23) ------------------------------------------------
+
+STALL_S = 8.0
+GROUP_TIMEOUT_S = 5.0  # also init_process_group's: the ranks must start within it of each other
+
+
+def _leave(rank: int, world: int, how: str, out_dir: str) -> None:
+    """Two steps; at the second, the last rank leaves before its forward: it raises, calls
+    os._exit, or sleeps past the group's timeout. The others write down what they got, when, and
+    what the engine says after. (Files: a rank that leaves fails launch.run, results and all.)"""
+    import json
+    import os
+
+    import fz3
+    model = Branchy("forward", -1, 0)
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            fz3.Config(param_persistence_threshold=0, reduce_bucket_size=300))
+    x = torch.ones(2, 16)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    if rank == world - 1:
+        if how == "raises":
+            raise ValueError("the peer's own error")
+        if how == "exits":
+            os._exit(3)
+        time.sleep(STALL_S)  # stalls: alive, issuing no collective
+    t0 = time.monotonic()
+    try:
+        engine.backward(engine(x).square().mean())
+        out = {"error": None}
+    except fz3.DivergenceError as e:
+        out = {"error": str(e), "seconds": time.monotonic() - t0,
+               "timeout": engine.interp.agreement.timeout.total_seconds()}
+    out["after"] = _every_call(engine, out_dir)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    if world > 2:
+        time.sleep(2.0)  # up a while: a survivor that exited at once could be named by the others instead
+
+
+def _every_call(engine, out_dir: str) -> dict:
+    """What each public call raises on an engine past a DivergenceError: (type, message)."""
+    import fz3
+    calls = {"forward": lambda: engine(torch.ones(2, 16)),
+             "module forward": lambda: engine.module(torch.ones(2, 16)),
+             "backward": lambda: engine.backward(torch.ones((), requires_grad=True)),
+             "step": engine.step,
+             "full_state_dict": engine.full_state_dict,
+             "save_checkpoint": lambda: engine.save_checkpoint(out_dir),
+             "load_checkpoint": lambda: engine.load_checkpoint(out_dir),
+             "gathered_parameters": lambda: fz3.gathered_parameters(engine.module.a).__enter__()}
+    got = {}
+    for name, call in calls.items():
+        try:
+            call()
+            got[name] = None
+        except Exception as e:  # noqa: BLE001 - the test looks at what it was
+            got[name] = (type(e).__name__, str(e))
+    return got
+
+
+def _survivors(world: int, how: str, tmp_path) -> list[dict]:
+    import json
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="a rank failed"):
+        launch.run(_leave, world_size=world, args=(how, str(tmp_path)), timeout=120,
+                   group_timeout=GROUP_TIMEOUT_S if how == "stalls" else None)
+    assert time.monotonic() - t0 < 100
+    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world - 1)]
+
+
+def _assert_refused_after(out: dict, first: str) -> None:
+    """Every later call: one DivergenceError saying the engine stopped, what to do, and the first."""
+    for name, got in out["after"].items():
+        assert got is not None, f"{name} ran on a stopped engine"
+        kind, msg = got
+        assert kind == "DivergenceError", (name, got)
+        assert "stopped at a DivergenceError and runs nothing more" in msg, (name, msg)
+        assert "Restart every rank's process" in msg and "engine.load_checkpoint(save_dir)" in msg, (name, msg)
+        assert first in msg, (name, msg)
+
+
+@pytest.mark.parametrize("world, how", [(2, "raises"), (3, "exits")])
+def test_a_peer_that_leaves_is_named_as_gone_within_seconds(world, how, tmp_path):
+    """A peer whose process ends closes its connections: the others' wait for its descriptor
+    fails at once, and each names that rank and the collective it was at (not a timeout)."""
+    gone = world - 1
+    for out in _survivors(world, how, tmp_path):
+        msg = out["error"]
+        assert msg is not None and out["seconds"] < 10, out
+        assert f"rank {gone} exited or closed its connection" in msg, msg
+        assert "while this rank was at step 2, collective 1: all-gather" in msg and "of module 'a'" in msg, msg
+        assert "did not reach" not in msg, msg
+        _assert_refused_after(out, f"rank {gone} exited or closed its connection")
+
+
+def test_a_peer_that_stalls_is_reported_after_the_groups_timeout(tmp_path):
+    """A peer that is alive but issues no collective: reported once the process group's own
+    timeout (what init_process_group was given) has passed, not torch's default 30 minutes."""
+    out, = _survivors(2, "stalls", tmp_path)
+    msg = out["error"]
+    assert msg is not None and out["timeout"] == GROUP_TIMEOUT_S, out
+    assert GROUP_TIMEOUT_S - 0.5 < out["seconds"] < GROUP_TIMEOUT_S + 5, out
+    assert f"rank 1 did not reach a collective within {GROUP_TIMEOUT_S:.0f} s (the process group's timeout) " \
+           "while this rank was at step 2, collective 1: all-gather" in msg, msg
+    _assert_refused_after(out, "rank 1 did not reach a collective")
+
+
+class MoE(nn.Module):
+    """Top-1 hash routing: row t goes to expert argmax(x_t[:n]); only experts given rows run."""
+
+    def __init__(self, d: int, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x):
+        choice = x[:, :self.n].argmax(-1)  # (B,)
+        out = torch.zeros_like(x)
+        for e in sorted(set(choice.tolist())):
+            rows = (choice == e).nonzero()[:, 0]
+            out = out.index_put((rows,), self.experts[e](x[rows]))
+        return out
+
+
+class MoENet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.moe, self.head = MoE(8, 4), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.moe(x))
+
+
+def _moe_batch(rank: int) -> torch.Tensor:
+    """Rows that all go to expert `rank`: each rank runs a different expert."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(4, 8, generator=g)  # (B, C)
+    x[:, rank] += 10.0
+    return x
+
+
+def _moe(rank: int, world: int) -> dict:
+    """The MoE marked a leaf trains; then a fresh one, unmarked, diverges (last: the ranks are
+    out of step after it)."""
+    import fz3
+    out = {}
+    for leaf in (True, False):
+        net = MoENet()
+        if leaf:
+            fz3.set_leaf_modules(net, [MoE])
+        engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                fz3.Config(param_persistence_threshold=0))
+        try:
+            for _ in range(2):
+                engine.backward(engine(_moe_batch(rank)).square().mean())
+                engine.step()
+            out[leaf] = {"error": None, "state": engine.full_state_dict()}
+        except fz3.DivergenceError as e:
+            out[leaf] = {"error": str(e)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_runs() -> list[dict]:
+    return launch.run(_moe, world_size=2, timeout=120)
+
+
+def test_a_data_dependent_expert_choice_names_the_leaf_module_to_mark(moe_runs):
+    for out in moe_runs:
+        msg = out[False]["error"]
+        assert msg is not None and "ranks diverged" in msg, out[False]
+        assert "These are modules under one parent, 'moe' (MoE): 'moe.experts.0' on rank 0; 'moe.experts.1' on " \
+               "rank 1." in msg, msg
+        assert "fz3.set_leaf_modules(model, [MoE]) before fz3.initialize (DeepSpeed: " \
+               "deepspeed.utils.set_z3_leaf_modules(model, [MoE]), or zero_optimization.leaf_module)" in msg, msg
+
+
+def test_the_moe_marked_a_leaf_trains_at_parity(moe_runs):
+    """The fix the hint names: both ranks train, and equal the mean loss over both ranks'
+    batches trained in one process."""
+    ref = MoENet()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        sum(ref(_moe_batch(r)).square().mean() for r in range(2)).div(2).backward()
+        opt.step()
+    for out in moe_runs:
+        assert out[True]["error"] is None, out[True]["error"]
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(out[True]["state"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_siblings_under_the_root_or_a_container_alone_get_no_leaf_hint():
+    """Making the model itself a leaf would gather it whole; a ModuleList is never called, so
+    the hint names its nearest called ancestor or nothing."""
+    from fz3.interpreters.leaf_hint import leaf_hint
+    names = ["a.weight", "layers.0.weight", "layers.1.weight", "moe.experts.0.weight", "moe.experts.1.weight"]
+    modules = [("", MoENet), ("a", nn.Linear), ("layers", nn.ModuleList), ("layers.0", nn.Linear),
+               ("layers.1", nn.Linear), ("moe", MoE), ("moe.experts", nn.ModuleList),
+               ("moe.experts.0", nn.Linear), ("moe.experts.1", nn.Linear)]
+    hint = leaf_hint(names, modules)
+
+    def at(*params):  # each rank's descriptor, gathering one param
+        return {r: [1, 0, 1, 1, p, p, 0, 4] for r, p in enumerate(params)}
+    assert hint(at(0, 1)) == "" and hint(at(1, 2)) == "" and hint(at(3, 3)) == ""
+    assert "one parent, 'moe' (MoE): 'moe.experts.0' on rank 0; 'moe.experts.1' on ranks 1, 2" in hint(at(3, 4, 4))
+
+
+def _peer_raises_on_threads(rank: int, world: int) -> None:
+    """A step together, then rank 1 raises while rank 0 goes on to the next forward."""
+    import fz3
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            fz3.Config(param_persistence_threshold=0))
+    engine.backward(engine(torch.ones(2, 16)).sum())
+    engine.step()
+    if rank == 1:
+        raise ValueError("rank one's own error")
+    try:
+        engine(torch.ones(2, 16))
+    except fz3.DivergenceError as e:
+        assert "rank 0: rank 1 will not come to this rank's step 2, collective 1: all-gather" in str(e), str(e)
+        assert "rank 1 raised ValueError: rank one's own error" in str(e), str(e)
+        raise
+
+
+def test_on_threads_the_rank_that_raised_is_named_not_the_one_it_stopped():
+    """Rank 0's check names rank 1's leaving (a DivergenceError raised from the WorldFailed);
+    run_threads re-raises rank 1's own error."""
+    with pytest.raises(RuntimeError, match="^fz3.launch.run_threads: rank 1 raised ValueError: rank one.s own error"):
+        launch.run_threads(_peer_raises_on_threads, 2, timeout_s=60)
+
+
+class _Comm:
+    """A transport whose messages never arrive (only the check's bookkeeping is used)."""
+    rank, world_size, backend = 0, 2, "gloo"
+
+    def timeout(self):
+        import datetime
+        return datetime.timedelta(seconds=42)
+
+    def isend(self, t, dst, tag):
+        return None
+
+    irecv = isend
+
+
+def test_a_collective_whose_data_fails_after_its_descriptors_agreed_names_the_peer(monkeypatch):
+    """A peer that leaves mid-collective fails the data's wait: a DivergenceError naming it and
+    the collective, recorded (every later collective raises it), the engine told."""
+    from fz3 import DivergenceError
+    from fz3.interpreters import agreement
+    from fz3.interpreters.transport import PeerFailed
+    monkeypatch.delenv("FZ3_DIVERGENCE_TIMEOUT", raising=False)
+    ag = agreement.Agreement(_Comm(), agreement.describe_with(["w"], ["lin"]))
+    assert ag.timeout.total_seconds() == 42 and ag.timeout_from == "the process group's timeout"
+    told = []
+    ag.on_failure = told.append
+    posted = ag.post(agreement.GATHER, (0,), 4)
+
+    class Gone:
+        def wait(self, timeout=None):
+            raise PeerFailed(1, RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    with pytest.raises(DivergenceError, match=r"rank 0: rank 1 exited or closed its connection: .* while this rank "
+                                              r"was at step 1, collective 1: all-gather of 1 param \('w', 4 "
+                                              r"elements\) of module 'lin' \(RuntimeError: Connection closed"):
+        agreement.Watched(ag, posted, Gone()).wait()
+    assert told == [ag.failed] and ag.failed is not None
+    with pytest.raises(DivergenceError):
+        ag.post(agreement.GATHER, (0,), 4)
+    monkeypatch.setenv("FZ3_DIVERGENCE_TIMEOUT", "3")
+    assert agreement.timeout_for(_Comm())[0].total_seconds() == 3

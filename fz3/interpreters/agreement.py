@@ -6,7 +6,8 @@ flow diverges (data-dependent branches, a rank skipping a block), DeepSpeed and 
 data meant for different collectives, or hang until the process group's timeout (30 minutes by
 default). fz3 checks instead.
 
-Before each collective of the interpreter (all-gather, reduce, the grad norm's all-reduce), every
+Before each collective of the interpreter (all-gather, reduce, the grad norm's all-reduce, the
+buffers' broadcast, the leaf-grad flags' all-reduce), every
 rank sends the others a descriptor of it, eight integers:
 
     kind, optimizer step, collective number in that step, params, first and last ParamId,
@@ -19,7 +20,9 @@ than a second group's: [Note: descriptors beside the data]); on NCCL and HCCL, w
 point-to-point messages have no tags, over a gloo side group created at initialize. So a rank
 that runs an extra module, skips one, or runs a backward the others do not is caught at the
 first collective where the descriptors differ. Every rank then raises
-DivergenceError, naming each rank's step, collective and params (and the module that owns them).
+DivergenceError, naming each rank's step, collective and params (and the module that owns them);
+when those are modules under one parent, it names the parent as the leaf module that would make
+them one fetch unit (leaf_hint.py: an MoE whose experts run only when routed to).
 
 No data meant for another collective is ever received:
 
@@ -33,52 +36,68 @@ No data meant for another collective is ever received:
 - The grad norm's all-reduce is itself the exchange: its one float64 rides in the descriptor
   message (`all_reduce_sum`), so it costs no more than the all-reduce it replaces.
 
-A rank that issues no collective at all (it left the training loop, or blocks in code of its
-own) is reported once the others have waited `FZ3_DIVERGENCE_TIMEOUT` seconds (default: torch's
-process-group default, 30 minutes, so that a slow rank is never mistaken for a diverged one). The
-check is always on (bench/divergence_overhead.py measures it). FZ3_DIVERGENCE_CHECK=0 turns it
-off, for that measurement.
+A rank that raised out of training or exited closes its connections: the others' waits fail at
+once, and each names that rank as gone and the collective it was at (`Agreement.lost`). A rank
+that is alive but issues no collective (it blocks in code of its own, or waits in a collective
+the others never run) is reported once the others have waited the process group's own timeout
+(what init_process_group was given; `FZ3_DIVERGENCE_TIMEOUT` seconds instead when set), so that
+a slow rank is never mistaken for a diverged one ([Note: gone or stalled]). Waits on the
+collectives' data fail the same way when a peer leaves mid-collective (`Guarded`, `Watched`).
+
+After a DivergenceError the ranks are out of step for good (the k-th descriptor of each rank
+pairs with the k-th of every other; a rank may have sent ones the others never took), so every
+later collective raises it again and `on_failure` tells the engine, which then refuses every
+call ([Note: an engine stops at a DivergenceError], fz3/shell/engine.py). The check is always on
+(bench/divergence_overhead.py measures it). FZ3_DIVERGENCE_CHECK=0 turns it off, for that
+measurement.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
-import torch.distributed as dist
 
-from fz3.interpreters.transport import Transport
+from fz3.interpreters.threads import WorldFailed
+from fz3.interpreters.transport import PeerFailed, Transport
 
-GATHER, REDUCE, NORM = 1, 2, 3
-KINDS = {GATHER: "all-gather", REDUCE: "reduce", NORM: "grad-norm all-reduce"}
+GATHER, REDUCE, NORM, BUFFERS, FLAGS = 1, 2, 3, 4, 5
+KINDS = {GATHER: "all-gather", REDUCE: "reduce", NORM: "grad-norm all-reduce", BUFFERS: "buffer broadcast",
+         FLAGS: "all-reduce of which leaf params got a grad"}
 FIELDS = 8  # compared
 MESSAGE = FIELDS + 1  # and one int64 of payload (the grad norm's all-reduce)
 MOD = (1 << 61) - 1
 
 
 class DivergenceError(RuntimeError):
-    """Ranks issued different collectives: a different module order, different params, or one
-    rank stopped issuing them. Raised on every rank, before any data of the mismatched
-    collective is received; the message gives each rank's position."""
+    """Ranks issued different collectives (a different module order, different params), or a
+    rank left (it raised out of training or exited) or stopped issuing them. Raised on every
+    rank that sees it, before any data of the mismatched collective is received; the message
+    gives each rank's position. The engine raises one too at every call after the first (its
+    message names the first, its __cause__)."""
 
 
 def enabled() -> bool:
     return os.environ.get("FZ3_DIVERGENCE_CHECK", "1") != "0"
 
 
-def timeout_s() -> float:
+def timeout_for(comm: Transport) -> tuple[datetime.timedelta, str]:
+    """How long a rank waits for a peer's descriptor, and whose figure that is:
+    FZ3_DIVERGENCE_TIMEOUT seconds when set, else the transport's own (the process group's
+    timeout; run_threads' timeout_s on a thread world)."""
     value = os.environ.get("FZ3_DIVERGENCE_TIMEOUT")
     if value is None:
-        return dist.default_pg_timeout.total_seconds()
+        whose = "run_threads' timeout_s" if comm.backend == "threads" else "the process group's timeout"
+        return comm.timeout(), whose
     try:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
     if seconds <= 0:
         raise ValueError(f"FZ3_DIVERGENCE_TIMEOUT={value!r}: give seconds, a number > 0")
-    return seconds
+    return datetime.timedelta(seconds=seconds), "FZ3_DIVERGENCE_TIMEOUT"
 
 
 class Agreement:
@@ -88,11 +107,13 @@ class Agreement:
         """`comm`: where the descriptors travel (its point-to-point messages must have tags)."""
         self.comm, self.rank, self.world_size, self.describe = comm, comm.rank, comm.world_size, describe
         self.peers = [j for j in range(self.world_size) if j != self.rank]
-        self.timeout = datetime.timedelta(seconds=timeout_s())
+        self.timeout, self.timeout_from = timeout_for(comm)
         self.step = 0  # optimizer steps so far
         self.seq = 0  # collectives in this step
         self.checks = 0  # collectives checked in all
         self.failed: DivergenceError | None = None  # once raised, every later collective raises it
+        self.on_failure: Callable[[DivergenceError], None] | None = None  # told of it, once (the engine)
+        self.hint: Callable[[Mapping[int, Sequence[int]]], str] = lambda where: ""  # leaf_hint
         self.seconds = 0.0  # spent checking (bench/divergence_overhead.py reports it)
 
     @classmethod
@@ -107,9 +128,12 @@ class Agreement:
         self.step += 1
         self.seq = 0
 
-    def check(self, kind: int, params: Sequence[int], numel: int) -> None:
-        """Raise DivergenceError unless every rank is about to run this same collective."""
-        self.resolve(self.post(kind, params, numel))
+    def check(self, kind: int, params: Sequence[int], numel: int) -> "Posted":
+        """Raise DivergenceError unless every rank is about to run this same collective; -> its
+        descriptors (`issue` names the collective if its data fails)."""
+        posted = self.post(kind, params, numel)
+        self.resolve(posted)
+        return posted
 
     def post(self, kind: int, params: Sequence[int], numel: int, payload: int = 0) -> "Posted":
         """Send this collective's descriptor (and one int64 of `payload`, not compared) to every
@@ -143,6 +167,13 @@ class Agreement:
         connection and one transport thread per pair instead of two (bench/agreement_latency.py)."""
         return Guarded(self, posted, work)
 
+    def issue(self, posted: "Posted", post: Callable[[], object]):
+        """Post the native collective `posted` describes, whose descriptors agreed: `post()` ->
+        its work, or None when it ran synchronously. A failure of the post or of the work's wait
+        is a DivergenceError naming it (`lost`: a peer left mid-collective), not a raw one."""
+        work = _data(self, posted, post)
+        return None if work is None else Watched(self, posted, work)
+
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """The SUM over ranks of a one-element CPU float64 tensor, in its descriptor exchange:
         each rank adds the values in rank order, so every rank gets the same bits."""
@@ -165,32 +196,60 @@ class Agreement:
         try:
             self._resolve(posted)
         except DivergenceError as e:
-            self.failed = e
+            self.fail(e)
             raise
+
+    def fail(self, e: DivergenceError) -> None:
+        """Record the first DivergenceError (every later collective raises it) and tell
+        `on_failure`."""
+        if self.failed is None:
+            self.failed = e
+            if self.on_failure is not None:
+                self.on_failure(e)
 
     def _resolve(self, posted: "Posted") -> None:
         start = time.perf_counter()
         mine, got = posted.mine[:FIELDS], {j: g[:FIELDS] for j, g in posted.got.items()}
-        for j in self.peers:
-            try:
-                posted.recvs[j].wait(timeout=self.timeout)
-            except RuntimeError as e:
-                raise DivergenceError(
-                    f"rank {self.rank}: rank {j} did not reach a collective within "
-                    f"{self.timeout.total_seconds():.0f} s while this rank was at {self.describe(mine.tolist())} "
-                    f"({type(e).__name__}: {e}). Ranks must run the same modules in the same order "
-                    "(set FZ3_DIVERGENCE_TIMEOUT for a shorter wait)") from None
-        for w in posted.sends:
-            w.wait(timeout=self.timeout)
+        for works in (posted.recvs.values(), posted.sends):
+            for j, w in zip(self.peers, works):
+                try:
+                    w.wait(timeout=self.timeout)
+                except RuntimeError as e:
+                    raise self.lost(j, e, time.perf_counter() - start, posted) from e
         self.seconds += time.perf_counter() - start
         differ = [j for j in self.peers if not torch.equal(got[j], mine)]
         if differ:
             where = {self.rank: mine.tolist(), **{j: got[j].tolist() for j in self.peers}}
             lines = "\n".join(f"  rank {r}: {self.describe(where[r])}" for r in sorted(where))
+            hint = self.hint(where)
             raise DivergenceError(f"ranks diverged (seen on rank {self.rank}; ranks {sorted(differ)} differ from "
                                   f"it): each rank's next collective is\n{lines}\nEvery rank must run the same "
                                   "modules, in the same order, with the same params requiring grad; fz3 stopped "
-                                  "before any data of this collective was received.")
+                                  "before any data of this collective was received." + (f"\n{hint}" if hint else ""))
+
+    def lost(self, j: int | None, error: BaseException, waited: float, posted: "Posted") -> DivergenceError:
+        """The error for a wait on rank `j` (None: some peer) that failed `waited` seconds in,
+        this rank being at the collective `posted` describes. [Note: gone or stalled] A wait
+        that fails well before the timeout failed because the peer's end is gone: a rank that
+        raises out of training or exits closes its connections, and gloo fails every wait on
+        them at once ("Connection closed by peer", "Connection reset by peer"). Only a wait that
+        ran the whole timeout is a peer alive and elsewhere."""
+        who, where = ("a peer" if j is None else f"rank {j}"), self.describe(posted.mine[:FIELDS].tolist())
+        why = f"{type(error).__name__}: {error}"
+        limit = self.timeout.total_seconds()
+        if isinstance(error, WorldFailed):  # a thread world's: the reason is in it
+            return DivergenceError(f"rank {self.rank}: {who} will not come to this rank's {where} ({why})")
+        if waited < 0.9 * limit:
+            return DivergenceError(
+                f"rank {self.rank}: {who} exited or closed its connection: this rank's wait for it failed "
+                f"{waited:.1f} s in, long before the {limit:.0f} s timeout, while this rank was at {where} "
+                f"({why}). A rank closes its connections when an error ends its process or it exits; its "
+                "own output says why.")
+        return DivergenceError(
+            f"rank {self.rank}: {who} did not reach a collective within {limit:.0f} s ({self.timeout_from}) "
+            f"while this rank was at {where} ({why}). It is alive but issues no collective: it blocks in code "
+            "of its own, or waits in a collective this rank does not run. Every rank must run the same "
+            "modules in the same order.")
 
 
 DESCRIPTORS = 2**31 - 1
@@ -217,7 +276,29 @@ class Guarded:
 
     def wait(self) -> bool:
         self.agreement.resolve(self.posted)
-        return self.work.wait()
+        return _data(self.agreement, self.posted, self.work.wait)
+
+
+class Watched(Guarded):
+    """Native work whose descriptors were compared before its data was posted (`check`)."""
+
+    __slots__ = ()
+
+    def wait(self) -> bool:
+        return _data(self.agreement, self.posted, self.work.wait)
+
+
+def _data(ag: Agreement, posted: "Posted", move: Callable[[], object]):
+    """move() (post or wait the collective's data): a peer that left mid-collective is a
+    DivergenceError (`Agreement.lost`), and the ranks are out of step from there on."""
+    began = time.monotonic()
+    try:
+        return move()
+    except RuntimeError as e:
+        peer = e.peer if isinstance(e, PeerFailed) else None
+        lost = ag.lost(peer, e.error if isinstance(e, PeerFailed) else e, time.monotonic() - began, posted)
+        ag.fail(lost)
+        raise lost from e
 
 
 class Posted(NamedTuple):
@@ -243,3 +324,4 @@ def describe_with(names: Sequence[str], owner: Sequence[str]) -> Callable[[Seque
         params = repr(names[first]) if n == 1 else f"{names[first]!r} .. {names[last]!r}"
         return f"{head} of {n} param{'s' if n > 1 else ''} ({params}, {numel:,} elements) of module {module!r}"
     return describe
+

@@ -13,7 +13,9 @@ options' gloo switches pick, or the backend's own collectives off gloo); `for_na
 A ReduceBucket whose path is "all_reduce" (the config's reduce_scatter=False) runs AllReduce's
 reduce whatever the carrier. Each method posts its collective and returns (work or None when
 it ran synchronously, result thunk, buffer to keep alive until the work completes); waiting,
-stream syncs and the deferred writes stay in the interpreter (dist.py).
+stream syncs and the deferred writes stay in the interpreter (dist.py). Checked, a collective's
+work fails with a DivergenceError naming what happened when a peer leaves mid-collective
+(`Carrier.issue`, agreement.Guarded), never with a raw transport error.
 
 `reads_grads_in_place`: the reduce sends each grad from where it lies (P2P only), so a bucket
 would only stage a copy. The interpreter reports it as its `in_place_reduce_scatter`, and the
@@ -40,10 +42,17 @@ class Carrier:
     def __init__(self, interp) -> None:
         self.interp = interp
 
-    def check(self, kind: int, params: Sequence[int], numel: int) -> None:
-        """Collectives without tags wait for the ranks' descriptors before posting data."""
+    def check(self, kind: int, params: Sequence[int], numel: int):
+        """Collectives without tags wait for the ranks' descriptors before posting data; -> the
+        descriptors (None when unchecked), for `issue`."""
         if self.interp.agreement is not None:
-            self.interp.agreement.check(kind, params, numel)
+            return self.interp.agreement.check(kind, params, numel)
+        return None
+
+    def issue(self, posted, post: Callable[[], object]):
+        """post() the collective (-> its work, None when synchronous); checked (`posted`), a
+        peer that leaves mid-collective is a DivergenceError, at the post or the work's wait."""
+        return post() if posted is None else self.interp.agreement.issue(posted, post)
 
 
 class P2P(Carrier):
@@ -99,18 +108,18 @@ class Native(Carrier):
 
     def gather(self, ps: Sequence[int], shards: Sequence[torch.Tensor]):
         it = self.interp
-        self.check(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
+        posted = self.check(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
         S = sum(s.numel() for s in shards)
         out = it.buffers_pool.take(S * it.world_size, shards[0].dtype)
         inp = shards[0] if len(shards) == 1 else torch.cat(shards, out=it.buffers_pool.take(S, shards[0].dtype))
         with it.on(it.gather_stream):
-            work = it.comm.all_gather_into(out, inp, async_op=it.async_op)
+            work = self.issue(posted, lambda: it.comm.all_gather_into(out, inp, async_op=it.async_op))
         return work, (lambda: unpack(it, out, ps)), inp  # inp alive until done
 
     def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
         it, W = self.interp, self.interp.world_size
         params = [s.param for s in e.slots]
-        self.check(agreement.REDUCE, params, sum(s.numel for s in e.slots))
+        posted = self.check(agreement.REDUCE, params, sum(s.numel for s in e.slots))
         order = sorted(range(len(e.slots)), key=lambda i: params[i])
         params = [params[i] for i in order]
         S = sum(it.spec.params[p].shard_numel for p in params)
@@ -118,7 +127,7 @@ class Native(Carrier):
                                                     it.reduce_buffer(W * S, grads[0].dtype, W * it.shard_capacity))
         out = it.reduce_buffer(S, keep.dtype, it.shard_capacity)
         with it.on(it.reduce_stream):
-            work = it.comm.reduce_scatter_into(out, keep, async_op=it.async_op)
+            work = self.issue(posted, lambda: it.comm.reduce_scatter_into(out, keep, async_op=it.async_op))
         numels = [it.spec.params[p].numel for p in params]
         return work, (lambda: dict(zip(params, collectives.unpack_reduce_scatter(out, numels, W)))), keep
 
@@ -128,7 +137,7 @@ class AllReduce(Carrier):
 
     def gather(self, ps: Sequence[int], shards: Sequence[torch.Tensor]):
         it, W = self.interp, self.interp.world_size
-        self.check(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
+        posted = self.check(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
         S = sum(s.numel() for s in shards)
         out = it.buffers_pool.take(S * W, shards[0].dtype)
         rows = out.view(W, S)
@@ -136,12 +145,12 @@ class AllReduce(Carrier):
         rows[it.rank + 1:].zero_()
         inp = torch.cat(shards, out=rows[it.rank])
         with it.on(it.gather_stream):
-            work = it.comm.all_reduce(out, async_op=it.async_op)
+            work = self.issue(posted, lambda: it.comm.all_reduce(out, async_op=it.async_op))
         return work, (lambda: unpack(it, out, ps)), inp
 
     def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
         it = self.interp
-        self.check(agreement.REDUCE, [s.param for s in e.slots], sum(s.numel for s in e.slots))
+        posted = self.check(agreement.REDUCE, [s.param for s in e.slots], sum(s.numel for s in e.slots))
         if buf is not None:  # the grads are views of the flat bucket (copied, not held)
             flat = buf[:max(s.offset + s.numel for s in e.slots)]
             spans = [(s.offset, s.numel) for s in e.slots]
@@ -150,7 +159,7 @@ class AllReduce(Carrier):
             torch.cat(grads, out=flat)
             spans = list(zip(collectives.slot_offsets([s.numel for s in e.slots]), [s.numel for s in e.slots]))
         with it.on(it.reduce_stream):
-            work = it.comm.all_reduce(flat, async_op=it.async_op)
+            work = self.issue(posted, lambda: it.comm.all_reduce(flat, async_op=it.async_op))
         return work, (lambda: dict(zip((s.param for s in e.slots),
                                        collectives.slice_allreduced(flat, spans, it.rank, it.world_size)))), flat
 

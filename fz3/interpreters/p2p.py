@@ -26,21 +26,25 @@ import torch.nn.functional as F
 
 from fz3.core.spec import shard_numel
 from fz3.data.layout import rank_span
-from fz3.interpreters.transport import Transport
+from fz3.interpreters.transport import PeerFailed, Transport
 
 
 class P2PWork:
-    """Several sends and receives, waited as one."""
+    """Several sends and receives, waited as one; `peers[i]` is the rank works[i] talks to, so
+    a failed wait names it (PeerFailed)."""
 
-    __slots__ = ("works",)
+    __slots__ = ("works", "peers")
 
-    def __init__(self, works: list) -> None:
-        self.works = works
+    def __init__(self, works: list, peers: list[int]) -> None:
+        self.works, self.peers = works, peers
 
     def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        self.works = []
+        for w, j in zip(self.works, self.peers):
+            try:
+                w.wait()
+            except RuntimeError as e:
+                raise PeerFailed(j, e) from e
+        self.works, self.peers = [], []
         return True
 
 
@@ -54,15 +58,19 @@ def all_gather(fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], co
         lo, hi = rank_span(full.numel(), rank, world_size)
         full[lo:hi].copy_(shard[:hi - lo])
         mine.append(shard[:hi - lo])
-    works = []
+    works, ends = [], []
     for j in peers:
         for full in fulls:
             lo, hi = rank_span(full.numel(), j, world_size)
             if hi > lo:
                 works.append(comm.irecv(full[lo:hi], j, tag))
+                ends.append(j)
     for j in peers:
-        works += [comm.isend(m, j, tag) for m in mine if m.numel()]
-    return P2PWork(works)
+        for m in mine:
+            if m.numel():
+                works.append(comm.isend(m, j, tag))
+                ends.append(j)
+    return P2PWork(works, ends)
 
 
 def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, comm: Transport, *,
@@ -74,7 +82,7 @@ def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, comm: T
     rank, world_size = comm.rank, comm.world_size
     peers = [j for j in range(world_size) if j != rank]
     own = [g[slice(*rank_span(g.numel(), rank, world_size))] for g in grads]
-    works, got, off = [], [], 0
+    works, ends, got, off = [], [], [], 0
     for j in peers:
         for o in own:
             n = o.numel()
@@ -82,18 +90,20 @@ def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, comm: T
             off += n
             if n:
                 works.append(comm.irecv(got[-1], j, tag))
+                ends.append(j)
     for j in peers:
         for g in grads:
             lo, hi = rank_span(g.numel(), j, world_size)
             if hi > lo:
                 works.append(comm.isend(g[lo:hi], j, tag))
+                ends.append(j)
 
     def result() -> list[torch.Tensor]:
         for k, o in enumerate(own * len(peers)):  # peer after peer, in rank order
             o.add_(got[k])
         pads = [shard_numel(g.numel(), world_size) - o.numel() for o, g in zip(own, grads)]
         return [F.pad(o, (0, pad)) if pad else o for o, pad in zip(own, pads)]  # pad: a copy
-    return P2PWork(works), result
+    return P2PWork(works, ends), result
 
 
 def scratch_numel(numels: Sequence[int], rank: int, world_size: int) -> int:

@@ -24,11 +24,15 @@ posted; a collective is the k-th collective call of every rank, and ranks that c
 ones (kind or size) fail; every reduction is a SUM, added in rank order, so every rank gets the
 same bits. A send copies its tensor when posted (gloo reads it later; a program that changes a
 buffer before its send completes is wrong on gloo and not caught here). A rank that raises
-fails the world: every other rank's wait raises instead of hanging, and run_threads returns
-each rank's result or re-raises the first error, naming its rank.
+fails the world: every other rank's wait raises WorldFailed at once instead of hanging (the
+divergence check names it as that rank's leaving: its fz3.DivergenceError comes from the
+WorldFailed), and run_threads returns each rank's result or re-raises the first error, naming
+its rank. A wait never times out: no rank can go on is found at once, and a rank stuck in code
+of its own holds the turn until run_threads' `timeout_s`, the world's `timeout()`.
 """
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 from collections import Counter
@@ -51,10 +55,10 @@ class WorldFailed(RuntimeError):
 class ThreadWorld:
     """What the ranks share: posted messages and collective calls, and whose turn it is."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, timeout_s: float = 600.0) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.world_size = world_size
+        self.world_size, self.timeout_s = world_size, timeout_s
         self.cv = threading.Condition()
         self.messages: dict[tuple, torch.Tensor] = {}  # (src, dst, tag, k) -> a copy of what was sent
         self.sends: Counter = Counter()  # (src, dst, tag) -> sends posted
@@ -230,6 +234,20 @@ class ThreadTransport:
     def side(self) -> "ThreadTransport":
         return self
 
+    def timeout(self) -> datetime.timedelta:
+        """run_threads' timeout_s: its waits never time out themselves (module docstring)."""
+        return datetime.timedelta(seconds=self.world.timeout_s)
+
+
+def _stopped_by_another(e: BaseException | None) -> bool:
+    """Whether `e` is, or was raised from, a WorldFailed: this rank only stopped because another
+    failed (e.g. the divergence check's fz3.DivergenceError naming the rank that left)."""
+    while e is not None:
+        if isinstance(e, WorldFailed):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
 
 def _sum(xs: list) -> torch.Tensor:
     total = xs[0].clone()
@@ -246,7 +264,7 @@ def run_threads(fn: Callable[..., Any], world_size: int, args: tuple = (), *, ti
     raises TimeoutError. torch's intra-op threads are set to `threads` meanwhile, as
     fz3.launch.run sets each rank's (the blocking of a CPU matmul, so its last bits, depends on
     them: with the same count, a thread rank computes what a process rank does, bit for bit)."""
-    world = ThreadWorld(world_size)
+    world = ThreadWorld(world_size, timeout_s)
     results: list = [None] * world_size
     errors: dict[int, BaseException] = {}
 
@@ -280,7 +298,7 @@ def run_threads(fn: Callable[..., Any], world_size: int, args: tuple = (), *, ti
         world.fail(f"fz3.launch.run_threads: past {timeout_s:.0f} s")
         raise TimeoutError(f"fz3.launch.run_threads: ranks {running} still running after {timeout_s:.0f} s")
     if errors:
-        first = min((r for r in errors if not isinstance(errors[r], WorldFailed)), default=min(errors))
+        first = min((r for r in errors if not _stopped_by_another(errors[r])), default=min(errors))
         raise RuntimeError(f"fz3.launch.run_threads: rank {first} raised "
                            f"{type(errors[first]).__name__}: {errors[first]}") from errors[first]
     return results

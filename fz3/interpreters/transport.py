@@ -9,7 +9,8 @@ The interpreter (dist.py), its point-to-point carrier (p2p.py) and the divergenc
 (agreement.py) speak only this interface, so the same engine and interpreter run on real
 process groups and on N ranks in one process (engine-level tests without launching
 processes; issue #12). Every reduction is a SUM. Work objects have `wait(timeout=None)` (a
-datetime.timedelta; RuntimeError when it passes) and `is_completed()`.
+datetime.timedelta; RuntimeError when it passes, or when the peer's end is gone) and
+`is_completed()`; a wait without a timeout gives up after the transport's own `timeout()`.
 """
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ import torch
 import torch.distributed as dist
 
 from fz3.data.collectives import ALL_GATHER, REDUCE_SCATTER
+
+
+class PeerFailed(RuntimeError):
+    """A wait on messages to or from rank `peer` failed (`error`: what the transport raised):
+    its connection closed, or the wait timed out. Point-to-point work raises it so that the
+    divergence check can name the rank (fz3/interpreters/agreement.py)."""
+
+    def __init__(self, peer: int, error: BaseException) -> None:
+        super().__init__(f"rank {peer}: {type(error).__name__}: {error}")
+        self.peer, self.error = peer, error
 
 
 class Work(Protocol):
@@ -49,6 +60,10 @@ class Transport(Protocol):
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Every rank's `t` = rank `src`'s (a rank of this transport's group)."""
+
+    def timeout(self) -> datetime.timedelta:
+        """How long a wait gives up after when given no timeout: the process group's own (what
+        init_process_group or new_group was given; torch's default, 30 minutes, if none)."""
 
     def side(self) -> "Transport":
         """A transport for the divergence check's descriptors: this one where its point-to-point
@@ -84,10 +99,22 @@ class TorchTransport:
         dist.broadcast(t, src=dist.get_global_rank(self.group, src) if self.group is not None else src,
                        group=self.group)
 
+    def timeout(self) -> datetime.timedelta:
+        """The group's backend options hold it (torch 2.13: ProcessGroupGloo / ProcessGroupNCCL
+        `.options._timeout`, set from init_process_group's or new_group's `timeout`)."""
+        group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        for device in group._device_types:
+            t = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
+            if isinstance(t, datetime.timedelta):
+                return t
+        return dist.default_pg_timeout
+
     def side(self) -> "TorchTransport":
+        """On NCCL and HCCL, a gloo group with the training group's timeout: the descriptors'
+        waits give up when the training group's would."""
         if self.backend == "gloo":
             return self
         if self.group is None:
-            return TorchTransport(dist.new_group(backend="gloo"))
+            return TorchTransport(dist.new_group(backend="gloo", timeout=self.timeout()))
         return TorchTransport(dist.new_group(ranks=dist.get_process_group_ranks(self.group), backend="gloo",
-                                             use_local_synchronization=True))
+                                             timeout=self.timeout(), use_local_synchronization=True))
