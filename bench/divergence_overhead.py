@@ -27,7 +27,7 @@ if __name__ == "__main__":
 
 def worker(rank: int, world: int, steps: int, model_name: str) -> dict:
     import fz3
-    from systems.common import batches, engine_step_seconds, make_model, make_optimizer
+    from systems.common import batches, engine_step_seconds, make_model, make_optimizer, paired_steps
     engines = {}
     for label, flag in (("on", "1"), ("off", "0")):
         os.environ["FZ3_DIVERGENCE_CHECK"] = flag
@@ -39,12 +39,7 @@ def worker(rank: int, world: int, steps: int, model_name: str) -> dict:
     def step(engine, i: int) -> float:
         return engine_step_seconds(engine, *data[i % len(data)])
 
-    times = {"on": [], "off": []}
-    for i in range(3 + steps):
-        for label in (("on", "off") if i % 2 == 0 else ("off", "on")):
-            t = step(engines[label], i)
-            if i >= 3:
-                times[label].append(t)
+    times = paired_steps(engines, step, steps)
     ag = engines["on"].interp.agreement
     return {**times, "checks_per_step": ag.checks / (3 + steps), "check_ms_per_step": 1e3 * ag.seconds / (3 + steps)}
 

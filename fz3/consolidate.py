@@ -1,6 +1,7 @@
 """zero_to_fp32: a sharded fz3 checkpoint -> one fp32 safetensors file, in one process.
 
-    python -m fz3.consolidate CKPT_DIR OUT.safetensors [--tag TAG]
+    python -m fz3.consolidate CKPT_DIR OUT.safetensors [--tag TAG]   # usage errors (a missing or
+                                          # unreadable checkpoint, an unwritable OUT) exit 2
     fz3.consolidate.consolidate(ckpt_dir, out_path, tag=None) -> {key: tensor}
 
     CKPT_DIR/<tag>/fz3_meta.json --> per param: its shards from rank_00000.pt ... (mmap'd),
@@ -69,9 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         state = consolidate(args.ckpt_dir, args.out, args.tag)
-    except CheckpointError as e:
+    except CheckpointError as e:  # a missing, unreadable or foreign checkpoint: a usage error
         print(f"fz3.consolidate: {e}", file=sys.stderr)
-        return 1
+        return 2
+    except OSError as e:  # OUT cannot be written
+        print(f"fz3.consolidate: cannot write {args.out!r} ({e.strerror or e})", file=sys.stderr)
+        return 2
     numel = sum(t.numel() for t in state.values())
     print(f"wrote {args.out}: {len(state)} tensors, {numel} elements (fp32)")
     return 0

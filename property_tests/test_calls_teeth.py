@@ -106,12 +106,12 @@ def test_leaf_reduced_at_its_first_post_backward_is_caught(monkeypatch):
     of its earlier calls come after the report."""
     real = calls.post_backward
 
-    def eager(st, m, *, config):
+    def eager(st, m, *, config, with_grad=frozenset()):
         if m not in st.calls.leaves:
-            return real(st, m, config=config)
+            return real(st, m, config=config, with_grad=with_grad)
         c, queued = calls._in_backward(st.calls)
-        c, grads, reduced = calls._reduce_leaf(c, st.grads, st.params.spec, m, config)
-        st, effects = real(Lifecycle(st.params, grads, c), m, config=config)
+        c, grads, reduced = calls._reduce_leaf(c, st.grads, m, config, with_grad)
+        st, effects = real(Lifecycle(st.params, grads, c), m, config=config, with_grad=with_grad)
         return st, queued + reduced + effects
 
     monkeypatch.setattr(calls, "post_backward", eager)
@@ -123,8 +123,8 @@ def test_leaf_not_reduced_at_end_of_backward_is_caught(monkeypatch):
     no grad): their grads are never reported."""
     real = calls.end_of_backward
 
-    def forgetful(st, *, config):
-        return real(st._replace(calls=st.calls._replace(leaves=frozenset())), config=config)
+    def forgetful(st, *, config, with_grad=frozenset()):
+        return real(st._replace(calls=st.calls._replace(leaves=frozenset())), config=config, with_grad=with_grad)
 
     monkeypatch.setattr(calls, "end_of_backward", forgetful)
     assert_caught("got grads in this backward but were never reported")
@@ -178,3 +178,24 @@ def test_a_wrong_hook_set_is_caught(monkeypatch, wrong):
     monkeypatch.setattr(calls, "call_tables", tables)
     assert_caught(r"reported twice|never reported|without a grad|not one leaf.s trainable params",
                   errors=(AssertionError, GradError))
+
+
+def test_a_step_that_gives_every_param_a_grad_is_caught(monkeypatch):
+    """(j) stepped names no param without a grad: zeros would move them (AdamW's decay)."""
+    monkeypatch.setattr(calls, "no_grad_params", lambda st, leaf_grads=None: ())
+    assert_caught(r"naive model: stepped.*expected \[StepOptimizer\(no_grad=\(\d")
+
+
+def test_a_step_taken_on_a_grad_norm_not_finite_is_caught(monkeypatch):
+    """(k) stepped ignores the norm: a NaN would reach the weights."""
+    real = calls.stepped
+    monkeypatch.setattr(calls, "stepped", lambda st, *, config, finite=True, leaf_grads=None:
+                        real(st, config=config, leaf_grads=leaf_grads))
+    assert_caught(r"naive model: stepped.*expected \[SkipStep")
+
+
+def test_zeros_standing_in_for_a_leafs_grad_counted_as_a_grad_are_caught(monkeypatch):
+    """(l) a leaf's stand-in zeros mark the param as having had a grad: the step moves it."""
+    real = calls.bucket_add
+    monkeypatch.setattr(calls, "bucket_add", lambda *a, stand_in=False, **k: real(*a, **k))
+    assert_caught(r"naive model: stepped.*expected \[StepOptimizer")

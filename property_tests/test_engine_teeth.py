@@ -5,6 +5,8 @@ catch deliberately broken arithmetic and timing, each within the examples allowe
     (b) a leaf module is reduced at its first call's post-backward, before its other calls add
         their grads (the [Note: leaf modules] condition dropped)
     (c) a micro-step's partition write always copies (the accumulation of earlier micro-steps lost)
+    (d) the step gives every trainable param a grad, zeros where none came (AdamW decays it)
+    (e) a leaf's zeros standing in for an expert's missing grad count as a grad
 """
 from __future__ import annotations
 
@@ -42,14 +44,11 @@ def test_dividing_by_the_world_size_alone_is_caught(monkeypatch):
 def test_a_leaf_reduced_before_its_other_calls_is_caught(monkeypatch):
     real = calls._reduce_leaf
 
-    def eager(c, g, spec, m, config):  # at any post_backward of a leaf still pending
-        return real(c, g, spec, m, config)
-
-    def post_backward(st, m, *, config):
+    def post_backward(st, m, *, config, with_grad=frozenset()):  # at any post_backward of a pending leaf
         cs, effects = calls._in_backward(st.calls)
         g = st.grads
         if m in cs.leaves:
-            cs, g, eff = eager(cs, g, st.params.spec, m, config)
+            cs, g, eff = real(cs, g, m, config, with_grad)
             effects += eff
         params, eff = calls.core_bwd.post_backward(st.params, m, config=config)
         cs, params, eff2 = calls._end_waiting(cs, params, m, config)
@@ -61,4 +60,15 @@ def test_a_leaf_reduced_before_its_other_calls_is_caught(monkeypatch):
 
 def test_writes_that_always_copy_are_caught(monkeypatch):
     monkeypatch.setattr(grads, "write_mode", lambda pg, window: COPY)
+    assert_caught()
+
+
+def test_a_step_that_gives_every_param_a_grad_is_caught(monkeypatch):
+    monkeypatch.setattr(calls, "no_grad_params", lambda st, leaf_grads=None: ())
+    assert_caught()
+
+
+def test_zeros_standing_in_for_a_grad_counted_as_one_are_caught(monkeypatch):
+    real = grads.bucket_add
+    monkeypatch.setattr(calls, "bucket_add", lambda *a, stand_in=False, **k: real(*a, **k))
     assert_caught()

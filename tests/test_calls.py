@@ -7,10 +7,11 @@ import pytest
 
 from fz3.core import calls
 from fz3.core.config import Config
-from fz3.core.effects import AllGather, CopyToBucket, Free
+from fz3.core.effects import AllGather, CopyToBucket, Free, FreePartitions
 from fz3.core.grads import init_grad_state
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
-                                   QueueEndOfBackward, WrapInputs, WrapOutputs, ZeroGrads)
+                                   QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
+                                   ZeroGrads)
 from fz3.core.ids import Status, TraceMode
 from fz3.core.pvec import Log
 from fz3.core.spec import build_spec
@@ -616,3 +617,72 @@ def test_reading_a_leafs_frozen_param_with_grad_is_allowed():
     st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
     st, _ = calls.read(st, 3, 2, config=CFG)
     assert st.params.modules[4].externals == (2,)
+
+
+# ---- the step: which params have a grad, and a step skipped ([Note: no grad, no step]) --------------
+
+def backward_through_lin_and_moe(moe_grad: bool):
+    """One pass: the root calls lin (v: hooked) and moe (the leaf, e); e has a grad from autograd
+    if `moe_grad`; w (emb) and g (norm) are never used."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    for m in (4, 3):
+        st, _ = calls.enter(st, m, config=CFG, grad=True, grad_inputs=True)
+        st, _ = calls.leave(st, m, config=CFG, grad_outputs=True)
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+    for m in (0, 3):
+        st, _ = calls.pre_backward(st, m, config=CFG)
+    st, reduced = calls.post_backward(st, 3, config=CFG, with_grad=frozenset({2}) if moe_grad else frozenset())
+    st, _ = calls.pre_backward(st, 4, config=CFG)
+    st, _ = calls.grad_ready(st, 3, config=CFG, dtype="float32")
+    st, _ = calls.post_backward(st, 4, config=CFG)
+    st, _ = calls.end_of_backward(st, config=CFG)
+    return st, reduced
+
+
+@pytest.mark.parametrize("moe_grad", [False, True])
+def test_a_leaf_param_with_a_grad_gets_no_zeros_and_counts_as_a_grad(moe_grad):
+    """What torch shows (with_grad) decides the zeros: e with a grad is reduced as it is (no
+    ZeroGrads) and got its grad in this window; without one, zeros stand in and it did not."""
+    st, reduced = backward_through_lin_and_moe(moe_grad)
+    assert (ZeroGrads((2,)) in reduced) is not moe_grad
+    assert any(isinstance(e, CopyToBucket) and e.param == 2 for e in reduced)  # reduced either way
+    assert calls.leaf_grads_seen(st) == (moe_grad,)
+    assert st.calls.tables.leaf_own == (2,) and st.calls.tables.leaf_own_of == ((), (), (), (2,), ())
+
+
+@pytest.mark.parametrize("moe_grad", [False, True])
+def test_the_step_leaves_every_param_without_a_grad_in_its_window_without_one(moe_grad):
+    """StepOptimizer names the trainable params no grad reached: w and g (never used), and e
+    unless this rank or another got a real grad for it (leaf_grads)."""
+    st, _ = backward_through_lin_and_moe(moe_grad)
+    _, eff = calls.stepped(st, config=CFG)  # leaf_grads None: this rank's own
+    assert eff[0] == StepOptimizer((0, 1) if moe_grad else (0, 1, 2))
+    assert FreePartitions() in eff
+    if not moe_grad:  # what the other ranks say decides
+        _, eff = calls.stepped(st, config=CFG, leaf_grads=frozenset({2}))  # another rank's expert got one
+        assert eff[0] == StepOptimizer((0, 1))
+        _, eff = calls.stepped(st, config=CFG, leaf_grads=frozenset())
+        assert eff[0] == StepOptimizer((0, 1, 2))
+
+
+def test_frozen_params_are_never_named_without_a_grad():
+    """A frozen param has no optimizer grad anyway: only trainable ones are named."""
+    st = forward_through_lin(lifecycle(*MODEL, [False, True, True, True]))  # w frozen
+    st, _ = calls.end_of_backward(st, config=CFG)
+    _, eff = calls.stepped(st, config=CFG)
+    assert eff[0] == StepOptimizer((1, 2, 3))
+
+
+def test_a_step_with_a_grad_norm_not_finite_is_skipped_and_the_weights_stay():
+    """SkipStep(the step's number), the window closes (counted as skipped), and nothing of the
+    params' lifecycle moves: no Free, no gather (the shards did not change)."""
+    st, _ = backward_through_lin_and_moe(True)
+    params = st.params
+    st, eff = calls.stepped(st, config=CFG, finite=False)
+    assert eff == (SkipStep(1), FreePartitions())
+    assert st.params is params and (st.grads.window, st.grads.micro_step, st.grads.skipped) == (1, 0, 1)
+    assert st.grads.applied is False
+    st, _ = backward_through_lin_and_moe(True)
+    st, eff = calls.stepped(st, config=CFG)
+    assert isinstance(eff[0], StepOptimizer) and st.grads.applied is True and st.grads.skipped == 0

@@ -453,7 +453,7 @@ def test_consolidate_cli_untied_loads_strict(runs, tmp_path, capsys):
     saved = runs[3][0]["ref"]["odd"]["saved"]["params"]
     for k, v in model.state_dict().items():
         assert torch.equal(v, saved[k]), k
-    assert main([f"{runs['root']}/3/odd", out, "--tag", "nope"]) == 1
+    assert main([f"{runs['root']}/3/odd", out, "--tag", "nope"]) == 2  # a usage error, as every other
     assert "does not exist" in capsys.readouterr().err
 
 

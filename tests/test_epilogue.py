@@ -3,7 +3,7 @@ import pytest
 
 from fz3.core.config import Config
 from fz3.core.effects import AverageGrads, FreePartitions, ReduceBucket, WaitReduce, ZeroPartitions
-from fz3.core.epilogue import at_boundary, epilogue, grad_divisor, never_written, optimizer_step
+from fz3.core.epilogue import at_boundary, epilogue, grad_divisor, never_written, optimizer_step, without_grad
 from fz3.core.grads import GradError, bucket_add, init_grad_state
 from fz3.core.invariants_grad import check_drained
 from fz3.core.spec import build_spec
@@ -114,3 +114,32 @@ def test_boundary_divisor_undoes_the_predivide(w, gas, cfg, divisor):
     (2, 3, 1.0, 6), (4, 2, 4.0, 2.0), (2, 1, 0.5, 4.0), (3, 2, 3.0, 2.0)])
 def test_grad_divisor_with_predivide(w, gas, predivide, divisor):
     assert grad_divisor(w, gas, predivide) == divisor
+
+
+def test_a_skipped_step_closes_the_window_and_counts():
+    """optimizer_step(applied=False): the window closes as after a step (micro_step 0, the
+    partitions freed), `skipped` counts it and `applied` says it; the next applied step says so."""
+    config = Config(gradient_accumulation_steps=1)
+    state = init_grad_state(grad_spec([3], 2))
+    state, _ = epilogue(state, config=config)
+    state, eff = optimizer_step(state, config=config, applied=False)
+    assert eff == (FreePartitions(),)
+    assert (state.micro_step, state.window, state.skipped, state.applied) == (0, 1, 1, False)
+    state, _ = epilogue(state, config=config)
+    state, _ = optimizer_step(state, config=config)
+    assert (state.window, state.skipped, state.applied) == (2, 1, True)
+
+
+def test_without_grad_names_the_trainable_params_no_grad_reached_in_the_window():
+    """Frozen params are never named; a param with a grad this window is not; one whose last grad
+    was in an earlier window is; a leaf param another rank got a grad for (got_anywhere) is not."""
+    config = Config(gradient_accumulation_steps=1, reduce_bucket_size=100)
+    state = init_grad_state(grad_spec([3, 4, 5, 6], 2))
+    state, _ = bucket_add(state, 1, config=config)
+    state, _ = epilogue(state, config=config)
+    assert without_grad(state, [True, True, True, False]) == (0, 2)
+    assert without_grad(state, [True, True, True, False], frozenset({2})) == (0,)
+    state, _ = optimizer_step(state, config=config)
+    state, _ = bucket_add(state, 0, config=config)
+    state, _ = epilogue(state, config=config)
+    assert without_grad(state, [True, True, True, True]) == (1, 2, 3)

@@ -5,7 +5,7 @@ from fz3.core.config import Config
 from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, HoldGrad, ReduceBucket, Slot,
                               WritePartition)
 from fz3.core.epilogue import epilogue, optimizer_step
-from fz3.core.grads import (GradError, ParamGrad, bucket_add, flush, grad_route,
+from fz3.core.grads import (NEVER, GradError, ParamGrad, bucket_add, flush, grad_route,
                             init_grad_state)
 from fz3.core.invariants_grad import check_grad_state
 from fz3.core.spec import build_spec
@@ -114,11 +114,11 @@ def test_oversized_grad_records_the_bucket_it_was_reduced_in():
     """A grad reduced alone still gets a BucketId of its own (next_bucket advances), and its
     ParamGrad records that bucket, in the first graph task and in a later one."""
     state, _, config = run([3, 20], [0, 1], reduce_bucket_size=8, **AR)
-    assert state.params[1] == ParamGrad(reported=0, task=0, bucket=1, written=0)
+    assert state.params[1] == ParamGrad(reported=0, task=0, bucket=1, written=0, got=0)
     assert state.next_bucket == 2 and [b.id for b in state.buckets] == []
     state, eff = bucket_add(state, 1, config=config, graph_task=1)
     assert eff == reduced(2, [(1, 0, 20)], contiguous=False, modes=[ADD])
-    assert state.params[1] == ParamGrad(reported=0, task=1, bucket=2, written=0)
+    assert state.params[1] == ParamGrad(reported=0, task=1, bucket=2, written=0, got=0)
     assert state.next_bucket == 3
 
 
@@ -293,3 +293,16 @@ def test_the_route_flag_is_static():
     assert state.in_place_reduce_scatter
     assert bucket_add(state, 0, config=config)[1] == (HoldGrad(1, "float32", 0, 0, 3),)  # bucket 1
     assert not init_grad_state(grad_spec([3], 1)).in_place_reduce_scatter  # the default: copy
+
+
+def test_a_stand_in_is_reduced_and_written_but_is_no_grad():
+    """Zeros standing in for a leaf param's missing grad are reduced and written like a grad (every
+    rank reduces the same), but `got` stays: the param had no grad in this window ([Note: no grad,
+    no step]); a real grad in the same window sets it."""
+    state, _, config = run([3, 4], [], reduce_bucket_size=100, **AR)
+    state, eff = bucket_add(state, 0, config=config, stand_in=True)
+    assert state.params[0].got == NEVER and state.params[0].reported == 0
+    state, _ = flush(state, config=config)
+    assert state.params[0].written == 0 and state.params[0].got == NEVER
+    state, _ = bucket_add(state, 1, config=config)
+    assert state.params[1].got == 0

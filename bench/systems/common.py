@@ -70,14 +70,31 @@ def fz3_step(engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def engine_step_seconds(engine, x: torch.Tensor, y: torch.Tensor) -> float:
     """One fz3 step (forward, backward, optimizer) between barriers: the slower rank's seconds."""
+    return slowest_seconds(lambda: (engine.backward(loss_fn(engine(x), y)), engine.step()))
+
+
+def slowest_seconds(run) -> float:
+    """run() between barriers: the slower rank's seconds."""
     import torch.distributed as dist
     dist.barrier()
     t0 = time.perf_counter()
-    engine.backward(loss_fn(engine(x), y))
-    engine.step()
+    run()
     t = torch.tensor([time.perf_counter() - t0])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def paired_steps(engines: dict, step, steps: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Two engines (labels a, b) stepping in turn, the order alternating every step: `step(engine,
+    i)` -> seconds; -> each label's seconds after `warmup` steps each."""
+    a, b = engines
+    times: dict[str, list[float]] = {a: [], b: []}
+    for i in range(warmup + steps):
+        for label in ((a, b) if i % 2 == 0 else (b, a)):
+            t = step(engines[label], i)
+            if i >= warmup:
+                times[label].append(t)
+    return times
 
 
 def batches(name: str, rank: int, world: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -16,7 +16,9 @@ the interpreter and the hook effects (hook_effects.py) for the hook itself.
     post_backward(m)   PostBackward node ran     a leaf's last call: reduce it; release
     grad_ready(p)      p's grad accumulated      bucket_add; calls waiting on p's grad: release
     end_of_backward    autograd's callback       leaves left, epilogue, finish_backward
-    stepped            after optimizer.step()    optimizer_step, end_of_step
+    stepped            at the boundary, the      finite: StepOptimizer (unused params without a
+                       grad norm known           grad), optimizer_step, end_of_step;
+                                                 else SkipStep, the window closed, nothing stale
 
 The state is the three lifecycles together (`Lifecycle`); each event is a pure function
 `f(state, ..., *, config) -> (state, effects)` as below it.
@@ -54,7 +56,9 @@ at the end of backward. Zeros stand in for grads its experts did not produce on 
 every rank reduces the same. A leaf param that is also another module's (tied) gets a hook
 like any param, which torch fires once every use added to it. One that a module borrows at run
 time (returned out of the leaf, or read off it) would get grads after the leaf's reduction:
-refused with an error naming it.
+refused with an error naming it. The shell says which of the leaf's params hold a grad when
+the leaf may be reduced (`with_grad`, what torch shows it); the others get zeros (ZeroGrads),
+reported as stand-ins, not as grads ([Note: no grad, no step], epilogue.py).
 """
 from __future__ import annotations
 
@@ -62,11 +66,12 @@ from typing import NamedTuple, Sequence
 
 from fz3.core import backward as core_bwd
 from fz3.core.config import COMM_DTYPES, Config
-from fz3.core.epilogue import epilogue, optimizer_step
+from fz3.core.epilogue import epilogue, optimizer_step, without_grad
 from fz3.core.fetch import fetch
 from fz3.core.grads import GradState, bucket_add
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
-                                   QueueEndOfBackward, WrapInputs, WrapOutputs, ZeroGrads)
+                                   QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
+                                   ZeroGrads)
 from fz3.core.ids import ModuleId, ParamId
 from fz3.core.pvec import Log
 from fz3.core.release import release
@@ -85,6 +90,8 @@ class CallTables(NamedTuple):
     trainable: tuple[bool, ...]  # by param
     hooked: tuple[bool, ...]  # by param: its grad is reported by a post-accumulate-grad hook
     # (grad_ready); the others trainable are a leaf's own, reduced with it ([Note: leaf modules])
+    leaf_own: tuple[ParamId, ...]  # those others, in id order: trainable, no hook
+    leaf_own_of: tuple[tuple[ParamId, ...], ...]  # by module: its leaf_own params (() unless a leaf)
 
 
 class Frame(NamedTuple):
@@ -134,8 +141,11 @@ def call_tables(spec: ModelSpec, trainable: Sequence[bool]) -> CallTables:
         for p in ms.params:
             homes[p].append(ms)
     hooked = tuple(bool(t) and not (len(h) == 1 and h[0].is_leaf) for t, h in zip(trainable, homes))
+    own_of = tuple(tuple(p for p in ms.params if trainable[p] and not hooked[p]) if ms.is_leaf else ()
+                   for ms in spec.modules)
+    leaf_own = tuple(ParamId(p) for p in range(len(spec.params)) if trainable[p] and not hooked[p])
     return CallTables(inert, grad_params, {p: tuple(ms) for p, ms in waiters.items()}, tuple(trainable),
-                      hooked)
+                      hooked, leaf_own, own_of)
 
 
 def initial_calls(spec: ModelSpec, trainable: Sequence[bool]) -> CallState:
@@ -256,13 +266,15 @@ def pre_backward(st: Lifecycle, m: ModuleId, *, config: Config) -> tuple[Lifecyc
     return Lifecycle(params, st.grads, calls), queued + effects
 
 
-def post_backward(st: Lifecycle, m: ModuleId, *, config: Config) -> tuple[Lifecycle, tuple]:
+def post_backward(st: Lifecycle, m: ModuleId, *, config: Config, with_grad: frozenset[ParamId] = frozenset()
+                  ) -> tuple[Lifecycle, tuple]:
     """The grads of a call's inputs are done (its PostBackward node ran): release. A leaf
-    module's last open call reduces its params first ([Note: leaf modules])."""
+    module's last open call reduces its params first ([Note: leaf modules]); `with_grad`: its
+    own params (`CallTables.leaf_own_of`) whose .grad is set."""
     calls, effects = _in_backward(st.calls)
     grads, row = st.grads, st.params.module_rows[m]
     if m in calls.leaves and row[GRADS_REMAINING] <= 1 and row[PRE_BACKWARD] == 0:
-        calls, grads, eff = _reduce_leaf(calls, grads, st.params.spec, m, config)
+        calls, grads, eff = _reduce_leaf(calls, grads, m, config, with_grad)
         effects += eff
     params, eff = core_bwd.post_backward(st.params, m, config=config)
     calls, params, eff2 = _end_waiting(calls, params, m, config)
@@ -283,13 +295,15 @@ def grad_ready(st: Lifecycle, p: ParamId, *, config: Config, dtype: str, graph_t
     return Lifecycle(params, grads, calls), effects + (GradIn(p),)
 
 
-def end_of_backward(st: Lifecycle, *, config: Config) -> tuple[Lifecycle, tuple]:
+def end_of_backward(st: Lifecycle, *, config: Config, with_grad: frozenset[ParamId] = frozenset()
+                    ) -> tuple[Lifecycle, tuple]:
     """Autograd finished the backward: leaves whose post-backward never ran (no grad input) are
-    reduced, the grad epilogue runs, the params are released (finish_backward)."""
+    reduced, the grad epilogue runs, the params are released (finish_backward). `with_grad`:
+    the leaves' own params (`CallTables.leaf_own`) whose .grad is set."""
     calls, grads = st.calls, st.grads
     effects: tuple = (ClearGradDue(),)
     for m in sorted(calls.leaves):
-        calls, grads, eff = _reduce_leaf(calls, grads, st.params.spec, m, config)
+        calls, grads, eff = _reduce_leaf(calls, grads, m, config, with_grad)
         effects += eff
     grads, eff = epilogue(grads, config=config)
     params, eff2 = finish_backward(st.params, config=config)
@@ -297,11 +311,38 @@ def end_of_backward(st: Lifecycle, *, config: Config) -> tuple[Lifecycle, tuple]
     return Lifecycle(params, grads, calls), effects + eff + eff2 + (EndOfBackward(),)
 
 
-def stepped(st: Lifecycle, *, config: Config) -> tuple[Lifecycle, tuple]:
-    """The optimizer updated the master shards: the window closes, every full param is stale."""
-    grads, eff = optimizer_step(st.grads, config=config)
+def stepped(st: Lifecycle, *, config: Config, finite: bool = True,
+            leaf_grads: frozenset[ParamId] | None = None) -> tuple[Lifecycle, tuple]:
+    """At the accumulation boundary, the global grad norm known (`finite`: on every rank
+    alike). Finite: the optimizer steps (StepOptimizer: every trainable param no grad reached
+    in the window left without one), the window closes, every full param is stale. Not
+    finite: SkipStep, the window closes, the weights stay ([Note: a step skipped]).
+    `leaf_grads`: the leaf params (`CallTables.leaf_own`) that got a real grad in the window on
+    some rank; None: this rank's own (`leaf_grads(st)`), all there is with one rank."""
+    grads = st.grads
+    if not finite:
+        grads, eff = optimizer_step(grads, config=config, applied=False)
+        return Lifecycle(st.params, grads, st.calls), (SkipStep(st.grads.window + 1),) + eff
+    effects = (StepOptimizer(no_grad_params(st, leaf_grads)),)
+    grads, eff = optimizer_step(grads, config=config)
     params, eff2 = end_of_step(st.params, config=config)
-    return Lifecycle(params, grads, st.calls), eff + eff2
+    return Lifecycle(params, grads, st.calls), effects + eff + eff2
+
+
+def no_grad_params(st: Lifecycle, leaf_grads: frozenset[ParamId] | None = None) -> tuple[ParamId, ...]:
+    """The trainable params no grad reached in the current window, on any rank: what the step
+    leaves without one ([Note: no grad, no step]). `leaf_grads` as `stepped` takes it."""
+    got = frozenset(p for p, g in zip(st.calls.tables.leaf_own, leaf_grads_seen(st)) if g) \
+        if leaf_grads is None else leaf_grads
+    return without_grad(st.grads, st.calls.tables.trainable, got)
+
+
+def leaf_grads_seen(st: Lifecycle) -> tuple[bool, ...]:
+    """By `CallTables.leaf_own`: whether this rank got a real grad (not zeros standing in) for
+    the param in the current window. Summed over ranks, what `stepped` takes ([Note: no grad,
+    no step])."""
+    w, params = st.grads.window, st.grads.params
+    return tuple(params[p].got == w for p in st.calls.tables.leaf_own)
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
@@ -378,13 +419,14 @@ def _end_waiting(calls: CallState, params: ParamState, m: ModuleId, config: Conf
     return calls, params, ()
 
 
-def _reduce_leaf(calls: CallState, grads: GradState, spec: ModelSpec, m: ModuleId, config: Config):
-    """Every trainable param of leaf `m` without a hook into its bucket, zeros for grads that
-    never came."""
-    t = calls.tables
-    ps = tuple(p for p in spec.modules[m].params if t.trainable[p] and not t.hooked[p])
-    effects: tuple = (ZeroGrads(ps),)
+def _reduce_leaf(calls: CallState, grads: GradState, m: ModuleId, config: Config,
+                 with_grad: frozenset[ParamId]):
+    """Every trainable param of leaf `m` without a hook into its bucket; zeros stand in for the
+    grads that never came (not in `with_grad`)."""
+    ps = calls.tables.leaf_own_of[m]
+    zeros = tuple(p for p in ps if p not in with_grad)
+    effects: tuple = (ZeroGrads(zeros),) if zeros else ()
     for p in ps:
-        grads, eff = bucket_add(grads, p, config=config, dtype=grad_dtype(config))
+        grads, eff = bucket_add(grads, p, config=config, dtype=grad_dtype(config), stand_in=p not in with_grad)
         effects += eff
     return calls._replace(leaves=calls.leaves - {m}), grads, effects

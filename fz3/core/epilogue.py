@@ -2,7 +2,7 @@
 
     micro_step:   0 --epilogue--> 1 --epilogue--> ... --epilogue--> gas   (window complete:
                   ^                                                  |     partitions averaged)
-                  +------------------ optimizer_step ----------------+   (partitions freed)
+                  +---------- optimizer_step(applied=True|False) ----+   (partitions freed)
 
     epilogue (every backward):  flush every open bucket -> WaitReduce (overlap_comm)
                                 -> backward += 1 (clears every "reported" flag at once)
@@ -18,8 +18,26 @@ boundary, where one division turns them into the mean gradient, exposed to the o
 place. DeepSpeed instead pre-divides by the world size before each reduce and scales the loss
 by 1/gas; summing first keeps the integer test data exact and never relies on a backend's AVG
 (fz3/core/grads.py, [Note: pre-division]).
+
+[Note: no grad, no step] A trainable param that no grad reached in a whole window, on any rank,
+has no optimizer grad (None), so every torch optimizer leaves it alone, as in plain PyTorch and
+FSDP2: zeros in its place would still move it by AdamW's weight decay and moments (7e-4 from
+plain PyTorch after a few steps). For a hooked param "no grad on this rank" is "no grad on any":
+a grad on one rank only is a reduce the others do not issue, a divergence. A leaf's own params
+are reduced as zeros where this rank's experts saw no token (fz3/core/calls.py, [Note: leaf
+modules]), so whether one got a grad anywhere is each rank's `got` flag summed over ranks
+(`leaf_grads`, one small all-reduce at the boundary, only for models with leaf modules).
+
+[Note: a step skipped] At the boundary the global grad norm is known on every rank, the same
+bits everywhere (summed in rank order). Not finite (one rank's NaN or inf loss reaches every
+partition through the reduce): the window closes without an optimizer step, `skipped` counts
+it, and the weights, their shards and every gathered full param stay as they are. DeepSpeed
+skips the same way on fp16 overflow (`_overflow_check_and_loss_scale_update`), and its
+scheduler does not step either.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 from fz3.core.config import Config
 from fz3.core.effects import AverageGrads, FreePartitions, GradEffect, WaitReduce, ZeroPartitions
@@ -54,8 +72,10 @@ def epilogue(state: GradState, *, config: Config) -> tuple[GradState, tuple[Grad
     return state, tuple(effects)
 
 
-def optimizer_step(state: GradState, *, config: Config) -> tuple[GradState, tuple[GradEffect, ...]]:
-    """The optimizer consumed the averaged partitions: start the next accumulation window.
+def optimizer_step(state: GradState, *, config: Config, applied: bool = True
+                   ) -> tuple[GradState, tuple[GradEffect, ...]]:
+    """The optimizer consumed the averaged partitions (`applied`), or the step was skipped
+    ([Note: a step skipped]): start the next accumulation window.
 
     Resets micro_step to 0; the next write of every partition is a copy, so their memory goes
     back now (FreePartitions) and comes again with that write. Raises GradError if
@@ -68,7 +88,8 @@ def optimizer_step(state: GradState, *, config: Config) -> tuple[GradState, tupl
                         "are averaged only at the accumulation boundary")
     if state.buckets:
         raise GradError("optimizer_step with open IPG buckets: run the epilogue first")
-    return state._replace(micro_step=0, window=state.window + 1), (FreePartitions(),)
+    return state._replace(micro_step=0, window=state.window + 1, skipped=state.skipped + (not applied),
+                          applied=applied), (FreePartitions(),)
 
 
 def grad_divisor(world_size: int, gradient_accumulation_steps: int, predivide: float = 1.0
@@ -85,6 +106,16 @@ def never_written(state: GradState) -> tuple[ParamId, ...]:
     O(params): run once per optimizer step, the same order as the optimizer's own work.
     """
     return tuple(ParamId(i) for i, pg in enumerate(state.params) if pg.written != state.window)
+
+
+def without_grad(state: GradState, trainable: Sequence[bool], got_anywhere: frozenset[ParamId] = frozenset()
+                 ) -> tuple[ParamId, ...]:
+    """Trainable params no grad reached in the current window: this rank got none (`got`), and
+    none is in `got_anywhere`, the leaf params some rank got a real grad for ([Note: no grad, no
+    step]). O(params), once per optimizer step, as `never_written`."""
+    w = state.window
+    return tuple(ParamId(i) for i, pg in enumerate(state.params)
+                 if trainable[i] and pg.got != w and i not in got_anywhere)
 
 
 def at_boundary(state: GradState, *, config: Config) -> bool:

@@ -75,9 +75,11 @@ class ParamGrad(NamedTuple):
     task: int  # graph task of that report
     bucket: int  # BucketId it was last placed in
     written: int  # accumulation window of its last partition write
+    got: int = NEVER  # accumulation window of its last real grad (a leaf's zeros stand in for
+    # none: [Note: no grad, no step])
 
 
-UNSEEN = ParamGrad(NEVER, NEVER, NEVER, NEVER)
+UNSEEN = ParamGrad(NEVER, NEVER, NEVER, NEVER, NEVER)
 
 
 class Link(NamedTuple):
@@ -118,6 +120,9 @@ class GradState(NamedTuple):
     # static: the reduce-scatter carrier sends each grad from where it lies, so a bucket would
     # only stage a copy ([Note: copy or hold])
     in_place_reduce_scatter: bool = False
+    skipped: int = 0  # windows closed without an optimizer step: a non-finite grad norm
+    applied: bool = False  # the last window closed with an optimizer step (DeepSpeed's
+    # was_step_applied; False before the first)
 
 
 def init_grad_state(spec: ModelSpec, *, in_place_reduce_scatter: bool = False) -> GradState:
@@ -131,9 +136,12 @@ def init_grad_state(spec: ModelSpec, *, in_place_reduce_scatter: bool = False) -
 
 
 def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str = "float32",
-               graph_task: int = 0) -> tuple[GradState, tuple[GradEffect, ...]]:
+               graph_task: int = 0, stand_in: bool = False) -> tuple[GradState, tuple[GradEffect, ...]]:
     """Place `param`'s ready grad (a `dtype` tensor) in the IPG bucket of its comm dtype
     (`bucket_dtype`: communication_data_type, else `dtype`); the bucket holds it cast to that.
+    `stand_in`: the grad is zeros standing in for none (a leaf's expert that saw no token on
+    this rank), reduced so that every rank reduces the same; the param did not get a grad
+    ([Note: no grad, no step]).
 
     Flushes that bucket first if the grad would overflow it; a grad larger than the whole bucket
     is reduced on its own, straight from param.grad. Raises GradError, naming the param, if it
@@ -157,7 +165,7 @@ def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str =
         state, eff = flush(state, config=config, dtype=comm)
         effects += eff
     state = state._replace(params=state.params.set(param, state.params[param]._replace(
-        reported=state.backward, task=graph_task)))
+        reported=state.backward, task=graph_task, got=pg.got if stand_in else state.window)))
     if numel > config.reduce_bucket_size:
         state, eff = _reduce_alone(state, param, comm, config)
     else:

@@ -14,11 +14,17 @@ in order, between the interpreter's.
                       their shape over a placeholder until then (store.grad_due)
     GradIn(p)         p's grad was accumulated: its placeholder, if any, goes
     ClearGradDue      the backward is over (or never came): no placeholder stays
-    ZeroGrads(ps)     a param of ps whose .grad is None gets zeros (a leaf's experts that saw
-                      no token on this rank), so every rank reduces the same set
+    ZeroGrads(ps)     these params (a leaf's own, whose .grad is None: experts that saw no token
+                      on this rank) get zero grads, so every rank reduces the same set
     QueueEndOfBackward  ask autograd to call end_of_backward when this backward is done
                       (queue_callback; once per backward)
     EndOfBackward     the interpreter's pool may let its buffers go until the next pass
+    StepOptimizer(no_grad)  at the boundary, the norm finite: the optimizer steps on the averaged
+                      partitions (clipped), the params of no_grad with no grad (None): no grad
+                      reached them in the window ([Note: no grad, no step], epilogue.py); the
+                      compute shards follow the masters
+    SkipStep(step)    at the boundary, the norm not finite: no optimizer step; the shell names
+                      the first param whose grad is not finite ([Note: a step skipped])
 """
 from __future__ import annotations
 
@@ -78,5 +84,15 @@ class EndOfBackward(NamedTuple):
     pass
 
 
+@record
+class StepOptimizer(NamedTuple):
+    no_grad: tuple[ParamId, ...]  # trainable params left without a grad (None) for this step
+
+
+@record
+class SkipStep(NamedTuple):
+    step: int  # the optimizer step skipped, counting from 1 (windows closed before it + 1)
+
+
 HOOK_EFFECTS = (BeginPass, EndPass, WrapInputs, WrapOutputs, GradDue, GradIn, ClearGradDue,
-                ZeroGrads, QueueEndOfBackward, EndOfBackward)
+                ZeroGrads, QueueEndOfBackward, EndOfBackward, StepOptimizer, SkipStep)

@@ -289,13 +289,34 @@ class DistInterpreter:
     def pool_bytes(self) -> int:
         return self.buffers_pool.bytes
 
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.agreement is not None:
-            if t.numel() == 1 and t.dtype == torch.float64 and t.device.type == "cpu":
-                return self.agreement.all_reduce_sum(t)  # the descriptor exchange carries it
-            self.agreement.check(agreement.NORM, (), t.numel())
-        self.comm.all_reduce(t)
+    def all_reduce_sum(self, t: torch.Tensor, kind: int = agreement.NORM) -> torch.Tensor:
+        if self.agreement is None:
+            self.comm.all_reduce(t)
+        elif t.numel() == 1 and t.dtype == torch.float64 and t.device.type == "cpu":
+            return self.agreement.all_reduce_sum(t)  # the descriptor exchange carries it
+        else:
+            self.agreement.issue(self.agreement.check(kind, (), t.numel()), lambda: self.comm.all_reduce(t))
         return t
+
+    def finite(self, norm: torch.Tensor) -> bool:
+        """Every rank holds the same bits of the norm (summed in rank order), so every rank
+        decides alike whether the step is taken."""
+        return bool(torch.isfinite(norm))
+
+    def any_rank(self, flags: tuple[bool, ...]) -> tuple[bool, ...]:
+        """One SUM of 0/1 float64 flags over ranks, checked like the norm's all-reduce."""
+        if not flags:
+            return ()
+        t = torch.tensor(flags, dtype=torch.float64, device=self.store.device)
+        return tuple(v > 0 for v in self.all_reduce_sum(t, agreement.FLAGS).tolist())
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """Every rank's `t` becomes rank 0's, checked like every collective."""
+        if self.agreement is None:
+            self.comm.broadcast(t, src=0)
+        else:
+            self.agreement.issue(self.agreement.check(agreement.BUFFERS, (), t.numel()),
+                                 lambda: self.comm.broadcast(t, src=0))
 
     def bucket_bytes(self) -> int:
         """Bytes of the IPG bucket buffers allocated (0 when every grad is held: HoldGrad)."""

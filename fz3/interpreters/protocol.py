@@ -50,3 +50,13 @@ class Interpreter(Protocol):
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of `t` over ranks (the global grad norm's squares), in place where it can."""
+
+    def finite(self, norm: torch.Tensor) -> bool:
+        """Whether the global grad norm (the same on every rank) is finite: the step is taken."""
+
+    def any_rank(self, flags: tuple[bool, ...]) -> tuple[bool, ...]:
+        """Each flag ORed over ranks (every rank passes as many): the leaf params some rank got a
+        grad for; () for () with no collective."""
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """Every rank's `t` becomes rank 0's (the buffers: fz3/shell/buffers.py)."""

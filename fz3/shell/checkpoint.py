@@ -90,6 +90,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     DeepSpeed: DeepSpeedEngine.save_checkpoint (same arguments, returns True)."""
     tag = check_tag(f"global_step{engine.optimizer_steps}" if tag is None else tag)
     check_quiescent(engine, "save_checkpoint")
+    engine.buffers.sync()  # rank 0's buffers, which the checkpoint keeps, are every rank's
     client_state = {} if client_state is None else client_state
     _check_weights_only(client_state)
     tmp, final = os.path.join(save_dir, f".tmp-{tag}"), os.path.join(save_dir, tag)
@@ -141,7 +142,8 @@ def metadata(engine, tag: str, folder: str) -> dict:
     return {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": engine.world_size,
             "params": params, "fingerprint": fingerprint(params), "state_dict": state_dict_keys(engine),
             "config": dataclasses.asdict(engine.config), "optimizer_steps": engine.optimizer_steps,
-            "grads": {"micro_step": gs.micro_step, "window": gs.window, "backward": gs.backward},
+            "grads": {"micro_step": gs.micro_step, "window": gs.window, "backward": gs.backward,
+                      "skipped": gs.skipped},
             "files": {f: os.path.getsize(os.path.join(folder, f)) for f in files}}
 
 

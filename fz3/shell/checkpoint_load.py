@@ -230,10 +230,11 @@ def apply(engine, loaded: dict, parts: dict = ALL_PARTS) -> None:
     # restored window / backward counters and turn a first write into an add (fz3/core/grads.py);
     # the static route flag is the interpreter's, kept as it was
     old = engine.grads_state
-    window, backward = (meta["grads"]["window"], meta["grads"]["backward"]) if parts["counters"] else \
-        (old.window, old.backward)
+    window, backward, skipped = (meta["grads"]["window"], meta["grads"]["backward"],
+                                 meta["grads"].get("skipped", 0)) if parts["counters"] else \
+        (old.window, old.backward, old.skipped)
     fresh = init_grad_state(engine.spec, in_place_reduce_scatter=old.in_place_reduce_scatter)
-    engine.state = engine.state._replace(grads=fresh._replace(window=window, backward=backward))
+    engine.state = engine.state._replace(grads=fresh._replace(window=window, backward=backward, skipped=skipped))
     engine._params(end_of_step)  # re-gather persistent
 
 

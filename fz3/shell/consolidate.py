@@ -28,6 +28,9 @@ def _gather_master(engine, p: int) -> torch.Tensor:
 
 
 def full_state_dict(engine) -> dict[str, torch.Tensor]:
+    """Every rank: the fp32 params from the masters, and the buffers: rank 0's, broadcast first
+    (Options.broadcast_buffers, the default), else this rank's own."""
+    engine.buffers.sync()
     full = {id(param): _gather_master(engine, p).view(param.shape if param.numel() else engine.store.shapes[p])
             for p, param in enumerate(engine.tables.params)}
     out = {}

@@ -6,8 +6,9 @@
                        PreBackward -> calls.pre_backward, PostBackward -> calls.post_backward,
                        grad hooks -> calls.grad_ready, end of backward (queue_callback) ->
                        calls.end_of_backward
-    engine.step()      at the accumulation boundary: clip, optimizer.step() on the fp32 master
-                       shards, shards refreshed, calls.stepped
+    engine.step()      at the accumulation boundary: the global grad norm, then calls.stepped:
+                       StepOptimizer (clip, optimizer.step() on the fp32 master shards, shards
+                       refreshed) or, the norm not finite, SkipStep (a WARNING naming the param)
 
 Every decision is a core transition (fz3/core/calls.py); a hook reads what torch shows it (grad
 mode, which tensors need grad, which params a module returned), hands it to the core, and runs
@@ -31,16 +32,20 @@ from fz3.core.config import Config
 from fz3.core.epilogue import at_boundary
 from fz3.core.grads import init_grad_state
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
-                                   QueueEndOfBackward, WrapInputs, WrapOutputs, ZeroGrads)
+                                   QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
+                                   ZeroGrads)
 from fz3.core.ids import Status, TraceMode
 from fz3.core.state import STATUS, initial_state
+from fz3.interpreters.agreement import DivergenceError
+from fz3.interpreters.leaf_hint import leaf_hint
 from fz3.interpreters.protocol import Interpreter
-from fz3.shell import checks, pytree
+from fz3.shell import checks, log, pytree, state_dict
+from fz3.shell.buffers import BufferSync
 from fz3.shell.log import StepLog
 from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, needs_grad, wrap_tensors
 from fz3.shell.memory import memory_stats
 from fz3.shell.saved import SavedParams
-from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, global_grad_norm
+from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, first_nonfinite, global_grad_norm
 from fz3.shell.options import Options
 from fz3.shell.store import DTYPES, TensorStore
 from fz3.shell.tables import read_tables
@@ -72,6 +77,8 @@ class Engine:
         self.store = TensorStore(self.tables, rank=self.rank, world_size=self.world_size,
                                  compute_dtype=config.compute_dtype, device=device.torch_device)
         self.interp = interpreter(self.store)
+        self.stopped: DivergenceError | None = None  # [Note: an engine stops at a DivergenceError]
+        self._watch_divergence()
         self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
         self.module_ids = {id(m): i for i, m in enumerate(self.tables.modules)}
         in_place = getattr(self.interp, "in_place_reduce_scatter", False)
@@ -85,9 +92,12 @@ class Engine:
                                 WrapInputs: self._wrap_inputs, WrapOutputs: self._wrap_outputs,
                                 GradDue: self._grad_due, GradIn: self._grad_in, ClearGradDue: self._clear_grad_due,
                                 ZeroGrads: self._zero_grads, QueueEndOfBackward: self._queue_end_of_backward,
-                                EndOfBackward: self._backward_done}
+                                EndOfBackward: self._backward_done, StepOptimizer: self._step_optimizer,
+                                SkipStep: self._skip_step}
         if config.compute_dtype != "fp32":
             _cast_buffers(model, DTYPES[config.compute_dtype])
+        self.buffers = BufferSync(model, self.interp.broadcast, enabled=options.broadcast_buffers,
+                                  world_size=world_size)
         bind_optimizer(optimizer, self.tables.params, self.store.masters)
         self._install()
 
@@ -101,7 +111,8 @@ class Engine:
 
     @property
     def optimizer_steps(self) -> int:
-        """Optimizer steps taken: the accumulation windows closed."""
+        """The accumulation windows closed, skipped steps included (DeepSpeed's global_steps
+        counts those too; stats()["skipped_steps"] says how many)."""
         return self.state.grads.window
 
     # ---- running events ---------------------------------------------------------------------
@@ -112,6 +123,8 @@ class Engine:
         is returned). `self._event(calls.enter, m, grad=True, ...)` is `calls.enter(self.state,
         m, grad=True, ..., config=self.config)`. The one door every event goes through
         (fz3.timeline times it)."""
+        if self.stopped is not None:
+            self._refuse()
         self.state, effects = transition(self.state, *args, config=self.config, **kwargs)
         tree = self._run(effects, tree)
         if self.options.debug_checks:
@@ -120,11 +133,43 @@ class Engine:
 
     def _params(self, transition, *args, **kwargs) -> None:
         """A parameter-lifecycle transition alone (hold, unhold, end_of_step after a load)."""
+        if self.stopped is not None:
+            self._refuse()
         params, effects = transition(self.state.params, *args, config=self.config, **kwargs)
         self.state = self.state._replace(params=params)
         self._run(effects, None)
         if self.options.debug_checks:
             checks.after_event(self.state, effects, self.config)
+
+    def _watch_divergence(self) -> None:
+        """[Note: an engine stops at a DivergenceError] After one, the ranks are out of step for
+        good: descriptors pair k-th with k-th and a rank may have sent some the others will never
+        take, and the core's state has moved past effects that never ran (a gather not waited, a
+        reduce not written). Nothing a next batch could do re-pairs the messages or unwinds the
+        state, so the engine stops: every later call (a forward through it or engine.module, a
+        backward, step, full_state_dict, save_checkpoint, load_checkpoint, gathered_parameters)
+        raises a DivergenceError that names the first and says what to do, where it once raised
+        an internal KeyError from a state that no longer matched the tensors. The interpreter's
+        check tells the engine (`on_failure`); an event pays one attribute check. The check also
+        names a leaf module to mark when the ranks ran different submodules of one parent."""
+        agreement = getattr(self.interp, "agreement", None)
+        if agreement is not None:
+            agreement.on_failure = self._stop
+            agreement.hint = leaf_hint(self.tables.names, [(name, type(m)) for name, m in
+                                                           zip(self.tables.module_names, self.tables.modules)])
+
+    def _stop(self, e: DivergenceError) -> None:
+        self.stopped = e
+
+    def _refuse(self) -> None:
+        """Raise what every call after a DivergenceError gets ([Note: an engine stops at a
+        DivergenceError])."""
+        first = "\n".join(f"  {line}" for line in str(self.stopped).splitlines())
+        raise DivergenceError(
+            f"fz3: this engine (rank {self.rank}) stopped at a DivergenceError and runs nothing more: its "
+            "ranks are out of step for good. Restart every rank's process, build the model and call "
+            "fz3.initialize again, then resume from your last checkpoint with engine.load_checkpoint(save_dir) "
+            f"(or train from the start). The DivergenceError was:\n{first}") from self.stopped
 
     def _run(self, effects, tree):
         batch = []
@@ -152,6 +197,7 @@ class Engine:
         for p, hooked in enumerate(self.state.calls.tables.hooked):  # [Note: leaf modules]
             if hooked:
                 self.tables.params[p].register_post_accumulate_grad_hook(self._make_grad_hook(p))
+        state_dict.install(self)
 
     def _pre_forward(self, module, args, kwargs):
         grad = torch.is_grad_enabled()
@@ -162,6 +208,8 @@ class Engine:
 
     def _post_forward(self, module, args, kwargs, output):
         if output is None and sys.exc_info()[1] is not None:  # raised: [Note: a forward that raised]
+            if self.stopped is not None:
+                return None  # the DivergenceError goes on out; refusing here would only be silenced
             return self._event(calls.raised, self.module_ids[id(module)],
                                recomputing=torch._C._current_graph_task_id() != -1)
         leaves = flatten(output)[0]
@@ -178,7 +226,8 @@ class Engine:
         self._event(calls.pre_backward, m)
 
     def _post_backward(self, m: int) -> None:
-        self._event(calls.post_backward, m)
+        own = self.state.calls.tables.leaf_own_of[m]  # () unless m is a leaf
+        self._event(calls.post_backward, m, with_grad=self._with_grad(own) if own else frozenset())
 
     def _make_grad_hook(self, p: int):
         def hook(param: nn.Parameter) -> None:
@@ -187,12 +236,19 @@ class Engine:
         return hook
 
     def _end_of_backward(self) -> None:
-        self._event(calls.end_of_backward)
+        self._event(calls.end_of_backward, with_grad=self._with_grad(self.state.calls.tables.leaf_own))
+
+    def _with_grad(self, ps) -> frozenset[int]:
+        """Of the leaf params `ps`, those autograd gave a grad (what the core cannot see: they
+        have no hooks; [Note: leaf modules], fz3/core/calls.py)."""
+        return frozenset(p for p in ps if self.tables.params[p].grad is not None)
 
     # ---- hook effects: what the core asks of torch ------------------------------------------------
 
     def _begin_pass(self, e: BeginPass, tree):
-        """[Note: saved views of gathered params] (saved.py) watch this pass's saves."""
+        """[Note: saved views of gathered params] (saved.py) watch this pass's saves; rank 0's
+        buffers are every rank's (buffers.py)."""
+        self.buffers.sync()
         self.saved.begin()
         self.store.clear_grad_due()
         checks.requires_grad_unchanged(self.tables, self.store.trainable)
@@ -223,8 +279,7 @@ class Engine:
 
     def _zero_grads(self, e: ZeroGrads, tree):
         for p in e.params:
-            if self.tables.params[p].grad is None:
-                self.store.zero_grad(p)  # by its shape: it may be freed ([Note: a leaf whose call needs no grad])
+            self.store.zero_grad(p)  # by its shape: it may be freed ([Note: a leaf whose call needs no grad])
         return tree
 
     def _queue_end_of_backward(self, e: QueueEndOfBackward, tree):
@@ -237,6 +292,22 @@ class Engine:
             checks.quiescent(self.state.params)
         return tree
 
+    def _step_optimizer(self, e: StepOptimizer, tree):
+        """The optimizer steps on the fp32 master shards: each one's grad its averaged
+        partition, clipped, or None where no grad reached it ([Note: no grad, no step])."""
+        self.store.bind_grads(e.no_grad)
+        if self.config.gradient_clipping > 0:
+            clip_grad_norm(self.store, self.config.gradient_clipping, self.grad_norm)
+        self.optimizer.step()
+        self.store.refresh_shards()
+        return tree
+
+    def _skip_step(self, e: SkipStep, tree):
+        """[Note: a step skipped] (fz3/core/epilogue.py): say which param, on every rank alike."""
+        first = first_nonfinite(self.store, self.interp.any_rank)
+        log.skipped_step(self, e.step, None if first is None else self.tables.names[first])
+        return tree
+
     # ---- public API -------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
@@ -246,28 +317,36 @@ class Engine:
         """loss.backward(); the grads are summed over ranks and micro-steps and divided once at
         the boundary, by world_size * gradient_accumulation_steps over what each was divided by
         before its reduce (fz3/core/epilogue.py; no loss scaling here)."""
+        if self.stopped is not None:
+            self._refuse()
         loss.backward(**kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return at_boundary(self.grads_state, config=self.config)
 
     def step(self, lr_kwargs: dict | None = None) -> None:
-        """At the accumulation boundary: the global grad norm, clipping, the optimizer step on
-        the fp32 master shards, then the lr scheduler (`lr_scheduler.step(**lr_kwargs)`). A
-        no-op between boundaries, as DeepSpeed's."""
+        """At the accumulation boundary: the global grad norm, then clipping, the optimizer step
+        on the fp32 master shards and the lr scheduler (`lr_scheduler.step(**lr_kwargs)`); or,
+        the norm not finite, none of them (a WARNING names the step and the first param whose
+        grad is not finite; was_step_applied() is False). A no-op between boundaries, as
+        DeepSpeed's."""
+        if self.stopped is not None:
+            self._refuse()
         if not self.is_gradient_accumulation_boundary():
             return
-        self.store.bind_grads()
-        norm = global_grad_norm(self.store, self.interp.all_reduce_sum)
-        if self.config.gradient_clipping > 0:
-            clip_grad_norm(self.store, self.config.gradient_clipping, norm)
-        self.optimizer.step()
-        self.store.refresh_shards()
-        self._event(calls.stepped)
-        self.grad_norm = norm
-        if self.lr_scheduler is not None:
+        self.grad_norm = norm = global_grad_norm(self.store, self.interp.all_reduce_sum)
+        leaf_own = self.state.calls.tables.leaf_own
+        got = self.interp.any_rank(calls.leaf_grads_seen(self.state))  # () without leaf modules
+        self._event(calls.stepped, finite=self.interp.finite(norm),
+                    leaf_grads=frozenset(p for p, g in zip(leaf_own, got) if g))
+        if self.grads_state.applied and self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.step_log.step(self)
+
+    def was_step_applied(self) -> bool:
+        """Whether the last accumulation boundary stepped the optimizer (False before the first,
+        and after a step skipped for a non-finite grad norm). DeepSpeed: was_step_applied."""
+        return self.grads_state.applied
 
     def get_global_grad_norm(self) -> float | None:
         """The global L2 norm of the averaged gradient at the last accumulation boundary, before
@@ -280,12 +359,16 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 params (and buffers), keys as the model's state_dict."""
+        if self.stopped is not None:
+            self._refuse()
         from fz3.shell.consolidate import full_state_dict
         return full_state_dict(self)
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> bool:
         """Sharded, atomic checkpoint under save_dir/<tag> (fz3/shell/checkpoint.py).
         DeepSpeed: save_checkpoint."""
+        if self.stopped is not None:
+            self._refuse()
         from fz3.shell.checkpoint import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state)
 
@@ -293,6 +376,8 @@ class Engine:
         """-> (path, client_state); any saved world size; DeepSpeed's load_optimizer_states,
         load_lr_scheduler_states, load_module_only (fz3/shell/checkpoint_load.py).
         DeepSpeed: load_checkpoint."""
+        if self.stopped is not None:
+            self._refuse()
         from fz3.shell.checkpoint_load import load_checkpoint
         return load_checkpoint(self, load_dir, tag, **options)
 
@@ -302,6 +387,7 @@ class Engine:
         out.update(live_numel=st.live_numel, peak_live_numel=st.peak_live_numel,
                    trace=TraceMode(st.trace.mode).name, trace_invalidations=st.trace.invalidations,
                    micro_step=self.grads_state.micro_step, optimizer_steps=self.optimizer_steps,
+                   skipped_steps=self.grads_state.skipped,
                    **memory_stats(self))
         return out
 

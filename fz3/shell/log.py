@@ -7,7 +7,8 @@
              gathered and reduced, reduces, the trace's state and invalidations, peak live params
     WARNING  when a recorded module order is dropped twice or more in a row, no pass keeping to a
              plan in between (prefetch never gets going): where the order changed, and what the
-             plan expected there
+             plan expected there; and, every rank, when an optimizer step is skipped because the
+             global grad norm is not finite: the step and the first param whose grad is not
 
 The DEBUG line costs nothing unless DEBUG is enabled for "fz3"; the WARNING check is one integer
 comparison per pass.
@@ -84,6 +85,16 @@ class StepLog:
                   s["optimizer_steps"], d["all_gather"], d["all_gather_on_demand"], d["all_gather_prefetch"],
                   human_bytes(d["gathered_bytes"]), d["reduce"], human_bytes(d["reduced_bytes"]), s["trace"],
                   s["trace_invalidations"], f"{s['peak_live_numel']:,}")
+
+
+def skipped_step(engine, step: int, first: str | None) -> None:
+    """The WARNING of a step skipped for a non-finite grad norm ([Note: a step skipped])."""
+    where = f"param {first!r} is the first (in model order) whose gradient is not finite" if first \
+        else "no single param's averaged gradient is, their squares overflowed"
+    LOG.warning("fz3 rank %d: optimizer step %d skipped: the global gradient norm is %s; %s. The "
+                "weights, the optimizer state and the lr scheduler did not change (skipped steps: %d). "
+                "A NaN or inf loss on any rank reaches every rank through the reduce.", engine.rank,
+                step, engine.get_global_grad_norm(), where, engine.grads_state.skipped)
 
 
 def departure(engine, where: tuple[int, int, int]) -> str:

@@ -74,6 +74,14 @@ def global_grad_norm(store: TensorStore, all_reduce_sum: Callable[[torch.Tensor]
 ROW = 4096  # elements per fp32 partial norm in global_grad_norm
 
 
+def first_nonfinite(store: TensorStore, any_rank: Callable[[tuple[bool, ...]], tuple[bool, ...]]) -> int | None:
+    """The first param, in model order, whose averaged grad holds a NaN or an inf on some rank
+    (None: no partition does). A second pass over the partitions, run only once the norm was
+    found not finite; `any_rank` ORs the flags over ranks (every rank gets the same answer)."""
+    bad = tuple(part is not None and not bool(torch.isfinite(part).all()) for part in store.partitions)
+    return next((p for p, b in enumerate(any_rank(bad)) if b), None)
+
+
 def clip_grad_norm(store: TensorStore, max_norm: float, norm: torch.Tensor) -> None:
     """Scale every grad partition so the global L2 norm `norm` becomes at most `max_norm`.
 

@@ -13,6 +13,10 @@ gloo_all_gather, gloo_reduce_scatter   what carries an all-gather and a reduce_s
     "native": gloo's allgather / reduce_scatter, the slowest (bench/gloo_collectives.py,
     bench/RESULTS.md). NCCL and HCCL always use their own collectives.
 debug_checks   the shell runs the core's check_* invariants after each event (fz3/shell/checks.py)
+broadcast_buffers   rank 0's buffers (BatchNorm statistics, ...) are broadcast before each forward
+    pass, before full_state_dict() and before a checkpoint save, so every rank's agree (DDP's
+    broadcast_buffers, on by default as there; fz3/shell/buffers.py). False: each rank keeps
+    its own
 """
 from __future__ import annotations
 
@@ -27,13 +31,15 @@ class Options:
     gloo_all_gather: str = "p2p"
     gloo_reduce_scatter: str = "p2p"
     debug_checks: bool = False
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         for name in ("gloo_all_gather", "gloo_reduce_scatter"):
             if getattr(self, name) not in GLOO_COLLECTIVES:
                 raise ValueError(f"Options.{name} must be one of {GLOO_COLLECTIVES}, got {getattr(self, name)!r}")
-        if not isinstance(self.debug_checks, bool):
-            raise TypeError(f"Options.debug_checks must be a bool, got {self.debug_checks!r}")
+        for name in ("debug_checks", "broadcast_buffers"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 
     def replace(self, **changes: object) -> "Options":
         return dataclasses.replace(self, **changes)

@@ -135,11 +135,15 @@ class TensorStore:
         if storage.nbytes() == 0 and self.grad_flat.numel():
             storage.resize_(self.grad_flat.numel() * self.grad_flat.element_size())
 
-    def bind_grads(self) -> None:
-        """The optimizer reads masters[p].grad; re-bind after a user's zero_grad set it None."""
+    def bind_grads(self, no_grad: tuple[int, ...] = ()) -> None:
+        """The optimizer reads masters[p].grad: each trainable master's partition (re-bound after
+        a user's zero_grad set it None), but None for the params of `no_grad`, which no grad
+        reached in the window, so no optimizer steps them ([Note: no grad, no step])."""
         for m, part in zip(self.masters, self.partitions):
             if part is not None:
                 m.grad = part
+        for p in no_grad:
+            self.masters[p].grad = None
 
     def write_full(self, p: int, full: torch.Tensor) -> None:
         """Take a new full value of param p (gathered_parameters with a modifier rank)."""

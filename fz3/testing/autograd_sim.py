@@ -20,12 +20,15 @@ finds no shape, an end of backward queued twice or never (SimError).
                                                                 contribution, if p has a hook
                    its children's backwards, last call first
                    one compute more for its input grads      (if its inputs need grad)
-                   its PostBackward node, if any             -> post_backward(m)
+                   its PostBackward node, if any             -> post_backward(m, with_grad:
+                                                                the params with a grad so far)
                A compute of a call that saved params finds its unit, and all it used, AVAILABLE
                (I5 in backward)
     hooks      a trainable param outside leaf modules has a grad hook (the engine's _install);
-               leaf modules' params have none: the core reduces them
-    end        end_of_backward, if the core queued it: exactly once in a backward with any event
+               leaf modules' params have none: the core reduces them. A leaf's call computes
+               with its unit less its `skips` (experts no token was routed to: no grad)
+    end        end_of_backward(with_grad), if the core queued it: exactly once in a backward
+               with any event
     store      GradDue / GradIn / ClearGradDue / BeginPass keep the store's placeholders: a param
                freed while its grad is due keeps its shape, which AccumulateGrad needs
 
@@ -188,7 +191,7 @@ class AutogradSim:
             else:
                 got |= set(self._read(item))
             self.compute_forward(m, got, item)
-        node.used = frozenset(unit_of(self.driver.state.params, m)) | got
+        node.used = (frozenset(unit_of(self.driver.state.params, m)) - frozenset(call.skips)) | got
         if grad and call.saves and self.watching:
             self.log = self.log.extend(sorted(node.used))
             self.driver.saved(node.used)
@@ -243,7 +246,7 @@ class AutogradSim:
                                f"{sorted(self.contributed)} got grads")
             return False
         covered("call decisions", "end of backward queued once")
-        self.fire("end_of_backward")
+        self.fire("end_of_backward", with_grad=frozenset(self.contributed))
         if self.due or self.placeholder:
             raise SimError(f"grad placeholders left after the end of backward: {sorted(self.due)}")
         return True
@@ -278,7 +281,7 @@ class AutogradSim:
         if hit and node.call.grad_inputs:
             self.compute_backward(node)
         if hit and node.inputs_node:
-            self.event("post_backward", m)
+            self.event("post_backward", m, with_grad=frozenset(self.contributed))
 
     def event(self, kind: str, *args: object, **kwargs: object) -> None:
         self.events += 1

@@ -9,7 +9,7 @@ a simulation of torch autograd (autograd_sim.py), against a naive model (calls_n
                     partial backward, or none after it (abandoned); an eval forward (no grad);
                     or a forward that raises midway. A backward at the accumulation boundary
                     is preceded by the optimizer step
-    optimizer_step  `stepped`, at the accumulation boundary
+    optimizer_step  `stepped`, at the accumulation boundary, the grad norm finite or not
 
 After every event:
     the core's structural checks (check_state, check_grad_state);
@@ -19,7 +19,10 @@ After every event:
     reports       a param reported to the grad lifecycle (its `reported` moves to this
                   backward) got a grad in this backward or belongs to a leaf run with grad, and
                   has no contribution still to come ("reported before its last contribution");
-                  ZeroGrads names a leaf's trainable params, reported in the same event
+                  ZeroGrads names those of a leaf's trainable params that got no grad (the
+                  others are the ones torch shows with a grad: `with_grad`), reported in the
+                  same event, as stand-ins: the step that follows leaves a param that no
+                  backward of its window gave a grad without one (StepOptimizer)
     purity        the event left the state it was given unchanged, and replays from it the same
 and the simulation's own (what torch would fail at): I5 in forward and in backward, AccumulateGrad
 finding a shape, end of backward queued exactly once per backward. After end_of_backward: every
@@ -41,7 +44,7 @@ from fz3.core import invariants as inv
 from fz3.core.calls import Lifecycle, initial_calls
 from fz3.core.epilogue import at_boundary
 from fz3.core.grads import GradState, init_grad_state
-from fz3.core.hook_effects import HOOK_EFFECTS, GradDue, ZeroGrads
+from fz3.core.hook_effects import HOOK_EFFECTS, GradDue, SkipStep, StepOptimizer, ZeroGrads
 from fz3.core.invariants_grad import check_grad_state
 from fz3.core.state import EXTERNALS, GRADS_REMAINING, initial_state
 from fz3.testing.autograd_sim import AutogradSim
@@ -163,11 +166,13 @@ class CallsMachine(RuleBasedStateMachine):
             if isinstance(e, ZeroGrads):
                 leaves = [m for m in self.model.grad_leaves
                           if e.params == tuple(p for p in spec.modules[m].params
-                                               if t[p] and p in self.leaf_own)]
+                                               if t[p] and p in self.leaf_own and p not in self.sim.contributed)]
                 assert leaves and set(e.params) <= self.reported, (
-                    f"{e} at {kind}: not one leaf's trainable params, or not reported with it")
+                    f"{e} at {kind}: not the trainable params without a grad of one leaf, or not "
+                    "reported with it")
 
     def after_backward(self) -> None:
+        self.model.got |= self.sim.contributed
         missing = (self.sim.contributed | self.leaf_grads()) - self.reported
         assert not missing, (
             f"params {sorted(missing)} got grads in this backward but were never reported")
@@ -187,8 +192,17 @@ class CallsMachine(RuleBasedStateMachine):
         if kind == "grad_ready" and any(rows[m][GRADS_REMAINING] < old[m][GRADS_REMAINING]
                                         for m in range(len(rows))):
             covered("call decisions", "waiting call released by its grads")
-        if any(isinstance(e, ZeroGrads) for e in effects):
+        b, new = before.grads.backward, self.state.grads.params
+        if any(new[p].reported == b and before.grads.params[p].reported != b for p in self.leaf_own):
             covered("call decisions", f"leaf reduced at {kind}")
+        if any(isinstance(e, ZeroGrads) for e in effects):
+            covered("call decisions", "leaf expert without a grad: zeros stand in")
+        for e in effects:
+            if isinstance(e, StepOptimizer) and e.no_grad:
+                leaf = any(p in self.leaf_own for p in e.no_grad)
+                covered("call decisions", "step leaves a param without a grad" + (" (a leaf's)" if leaf else ""))
+            if isinstance(e, SkipStep):
+                covered("call decisions", "step skipped: grad norm not finite")
         if kind in ("leave", "read") and any(rows[m][EXTERNALS] != old[m][EXTERNALS]
                                              for m in range(len(rows))):
             covered("call decisions", "returned param external on the caller" if kind == "leave"
@@ -219,11 +233,11 @@ class CallsMachine(RuleBasedStateMachine):
             note("\n".join(self.log))
 
     @precondition(lambda self: at_boundary(self.state.grads, config=self.config))
-    @rule()
-    def optimizer_step(self) -> None:
-        self.log = ["optimizer step"]
+    @rule(finite=st.sampled_from([True, True, False]))
+    def optimizer_step(self, finite: bool) -> None:
+        self.log = [f"optimizer step (grad norm {'finite' if finite else 'not finite'})"]
         try:
-            self.sim.fire("stepped")
+            self.sim.fire("stepped", finite=finite)
         finally:
             note("\n".join(self.log))
 

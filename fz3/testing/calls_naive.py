@@ -21,13 +21,16 @@ have.
                  module's _parameters is the reader's, unless they own it
     backward     the first backward event of a backward: QueueEndOfBackward; grad_ready(p):
                  GradIn(p); end_of_backward: ClearGradDue ... EndOfBackward
+    step         the norm finite: StepOptimizer naming every trainable param that got no grad in
+                 the window (`got`: the machine adds each backward's contributions); else
+                 SkipStep(the window's number, from 1)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
-                                   QueueEndOfBackward, WrapInputs, WrapOutputs)
+                                   QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs)
 from fz3.core.spec import ModelSpec
 
 
@@ -50,6 +53,8 @@ class NaiveCalls:
         self.open: list[_Open] = []
         self.grad_leaves: set[int] = set()  # leaves called with grad in this pass
         self.in_backward = False
+        self.got: set[int] = set()  # params that got a grad in this window
+        self.windows = 0  # windows closed
 
     def expect(self, kind: str, args: tuple, kwargs: dict) -> list:
         """The hook effects (less ZeroGrads) event `kind` must return; updates this model."""
@@ -111,15 +116,19 @@ class NaiveCalls:
     def pre_backward(self, m: int) -> list:
         return self._backward_event()
 
-    def post_backward(self, m: int) -> list:
+    def post_backward(self, m: int, *, with_grad: frozenset[int] = frozenset()) -> list:
         return self._backward_event()
 
     def grad_ready(self, p: int, *, dtype: str, graph_task: int = 0) -> list:
         return self._backward_event() + [GradIn(p)]
 
-    def end_of_backward(self) -> list:
+    def end_of_backward(self, *, with_grad: frozenset[int] = frozenset()) -> list:
         self.in_backward = False
         return [ClearGradDue(), EndOfBackward()]
 
-    def stepped(self) -> list:
-        return []
+    def stepped(self, *, finite: bool = True, leaf_grads: frozenset[int] | None = None) -> list:
+        got, self.got = self.got, set()
+        self.windows += 1
+        if not finite:
+            return [SkipStep(self.windows)]
+        return [StepOptimizer(tuple(p for p, t in enumerate(self.trainable) if t and p not in got))]

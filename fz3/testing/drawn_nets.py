@@ -11,8 +11,9 @@ drawn order, then a head:
               (its grad is zero-filled there) and the leaf's params are reduced together
     head      Linear(d, k); tied to the embedding when k equals the vocabulary
 
-A block may be called twice (its params reused in one pass), a Layer's weight may be shared
-with an earlier Layer's (one Parameter in two modules), and any param may be frozen.
+A block may be called twice (its params reused in one pass), or never (its params get no
+grad), a Layer's weight may be shared with an earlier Layer's (one Parameter in two modules),
+and any param may be frozen.
 
 Exact data: weights and inputs are small integers (-1, 0, 1), every nonlinearity is relu, the
 loss is the output's sum, SGD's rate a power of two, and W x gas is 1, 2 or 4. Each rank's grads
@@ -21,6 +22,11 @@ its one division by W x gas is exact too: so fz3 (any carrier, bucket size, pref
 and plain PyTorch must agree bit for bit on every loss of the window, the parameters after the
 optimizer step and the loss of the next forward (which runs on the updated values; past it the
 values stop being exact, and the order of a sum would show in the last bits).
+
+The optimizer is SGD or AdamW with weight decay. AdamW's update is not exact, but it is
+elementwise: on equal grads it moves each element of a shard as it moves that element of the
+whole param, so the comparison stays bitwise, and it tells a param without a grad (None: not
+stepped) from one with a zero grad (decayed, its moments moved): [Note: no grad, no step].
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ class NetSpec:
     tied: bool  # head.weight is the embedding's (head == vocab)
     frozen: tuple[str, ...]  # param names with requires_grad False
     seed: int
+    optimizer: str = "sgd"  # of OPTIMIZERS
 
 
 class Layer(nn.Module):
@@ -83,6 +90,8 @@ class Experts(nn.Module):
 
 
 BLOCKS = {"layer": Layer, "branch": Branch, "experts": Experts}
+OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=LR),
+              "adamw": lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.25)}
 
 
 class Net(nn.Module):
@@ -123,6 +132,9 @@ def nets(draw, max_blocks: int = 3) -> NetSpec:
     if draw(st.booleans()):  # one block called twice
         i = draw(st.integers(0, len(blocks) - 1))
         order.insert(order.index(i) + 1, i)
+    if len(blocks) > 1 and draw(st.booleans()):  # one block never called: no grad for its params
+        dropped = draw(st.integers(0, len(blocks) - 1))
+        order = [i for i in order if i != dropped]
     layers = [i for i, kind in enumerate(blocks) if kind == "layer"]
     shared = ()
     if len(layers) >= 2 and draw(st.booleans()):
@@ -136,7 +148,8 @@ def nets(draw, max_blocks: int = 3) -> NetSpec:
     # [Note: a leaf whose call needs no grad])
     names = [n for n in names if ".experts." not in n]
     frozen = tuple(sorted(draw(st.sets(st.sampled_from(names), max_size=2)))) if names and draw(st.booleans()) else ()
-    return NetSpec(d, vocab, blocks, tuple(order), shared, head, tied, frozen, draw(st.integers(0, 1000)))
+    return NetSpec(d, vocab, blocks, tuple(order), shared, head, tied, frozen, draw(st.integers(0, 1000)),
+                   draw(st.sampled_from(sorted(OPTIMIZERS))))
 
 
 SIZES = st.sampled_from([0, 1, 7, 30, 10**9])
@@ -180,7 +193,7 @@ def train_rank(rank: int, world: int, spec: NetSpec, config: dict, options: dict
     net = Net(spec)
     if leaf_classes(spec):
         fz3.set_leaf_modules(net, leaf_classes(spec))
-    engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=LR), fz3.Config(**config),
+    engine = fz3.initialize(net, OPTIMIZERS[spec.optimizer](net.parameters()), fz3.Config(**config),
                             options=fz3.Options(**(options or {})))
     gas, losses = config.get("gradient_accumulation_steps", 1), []
     for i in range(gas):
@@ -196,7 +209,7 @@ def train_rank(rank: int, world: int, spec: NetSpec, config: dict, options: dict
 
 def reference(spec: NetSpec, world: int, gas: int) -> dict:
     """The same in one process: every rank's rows in turn, grads summed by autograd, divided once
-    by W x gas, one SGD step. -> losses[micro-step][rank], state, after[rank]."""
+    by W x gas, one optimizer step. -> losses[micro-step][rank], state, after[rank]."""
     net = Net(spec)
     params = [p for p in net.parameters() if p.requires_grad]
     losses = []
@@ -211,7 +224,7 @@ def reference(spec: NetSpec, world: int, gas: int) -> dict:
     for p in params:
         if p.grad is not None:
             p.grad /= world * gas
-    torch.optim.SGD(params, lr=LR).step()
+    OPTIMIZERS[spec.optimizer](params).step()
     with torch.no_grad():
         x = batch(spec, gas, world)
         after = [net(rank_rows(x, r)).sum().item() for r in range(world)]

@@ -53,6 +53,8 @@ class Call:
     returns: tuple[int, ...] = ()  # own params in its outputs: external on the caller
     saves: bool = True  # its forward saves some of its unit's params for backward (an embedding
     # on ids saves none); read by the calls machine only (fz3/testing/autograd_sim.py)
+    skips: tuple[int, ...] = ()  # own params a leaf's call does not compute with (experts no
+    # token was routed to: no grad for them); read by the calls machine only
 
 
 @dataclass(frozen=True)

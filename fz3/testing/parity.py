@@ -19,9 +19,10 @@ step() call, and the experts each MoE pass used. A failure that is not the same 
 [Note: the reference] Each rank's loss is the mean over its own micro-batch; fz3 sums grads over
 ranks and micro-steps and divides once by W * gas. The reference does the same arithmetic in one
 process: per micro-step, the loss of each rank's slice, backward of loss / (W * gas), one
-optimizer step per window. Before each window every trainable param gets a zero grad, not None:
-fz3 (like DeepSpeed) gives a param that no rank used a zero grad partition, so the optimizer steps
-it (moment decay, weight decay); torch skips a param whose grad is None.
+optimizer step per window. Before each window every grad is None (optimizer.zero_grad()'s
+default), so a param that no rank used in the window keeps a None grad and the optimizer leaves
+it alone; fz3 does the same ([Note: no grad, no step], fz3/core/epilogue.py), where it once gave
+it a zero grad partition, as DeepSpeed does (AdamW then decays it).
 """
 from __future__ import annotations
 
@@ -293,7 +294,7 @@ def api_probes(rank: int, world_size: int) -> dict:
     """gathered_parameters (modifier_rank 0 and None), full_state_dict keys, stats keys."""
     import fz3
     net, engine = _engine("gpt", CONFIGS["base"], "adamw")
-    out = {"state_dict_keys": list(net.state_dict().keys()),
+    out = {"state_dict_keys": list(net.state_dict(keep_vars=True).keys()),
            "full_keys": list(engine.full_state_dict().keys()),
            "stats": engine.stats()}
     qkv = net.blocks[0].qkv.weight
@@ -373,7 +374,7 @@ def reference(model: str, world_size: int, optimizer: str, *, clip: float = 0.0,
 
     for step in range(steps):
         for p in trainable:
-            p.grad = torch.zeros_like(p)
+            p.grad = None
         for i in range(step * GAS, (step + 1) * GAS):
             forward_only(i)
             batch = spec.batch(i)
