@@ -2,6 +2,14 @@
 
     python3 bench/plan_check.py        # sets up bench/.env if missing; prints the tables and
                                        # writes its section of bench/RESULTS.md; exit 1 on a mismatch
+    python bench/plan_check.py --llama-7b [--steps K] [--seq T]
+                                       # Llama-7B's shape planned at 64 ranks in this process
+                                       # (needs transformers, not bench/.env): time and memory
+
+--llama-7b: LlamaForCausalLM(hidden 4096, 32 layers, 32 heads, MLP 11008, vocab 32000: 6.74 B
+params, 25 GiB in fp32) built on the meta device, its default attention, input_ids and labels of
+one sequence of T tokens (512), planned for K steps (2) at world size 64: the wall and CPU time of
+fz3.plan alone, and the process's peak RSS (ru_maxrss) before and after it.
 
 1. For each case (model, world size, config): fz3.plan(model, cfg, world_size=W,
    example_inputs=(x,), steps=2) in this process, and the same 2 steps of fz3 on W real gloo
@@ -23,7 +31,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-if __name__ == "__main__":
+if __name__ == "__main__" and "--llama-7b" not in sys.argv:
     from bench_env import ensure_env
     ensure_env(__file__)
 
@@ -111,5 +119,36 @@ def main() -> int:
     return 1 if bad else 0
 
 
+def llama_7b(steps: int, seq: int) -> int:
+    import resource
+    import time
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import fz3
+    cfg = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      intermediate_size=11008, vocab_size=32000)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq))
+    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss: KiB)
+    before, wall, cpu = rss(), time.perf_counter(), time.process_time()
+    p = fz3.plan(model, fz3.Config(), world_size=64, example_inputs={"input_ids": ids, "labels": ids}, steps=steps,
+                 backend="nccl")
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    print(p)
+    print(f"Llama-7B shape, {p.params:,} params ({cfg._attn_implementation}), world size 64, {steps} step(s), "
+          f"{seq} tokens: fz3.plan {wall:.1f} s wall, {cpu:.1f} s CPU; peak RSS {before:.2f} GiB before, "
+          f"{rss():.2f} GiB after; {len(p.guesses)} guesses")
+    return 0
+
+
 if __name__ == "__main__":
+    if "--llama-7b" in sys.argv:
+        import argparse
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--llama-7b", action="store_true")
+        ap.add_argument("--steps", type=int, default=2)
+        ap.add_argument("--seq", type=int, default=512)
+        args = ap.parse_args()
+        sys.exit(llama_7b(args.steps, args.seq))
     sys.exit(main())

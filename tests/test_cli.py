@@ -29,6 +29,19 @@ def test_plan_prints_the_table_for_64_ranks(tmp_path):
     assert "step 1" in got.stdout and "step 2" in got.stdout and "all-gathers" in got.stdout
 
 
+@pytest.mark.parametrize("target, guessed", [
+    ("examples/05_plan.py:tiny_llama", False),  # Hugging Face, sdpa, a padded attention_mask
+    ("tests/test_plan.py:routed", True),  # torch.arange(T) without a device; a router's mask: guessed
+])
+def test_plan_takes_models_that_make_tensors_or_read_their_data(target, guessed):
+    if "llama" in target:
+        pytest.importorskip("transformers")
+    got = _run("plan", target, "--world-size", "64")
+    assert got.returncode == 0, got.stderr
+    assert "on 64 ranks" in got.stdout and "step 2" in got.stdout
+    assert ("guessed: " in got.stdout) == guessed and ("tests/test_plan.py:" in got.stdout) == guessed, got.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (("plan", "no_such_module_fz3:f", "--world-size", "2"), "cannot import 'no_such_module_fz3'"),
     (("plan", "examples/05_plan.py:nope", "--world-size", "2"), "has no function 'nope'"),
@@ -40,6 +53,9 @@ def test_plan_prints_the_table_for_64_ranks(tmp_path):
     (("plan", TARGET, "--world-size", "2", "--config", "/nonexistent/ds.json"), "cannot read it"),
     (("plan", TARGET, "--world-size", "2", "--optimizer", "lion"), "optimizer must be one of adamw, adam, sgd"),
     (("frobnicate",), "invalid choice: 'frobnicate'"),
+    (("consolidate", "/nonexistent/ckpt", "out.safetensors"), "no /nonexistent/ckpt/latest file"),
+    (("consolidate", "/nonexistent/ckpt", "out.safetensors", "--tag", "t1"),
+     "checkpoint folder /nonexistent/ckpt/t1 does not exist"),
     (("verify", "--examples", "0"), "examples must be >= 1, got 0"),
     (("verify", "--machines", "params,nope"), "machines ['params', 'nope']: choose from"),
 ])

@@ -1,10 +1,11 @@
-"""The planning interpreter: runs the core's effects on a store of meta tensors, moving no data
+"""The planning interpreter: runs the core's effects on a store of fake tensors, moving no data
 and needing no process group, and counts what the real interpreter (dist.py) would count.
 
-fz3.plan builds the real engine on a meta copy of the model, as rank 0 of any world size, with
-this interpreter: every decision is the core's, so the gathers, prefetches, buckets and reduces
-are the run's own, and fz3/interpreters/accounting.py counts them as DistInterpreter does. A
-gathered param gets a meta full value (shape, no memory), a reduce only its counters; grads are
+fz3.plan builds the real engine on a fake copy of the model (fz3/shell/fake.py), as rank 0 of
+any world size, with this interpreter: every decision is the core's, so the gathers, prefetches,
+buckets and reduces are the run's own, and fz3/interpreters/accounting.py counts them as
+DistInterpreter does. A gathered param gets a fake full value (shape, no memory; made inside
+the plan's FakeTensorMode), a reduce only its counters; grads are
 taken out of param.grad where the real interpreter takes them (CopyToBucket, HoldGrad, a
 non-contiguous ReduceBucket); only CopyToBucket makes a bucket buffer. It reports the same
 `in_place_reduce_scatter` as the real interpreter would, so the core routes grads alike. Every
@@ -96,5 +97,17 @@ class PlanInterpreter:
         return 0
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """No peers: the values of a meta tensor are nobody's."""
+        """No peers: the values of a fake tensor are nobody's."""
         return t
+
+    def finite(self, norm: torch.Tensor) -> bool:
+        """A planned step is taken: the plan assumes finite grads (a skipped step moves nothing
+        more than the step it replaces, so the counts are the same either way)."""
+        return True
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """No peers: rank 0's buffers are the ones it has."""
+
+    def any_rank(self, flags: tuple[bool, ...]) -> tuple[bool, ...]:
+        """Every rank runs the same effects on the same shapes: rank 0's flags are every rank's."""
+        return flags

@@ -192,11 +192,13 @@ class CpuDevice:
 
 
 class MetaDevice(CpuDevice):
-    """Shapes without memory, for fz3.plan: tensors live on torch's meta device and no work runs.
-    `backend` is the one being planned for (it picks the carriers counted)."""
+    """Shapes without memory, for fz3.plan: tensors are fake cpu tensors over meta storage
+    (fz3/shell/fake.py; the plan runs inside its FakeTensorMode, so every tensor made on
+    `torch_device` is fake) and no work runs. cpu, so they meet the tensors a forward makes
+    without a device. `backend` is the one being planned for (it picks the carriers counted)."""
 
     type = "meta"
-    torch_device = torch.device("meta")
+    torch_device = torch.device("cpu")
 
     def __init__(self, backend: str = "gloo") -> None:
         super().__init__()

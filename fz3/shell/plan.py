@@ -4,12 +4,17 @@
     print(p)                # the table: gathers, bytes moved, buckets, peak live, resident bytes
     p.steps[i]              # per optimizer step (per rank: every rank runs the same effects)
     p.stats                 # the keys of engine.stats() the plan can know, after the planned steps
+    p.guesses               # the data-dependent values the model read that had to be guessed
 
-How: the real engine (hooks, core, every decision) runs as rank 0 of `world_size` on a meta copy
-of the model (shapes, no memory: the user's model is not touched) with the planning interpreter
+How: the real engine (hooks, core, every decision) runs as rank 0 of `world_size` on a fake copy
+of the model (fz3/shell/fake.py: fake tensors under FakeTensorMode, shapes and no memory; the
+user's model is not touched) with the planning interpreter
 (fz3/interpreters/planned.py), which counts each effect as the real interpreter does
 (fz3/interpreters/accounting.py). For a model whose call order does not depend on the data, the
 counts and bytes equal engine.stats() after the same steps of a real run (tests/test_plan.py).
+What the model reads of its data (`.item()`, `if mask.any():`, nonzero) is computed where its
+value follows from the inputs, the buffers and constants, and guessed where it follows from
+the params: each guess is listed in the table and in `Plan.guesses`.
 
 The example inputs are one micro-batch: positional args (a tuple), keyword args (a dict) or one
 tensor. Trailing positional args that model.forward does not take are targets and are not passed
@@ -23,19 +28,19 @@ param), so any torch optimizer, or a factory for one, is planned exactly.
 """
 from __future__ import annotations
 
-import copy
 import inspect
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 import torch
 from torch import nn
 
+from fz3.core import calls
 from fz3.core.config import Config, differences
 from fz3.shell.options import given
 from fz3.core.effects import AllGather, Free
 from fz3.shell import registry
+from fz3.shell.fake import Fakes, Guess
 from fz3.shell.memory import human_bytes
 from fz3.shell.hooks import flatten
 
@@ -55,6 +60,7 @@ class Plan:
     persistent_params: int  # elements of the params never sharded (param_persistence_threshold)
     steps: list[dict[str, int]] = field(default_factory=list)  # per optimizer step, per rank
     stats: dict[str, Any] = field(default_factory=dict)  # engine.stats() keys, after the steps
+    guesses: list[Guess] = field(default_factory=list)  # data-dependent values the model read, guessed
 
     def table(self) -> str:
         """The plan as a text table, per rank, one column per step."""
@@ -76,43 +82,72 @@ def plan(model: nn.Module, config: Config | None = None, *, world_size: int, exa
     options = given(options, "fz3.plan")
     _check(model, config, world_size, optimizer, steps, backend)
     backend = backend or _default_backend()
-    from fz3.interpreters.planned import PlanInterpreter
-    from fz3.shell.engine import Engine
-    from fz3.shell.device import MetaDevice
-    shadow = _meta_copy(model)
-    engine = Engine(shadow, torch.optim.SGD(shadow.parameters(), lr=0.0), config, device=MetaDevice(backend),
-                    rank=0, world_size=world_size, options=options,
-                    interpreter=lambda store: PlanInterpreter(store, config=config, backend=backend,
-                                                              options=options))
-    state_bytes = _optimizer_state_bytes(optimizer, engine.store)
-    args, kwargs = _inputs(shadow, example_inputs)
-    interp = engine.interp
-    elem = engine.store.dtype.itemsize
-    out = Plan(world_size, backend, config, params=sum(p.numel for p in engine.spec.params),
-               persistent_params=sum(p.numel for p in engine.spec.params if p.persistent))
-    grads = engine.store.grad_flat.numel() * engine.store.grad_flat.element_size()  # in a window
-    live = 0
-    for _ in range(steps):
-        before, start = dict(interp.counts), len(interp.log)
-        peak = live
-        for _ in range(config.gradient_accumulation_steps):
-            engine.backward(_loss(engine(*args, **kwargs)))
-            live, peak = _replay_live(interp.log[start:], live, peak, engine.spec)
-            start = len(interp.log)
-        engine.step()
-        live, peak = _replay_live(interp.log[start:], live, peak, engine.spec)
-        stats = _stats(engine, state_bytes)
-        step = {k: interp.counts[k] - before.get(k, 0) for k in STEP_COUNTS}
-        step.update(peak_live_numel=peak, peak_live_bytes=peak * elem,
-                    param_shards=stats["param_shards"], grad_partitions=grads,
-                    optimizer_state_bytes=state_bytes,
-                    persistent_param_bytes=out.persistent_params * elem,
-                    buffer_bytes=stats["buffer_bytes"], reduce_buffer_bytes=stats["reduce_buffer_bytes"])
-        step["model_state_peak_bytes"] = (step["param_shards"] + grads + state_bytes + step["peak_live_bytes"]
-                                          + step["reduce_buffer_bytes"] + step["buffer_bytes"])
-        out.steps.append(step)
-    out.stats = _stats(engine, state_bytes)
+    fakes = Fakes(model)
+    args, kwargs = _inputs(fakes.model, example_inputs)
+    with fakes:
+        engine = _engine(fakes.model, config, world_size, backend, options)
+    state_rate = _optimizer_state_rate(optimizer)  # on real probes
+    with fakes:
+        args, kwargs = fakes.inputs(args, kwargs)
+        out = _run(engine, fakes, args, kwargs, steps, state_rate)
+    out.guesses = fakes.guesses()
     return out
+
+
+def _engine(shadow: nn.Module, config: Config, world_size: int, backend: str, options):
+    """The real engine on the fake copy, as rank 0 of `world_size`, with the planning interpreter."""
+    from fz3.interpreters.planned import PlanInterpreter
+    from fz3.shell.device import MetaDevice
+    from fz3.shell.engine import Engine
+    return Engine(shadow, torch.optim.SGD(shadow.parameters(), lr=0.0), config, device=MetaDevice(backend),
+                  rank=0, world_size=world_size, options=options,
+                  interpreter=lambda store: PlanInterpreter(store, config=config, backend=backend, options=options))
+
+
+def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple[int, int]) -> Plan:
+    """Run the planned steps and read each one's figures off the interpreter's log. A model that
+    raises gets the guesses made so far as a note (a branch taken on a guess may be why). The
+    optimizer keeps state for the params it has stepped: the trainable ones that got a grad in
+    some window so far ([Note: no grad, no step])."""
+    config, interp, spec = engine.config, engine.interp, engine.spec
+    out = Plan(engine.world_size, engine.device.backend, config, params=sum(p.numel for p in spec.params),
+               persistent_params=sum(p.numel for p in spec.params if p.persistent))
+    live, stepped = 0, set()
+    trainable = {p for p, t in enumerate(engine.store.trainable) if t}
+    try:
+        for _ in range(steps):
+            before, start, peak = dict(interp.counts), len(interp.log), live
+            for _ in range(config.gradient_accumulation_steps):
+                loss = _loss(engine(*args, **kwargs))
+                with fakes.backward():
+                    engine.backward(loss)
+                live, peak = _replay_live(interp.log[start:], live, peak, spec)
+                start = len(interp.log)
+            stepped |= trainable - set(calls.no_grad_params(engine.state))
+            state_bytes = _state_bytes(state_rate, engine.store, stepped)
+            engine.step()
+            live, peak = _replay_live(interp.log[start:], live, peak, spec)
+            out.steps.append(_step_figures(engine, interp.counts, before, peak, state_bytes, out.persistent_params))
+    except Exception as e:
+        if fakes.guesses():
+            e.add_note("fz3.plan guessed, before this: " + "; ".join(map(str, fakes.guesses())))
+        raise
+    out.stats = _stats(engine, _state_bytes(state_rate, engine.store, stepped))
+    return out
+
+
+def _step_figures(engine, counts, before: dict, peak: int, state_bytes: int, persistent: int) -> dict[str, int]:
+    """One step's row of the table: what moved during it, and the model states at its peak."""
+    elem = engine.store.dtype.itemsize
+    grads = engine.store.grad_flat.numel() * engine.store.grad_flat.element_size()  # in a window
+    stats = _stats(engine, state_bytes)
+    step = {k: counts[k] - before.get(k, 0) for k in STEP_COUNTS}
+    step.update(peak_live_numel=peak, peak_live_bytes=peak * elem, param_shards=stats["param_shards"],
+                grad_partitions=grads, optimizer_state_bytes=state_bytes, persistent_param_bytes=persistent * elem,
+                buffer_bytes=stats["buffer_bytes"], reduce_buffer_bytes=stats["reduce_buffer_bytes"])
+    step["model_state_peak_bytes"] = (step["param_shards"] + grads + state_bytes + step["peak_live_bytes"]
+                                      + step["reduce_buffer_bytes"] + step["buffer_bytes"])
+    return step
 
 
 def _stats(engine, state_bytes: int) -> dict[str, Any]:
@@ -159,21 +194,9 @@ def _default_backend() -> str:
     return pick_device().backend
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose params and buffers are meta tensors of the same shapes, dtypes and
-    requires_grad; ties stay ties (one memo entry per tensor). Nothing is copied but structure."""
-    memo: dict[int, Any] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        if id(t) not in memo:
-            m = torch.empty(t.shape, dtype=t.dtype, device="meta")
-            memo[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
-    return copy.deepcopy(model, memo)
-
-
-def _optimizer_state_bytes(optimizer, store) -> int:
-    """Bytes of optimizer state this rank will hold: every trainable fp32 master shard gets the
-    state the optimizer keeps for a param, a + b x numel bytes, with a and b read off one step of
-    the same optimizer on two real probes (1 and 2 elements)."""
+def _optimizer_state_rate(optimizer) -> tuple[int, int]:
+    """(a, b): the optimizer keeps a + b x numel bytes of state for a param it stepped, read off
+    one step of the same optimizer on two real probes (1 and 2 elements)."""
     make = OPTIMIZERS.get(optimizer, optimizer) if isinstance(optimizer, str) else optimizer
     probes = [nn.Parameter(torch.zeros(n)) for n in (1, 2)]
     for p in probes:
@@ -182,12 +205,18 @@ def _optimizer_state_bytes(optimizer, store) -> int:
     opt.step()
     from fz3.shell.memory import tensor_bytes
     one, two = (tensor_bytes(v for v in opt.state[p].values() if isinstance(v, torch.Tensor)) for p in probes)
-    per_elem, const = two - one, 2 * one - two
-    return sum(const + per_elem * m.numel() for m, t in zip(store.masters, store.trainable) if t)
+    return 2 * one - two, two - one
+
+
+def _state_bytes(rate: tuple[int, int], store, params) -> int:
+    """Bytes of optimizer state this rank holds for the fp32 master shards of `params`."""
+    const, per_elem = rate
+    return sum(const + per_elem * store.masters[p].numel() for p in params)
 
 
 def _inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
-    """(args, kwargs) on the meta device; trailing positional args forward does not take dropped."""
+    """(args, kwargs), trailing positional args forward does not take dropped (fz3/shell/fake.py
+    makes them fakes that keep their values)."""
     if isinstance(example_inputs, dict):
         args, kwargs = (), dict(example_inputs)
     elif isinstance(example_inputs, (tuple, list)):
@@ -209,8 +238,7 @@ def _inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
             raise TypeError(f"fz3.plan: {type(model).__name__}.forward{sig} cannot take example_inputs "
                             f"({len(args)} positional, keywords {sorted(kwargs)})")
         args = args[:n]
-    to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x
-    return tuple(to_meta(a) for a in args), {k: to_meta(v) for k, v in kwargs.items()}
+    return args, kwargs
 
 
 def _binds(sig: inspect.Signature, args: tuple, kwargs: dict) -> bool:
@@ -258,6 +286,10 @@ def _table(p: Plan) -> str:
         lines.append(f"{label:<{width}}" + "".join(f"{c:>16}" for c in cells))
     lines.append("model states at the peak = shards + grad partitions + optimizer state + peak live params "
                  "+ bucket buffers + module buffers (activations not included)")
+    if p.guesses:
+        lines.append(f"guessed: {len(p.guesses)} data-dependent read(s) of values the plan does not have "
+                     "(the figures hold if the run takes the same branches):")
+        lines.extend(f"  {g}" for g in p.guesses)
     return "\n".join(lines)
 
 
