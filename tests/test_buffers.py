@@ -90,8 +90,13 @@ def test_eval_passes_and_full_state_dict_see_rank_0s_buffers_on_every_rank(world
             assert torch.equal(out["full"][k], outs[0]["full"][k]), k
 
 
-def test_without_the_broadcast_every_rank_keeps_its_own():
-    outs = launch.run_threads(_threads, 2, args=(False, None))
+def test_without_the_broadcast_every_rank_keeps_its_own(caplog):
+    import logging
+    with caplog.at_level(logging.WARNING, logger="fz3"):
+        outs = launch.run_threads(_threads, 2, args=(False, None))
+    said = sorted(r.getMessage() for r in caplog.records if "own buffers" in r.getMessage())
+    assert len(said) == 2 and all(f"rank {r}: full_state_dict() returns this rank's own buffers" in m
+                                  for r, m in enumerate(said)), said
     assert not torch.equal(outs[0]["eval"], outs[1]["eval"])
     for out in outs:
         for k in BUFFERS:

@@ -55,7 +55,7 @@ from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, 
                               HoldGrad, ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import BufferPool
-from fz3.interpreters import accounting, agreement, carriers
+from fz3.interpreters import accounting, agreement, carriers, p2p
 from fz3.interpreters.transport import Transport
 from fz3.shell.options import Options
 from fz3.shell.store import TensorStore
@@ -311,12 +311,21 @@ class DistInterpreter:
         return tuple(v > 0 for v in self.all_reduce_sum(t, agreement.FLAGS).tolist())
 
     def broadcast(self, t: torch.Tensor) -> None:
-        """Every rank's `t` becomes rank 0's, checked like every collective."""
-        if self.agreement is None:
+        """Every rank's `t` becomes rank 0's, checked like every collective. Where point-to-point
+        messages have tags (gloo, thread worlds) rank 0 sends `t` to each peer under the
+        descriptor's tag, so the descriptors travel beside it ([Note: descriptors beside the
+        data]): one round trip, not a check and then a broadcast. Elsewhere the backend's own
+        broadcast, once the descriptors agreed."""
+        ag = self.agreement
+        if ag is None:
             self.comm.broadcast(t, src=0)
+        elif self.comm.backend not in ("gloo", "threads"):
+            ag.issue(ag.check(agreement.BUFFERS, (), t.numel()), lambda: self.comm.broadcast(t, src=0))
         else:
-            self.agreement.issue(self.agreement.check(agreement.BUFFERS, (), t.numel()),
-                                 lambda: self.comm.broadcast(t, src=0))
+            posted = ag.post(agreement.BUFFERS, (), t.numel())
+            peers = list(range(1, self.world_size)) if self.rank == 0 else [0]
+            post = self.comm.isend if self.rank == 0 else self.comm.irecv
+            ag.guard(posted, p2p.P2PWork([post(t, j, posted.tag) for j in peers], peers)).wait()
 
     def bucket_bytes(self) -> int:
         """Bytes of the IPG bucket buffers allocated (0 when every grad is held: HoldGrad)."""

@@ -14,10 +14,11 @@ a BatchNorm model on 2 ranks, and an eval pass, the consolidated weights and a c
 depend on the rank. DDP broadcasts rank 0's buffers before each training forward; fz3 does it
 before eval passes too (they read the buffers), and before the weights leave the engine.
 
-Cost: one broadcast per dtype of all the buffers, flattened (one copy in and one out of a flat
-buffer when there are several), checked by the divergence check like every collective. A model
-without buffers (the benchmark GPTs) does nothing at all, nor does a world of one rank
-(bench/RESULTS.md, "Buffers broadcast"). Buffers are looked up by (module, name) at each sync,
+Cost: one broadcast of all the buffers' bytes, every dtype in one flat byte buffer (a copy in and
+one out when there are several), checked by the divergence check like every collective (on
+gloo its descriptors travel beside the data: one round trip). A model without buffers (the
+benchmark GPTs) does nothing at all, nor does a world of one rank (bench/RESULTS.md, "Buffers
+broadcast": a broadcast per dtype, each checked first, cost a BatchNorm MLP 10 % of its step). Buffers are looked up by (module, name) at each sync,
 so one a model replaces (`self.inv_freq = ...`) is the new tensor. DeepSpeed ZeRO-3 leaves
 buffers per rank; FSDP2 too.
 """
@@ -41,26 +42,28 @@ class BufferSync:
             self.slots = [(m, name) for m in model.modules() for name, b in m._buffers.items() if b is not None]
 
     def sync(self) -> None:
-        """Broadcast rank 0's buffers, one flat broadcast per (dtype, device)."""
+        """Broadcast rank 0's buffers: one flat broadcast of their bytes per device."""
         if not self.slots:
             return
-        groups: dict[tuple, list[torch.Tensor]] = {}
+        groups: dict[torch.device, list[torch.Tensor]] = {}
         seen: set[int] = set()
         for m, name in self.slots:
             b = m._buffers.get(name)
             if b is not None and id(b) not in seen:  # a buffer registered twice moves once
                 seen.add(id(b))
-                groups.setdefault((b.dtype, b.device), []).append(b)
+                groups.setdefault(b.device, []).append(b)
         with torch.no_grad():
             for bufs in groups.values():
-                _broadcast_group(bufs, self.broadcast)
+                _broadcast_bytes(bufs, self.broadcast)
 
 
-def _broadcast_group(bufs: list[torch.Tensor], broadcast: Callable[[torch.Tensor], None]) -> None:
+def _broadcast_bytes(bufs: list[torch.Tensor], broadcast: Callable[[torch.Tensor], None]) -> None:
+    """Every dtype in one uint8 buffer: one message, whatever the model keeps."""
     if len(bufs) == 1 and bufs[0].is_contiguous():
         broadcast(bufs[0])
         return
-    flat = torch.cat([b.reshape(-1) for b in bufs])  # (sum of numels,)
+    flat = torch.cat([b.contiguous().view(-1).view(torch.uint8) for b in bufs])  # (total bytes,)
     broadcast(flat)
-    for b, piece in zip(bufs, flat.split([b.numel() for b in bufs])):
-        b.copy_(piece.view_as(b))
+    sizes = [b.numel() * b.element_size() for b in bufs]
+    for b, piece in zip(bufs, flat.split(sizes)):
+        b.copy_(piece.view(b.dtype).view_as(b))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fz3.core.hold import hold, unhold
+from fz3.shell import log
 from fz3.shell.registry import engine_of
 
 
@@ -29,8 +30,10 @@ def _gather_master(engine, p: int) -> torch.Tensor:
 
 def full_state_dict(engine) -> dict[str, torch.Tensor]:
     """Every rank: the fp32 params from the masters, and the buffers: rank 0's, broadcast first
-    (Options.broadcast_buffers, the default), else this rank's own."""
+    (Options.broadcast_buffers, the default), else this rank's own (a WARNING says so, once)."""
     engine.buffers.sync()
+    if not engine.options.broadcast_buffers:
+        log.own_buffers(engine)
     full = {id(param): _gather_master(engine, p).view(param.shape if param.numel() else engine.store.shapes[p])
             for p, param in enumerate(engine.tables.params)}
     out = {}

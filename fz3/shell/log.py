@@ -16,6 +16,7 @@ comparison per pass.
 from __future__ import annotations
 
 import logging
+import weakref
 
 from fz3.core.config import differences
 from fz3.core.ids import TraceMode
@@ -85,6 +86,21 @@ class StepLog:
                   s["optimizer_steps"], d["all_gather"], d["all_gather_on_demand"], d["all_gather_prefetch"],
                   human_bytes(d["gathered_bytes"]), d["reduce"], human_bytes(d["reduced_bytes"]), s["trace"],
                   s["trace_invalidations"], f"{s['peak_live_numel']:,}")
+
+
+def own_buffers(engine) -> None:
+    """Once per engine, a WARNING that full_state_dict() returns this rank's own buffers
+    (Options(broadcast_buffers=False) on several ranks, a model with buffers): they differ from
+    rank to rank."""
+    if engine in _OWN_BUFFERS_SAID or engine.world_size < 2 or not any(True for _ in engine.module.buffers()):
+        return
+    _OWN_BUFFERS_SAID.add(engine)
+    LOG.warning("fz3 rank %d: full_state_dict() returns this rank's own buffers: with "
+                "Options(broadcast_buffers=False) each rank keeps its own, so they differ from rank to rank "
+                "(the default, True, makes them rank 0's on every rank)", engine.rank)
+
+
+_OWN_BUFFERS_SAID: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def skipped_step(engine, step: int, first: str | None) -> None:
