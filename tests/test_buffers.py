@@ -117,3 +117,38 @@ def test_the_option_is_a_bool():
     import fz3
     with pytest.raises(TypeError, match="broadcast_buffers must be a bool, got 'yes'"):
         fz3.Options(broadcast_buffers="yes")
+
+
+class Odd(nn.Module):
+    """Buffers of several dtypes and sizes in one broadcast: 3 bf16 (6 bytes, so the next starts
+    unaligned), a 0-d int64, bools, a non-contiguous float32 view, and one registered twice."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("bf16", torch.full((3,), 1.5 + rank, dtype=torch.bfloat16))
+        self.register_buffer("count", torch.tensor(7 + rank))
+        self.register_buffer("mask", torch.tensor([True, False, bool(rank)]))
+        self.register_buffer("strided", (torch.arange(12.0) + rank).reshape(3, 4).t())
+        self.register_buffer("again", self.count)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _odd(rank: int, world: int) -> dict:
+    import fz3
+    model = Odd(rank)
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config())
+    for b in model.buffers() if rank else ():  # initialize starts every rank from rank 0's values
+        b.logical_not_() if b.dtype == torch.bool else b.add_(rank)  # ... then the others drift
+    engine(torch.ones(1, 2))
+    return {k: v.clone() for k, v in model.named_buffers()}
+
+
+def test_buffers_of_every_dtype_and_layout_arrive_whole():
+    outs = launch.run_threads(_odd, 3)
+    want = Odd(0)
+    for out in outs:
+        for k, v in want.named_buffers():
+            assert out[k].dtype == v.dtype and torch.equal(out[k], v), (k, out[k], v)

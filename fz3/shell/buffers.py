@@ -66,4 +66,7 @@ def _broadcast_bytes(bufs: list[torch.Tensor], broadcast: Callable[[torch.Tensor
     broadcast(flat)
     sizes = [b.numel() * b.element_size() for b in bufs]
     for b, piece in zip(bufs, flat.split(sizes)):
-        b.copy_(piece.view(b.dtype).view_as(b))
+        if b.is_contiguous():  # into its own bytes: a piece need not start where b's dtype aligns
+            b.view(-1).view(torch.uint8).copy_(piece)
+        else:
+            b.copy_(piece.clone().view(b.dtype).view_as(b))

@@ -123,8 +123,8 @@ class Engine:
         is returned). `self._event(calls.enter, m, grad=True, ...)` is `calls.enter(self.state,
         m, grad=True, ..., config=self.config)`. The one door every event goes through
         (fz3.timeline times it)."""
-        if self.stopped is not None:
-            self._refuse()
+        if self.stopped is not None:  # the one check a hook pays for it
+            self._refuse_if_stopped()
         self.state, effects = transition(self.state, *args, config=self.config, **kwargs)
         tree = self._run(effects, tree)
         if self.options.debug_checks:
@@ -133,8 +133,7 @@ class Engine:
 
     def _params(self, transition, *args, **kwargs) -> None:
         """A parameter-lifecycle transition alone (hold, unhold, end_of_step after a load)."""
-        if self.stopped is not None:
-            self._refuse()
+        self._refuse_if_stopped()
         params, effects = transition(self.state.params, *args, config=self.config, **kwargs)
         self.state = self.state._replace(params=params)
         self._run(effects, None)
@@ -161,9 +160,11 @@ class Engine:
     def _stop(self, e: DivergenceError) -> None:
         self.stopped = e
 
-    def _refuse(self) -> None:
+    def _refuse_if_stopped(self) -> None:
         """Raise what every call after a DivergenceError gets ([Note: an engine stops at a
-        DivergenceError])."""
+        DivergenceError]); nothing before one."""
+        if self.stopped is None:
+            return
         first = "\n".join(f"  {line}" for line in str(self.stopped).splitlines())
         raise DivergenceError(
             f"fz3: this engine (rank {self.rank}) stopped at a DivergenceError and runs nothing more: its "
@@ -317,8 +318,7 @@ class Engine:
         """loss.backward(); the grads are summed over ranks and micro-steps and divided once at
         the boundary, by world_size * gradient_accumulation_steps over what each was divided by
         before its reduce (fz3/core/epilogue.py; no loss scaling here)."""
-        if self.stopped is not None:
-            self._refuse()
+        self._refuse_if_stopped()
         loss.backward(**kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -330,8 +330,7 @@ class Engine:
         the norm not finite, none of them (a WARNING names the step and the first param whose
         grad is not finite; was_step_applied() is False). A no-op between boundaries, as
         DeepSpeed's."""
-        if self.stopped is not None:
-            self._refuse()
+        self._refuse_if_stopped()
         if not self.is_gradient_accumulation_boundary():
             return
         self.grad_norm = norm = global_grad_norm(self.store, self.interp.all_reduce_sum)
@@ -359,16 +358,14 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 params (and buffers), keys as the model's state_dict."""
-        if self.stopped is not None:
-            self._refuse()
+        self._refuse_if_stopped()
         from fz3.shell.consolidate import full_state_dict
         return full_state_dict(self)
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> bool:
         """Sharded, atomic checkpoint under save_dir/<tag> (fz3/shell/checkpoint.py).
         DeepSpeed: save_checkpoint."""
-        if self.stopped is not None:
-            self._refuse()
+        self._refuse_if_stopped()
         from fz3.shell.checkpoint import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state)
 
@@ -376,8 +373,7 @@ class Engine:
         """-> (path, client_state); any saved world size; DeepSpeed's load_optimizer_states,
         load_lr_scheduler_states, load_module_only (fz3/shell/checkpoint_load.py).
         DeepSpeed: load_checkpoint."""
-        if self.stopped is not None:
-            self._refuse()
+        self._refuse_if_stopped()
         from fz3.shell.checkpoint_load import load_checkpoint
         return load_checkpoint(self, load_dir, tag, **options)
 
