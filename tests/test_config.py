@@ -156,12 +156,20 @@ def test_lacking_features_error_naming_them(config, key):
 
 @pytest.mark.parametrize("config,key", [
     (ds(gradient_accumulation_steps="auto"), "gradient_accumulation_steps"),
-    (ds({"stage3_prefetch_bucket_size": "auto"}), "zero_optimization.stage3_prefetch_bucket_size"),
     (ds(train_micro_batch_size_per_gpu="auto"), "train_micro_batch_size_per_gpu"),
 ])
-def test_auto_values_error(config, key):
+def test_auto_values_deepspeed_fails_on_error(config, key):
+    """[Note: "auto"]: a top-level number DeepSpeed 0.19.8 keeps as the string "auto" and fails on."""
     with pytest.raises(ValueError, match=key):
         Config.from_deepspeed(config)
+
+
+def test_auto_in_a_section_keeps_deepspeeds_default():
+    """[Note: "auto"]: DeepSpeed's pydantic sections drop an "auto" (bf16 "auto" is off)."""
+    got = Config.from_deepspeed(ds({"stage3_prefetch_bucket_size": "auto", "reduce_bucket_size": "auto"},
+                                   bf16={"enabled": "auto"}, fp16={"enabled": "auto"}))
+    assert (got.prefetch_bucket_size, got.reduce_bucket_size, got.compute_dtype) == \
+        (Config().prefetch_bucket_size, Config().reduce_bucket_size, "fp32")
 
 
 @pytest.mark.parametrize("config,error,key", [

@@ -60,8 +60,10 @@ LEAF_KEYS = {"classes": "leaf_module_classes", "names": "leaf_module_names",
 
 
 def _enabled(section: object) -> bool:
+    """`enabled` of a section; "auto" there is DeepSpeed's default, off ([Note: "auto"])."""
     if isinstance(section, Mapping):
-        return bool(section.get("enabled", False))
+        enabled = section.get("enabled", False)
+        return not is_auto(enabled) and bool(enabled)
     return bool(section)
 
 
@@ -207,7 +209,10 @@ def translate(ds: Mapping[str, object]) -> tuple[dict[str, object], list[str]]:
     fields: dict[str, object] = {"gradient_clipping": DEEPSPEED_GRADIENT_CLIPPING}
     ignored: list[str] = []
     for key, value in ds.items():
-        _no_auto(key, value)
+        if is_auto(value):
+            auto_means_default(key, None)
+            ignored.append(f"{key} (\"auto\": DeepSpeed's default)")
+            continue
         if key == "zero_optimization":
             _zero(value, fields, ignored)
         elif key in ("bf16", "bfloat16"):
@@ -240,7 +245,8 @@ def _zero(zero: object, fields: dict[str, object], ignored: list[str]) -> None:
     if stage != 3:
         raise ValueError(f"zero_optimization.stage = {stage!r}: fz3 implements stage 3 only")
     for key, value in zero.items():
-        _no_auto(f"zero_optimization.{key}", value)
+        if is_auto(value):  # [Note: "auto"]: the field keeps DeepSpeed's default
+            continue
         canonical = ZERO_ALIASES.get(key, key)
         if key == "stage":
             continue
@@ -277,7 +283,10 @@ def _lacking(key: str, value: object, entry: tuple[Callable[[object], bool], str
 
 
 def _bf16(key: str, value: object, fields: dict[str, object]) -> None:
-    """bf16.enabled -> compute_dtype; the sub-keys that would change the master dtype raise."""
+    """bf16.enabled -> compute_dtype; the sub-keys that would change the master dtype raise.
+    An "auto" sub-key keeps DeepSpeed's default ([Note: "auto"]): enabled "auto" is off."""
+    if isinstance(value, Mapping):
+        value = {k: v for k, v in value.items() if not is_auto(v)}
     if _enabled(value):
         fields["compute_dtype"] = "bf16"
     if isinstance(value, Mapping):
@@ -352,7 +361,29 @@ def _as_int(key: str, value: object) -> int:
     return value
 
 
-def _no_auto(key: str, value: object) -> None:
-    if value == "auto":
-        raise ValueError(f"DeepSpeed key {key!r} is 'auto': resolve it to a number first "
-                         "(HF Trainer does this when it builds the engine)")
+# [Note: "auto"] Hugging Face's DeepSpeed JSONs say "auto" where the Trainer fills in a value
+# from TrainingArguments before DeepSpeed sees the dict. Given to DeepSpeed 0.19.8 itself, an
+# "auto" inside a section DeepSpeed reads through pydantic (zero_optimization, bf16, fp16, ...)
+# is dropped, so the field keeps its default (runtime/config_utils.py DeepSpeedConfigModel:
+# `v != "auto"`); a top-level number read by get_scalar_param stays the string "auto", and
+# DeepSpeed fails on it. fz3 does the same: an "auto" in a section means DeepSpeed's default
+# (bf16.enabled "auto" is off), and the keys below are errors naming what DeepSpeed does.
+AUTO_REFUSED: dict[str, str] = {
+    "train_batch_size": "DeepSpeed compares it with numbers and fails",
+    "train_micro_batch_size_per_gpu": "DeepSpeed compares it with numbers and fails",
+    "gradient_accumulation_steps": "DeepSpeed compares it with numbers and fails",
+    "gradient_clipping": "DeepSpeed compares it with 0.0 at the first step and fails",
+}
+
+
+def is_auto(value: object) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def auto_means_default(key: str, default: object) -> object:
+    """What an "auto" at `key` means ([Note: "auto"]): `default`, DeepSpeed's, or an error."""
+    if key in AUTO_REFUSED:
+        raise ValueError(f"DeepSpeed key {key!r} is \"auto\", which DeepSpeed 0.19.8 does not resolve "
+                         f"({AUTO_REFUSED[key]}): set a number (the Hugging Face Trainer fills it from "
+                         "TrainingArguments; fz3.hf.Trainer does too)")
+    return default

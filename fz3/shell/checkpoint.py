@@ -144,6 +144,7 @@ def metadata(engine, tag: str, folder: str) -> dict:
             "config": dataclasses.asdict(engine.config), "optimizer_steps": engine.optimizer_steps,
             "grads": {"micro_step": gs.micro_step, "window": gs.window, "backward": gs.backward,
                       "skipped": gs.skipped},
+            "global_samples": engine.global_samples,  # DeepSpeed's counter (surface.py)
             "files": {f: os.path.getsize(os.path.join(folder, f)) for f in files}}
 
 

@@ -235,6 +235,9 @@ def apply(engine, loaded: dict, parts: dict = ALL_PARTS) -> None:
         (old.window, old.backward, old.skipped)
     fresh = init_grad_state(engine.spec, in_place_reduce_scatter=old.in_place_reduce_scatter)
     engine.state = engine.state._replace(grads=fresh._replace(window=window, backward=backward, skipped=skipped))
+    if parts["counters"]:  # DeepSpeed's: global_samples as saved; micro_steps stays this engine's
+        per_step = engine.batch.train_batch_size or 0
+        engine.global_samples = meta.get("global_samples", window * per_step)
     engine._params(end_of_step)  # re-gather persistent
 
 

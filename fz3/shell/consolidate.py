@@ -45,6 +45,32 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
     return out
 
 
+def compute_dtype_state_dict(engine, *, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+    """Rank 0: the whole params in the compute dtype (the values a forward gathers: each fp32
+    master cast once) on the CPU, and the persistent buffers (rank 0's own), keys as
+    model.state_dict(); a param tied under two names is one tensor. Other ranks: None. Every
+    rank must call it; one param is whole at a time. DeepSpeed: _zero3_consolidated_16bit_state_dict."""
+    engine.buffers.sync()
+    dtype = engine.store.dtype
+    out: dict[str, torch.Tensor] | None = {} if engine.rank == 0 else None
+    done: dict[int, torch.Tensor] = {}
+    trainable = {id(p): p.requires_grad for p in engine.tables.params}
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) not in engine.param_ids:
+            if out is not None:
+                out[name] = t.detach().cpu().clone()
+            continue
+        if exclude_frozen_parameters and not trainable[id(t)]:
+            continue
+        if id(t) not in done:
+            p = engine.param_ids[id(t)]
+            full = _gather_master(engine, p).view(t.shape if t.numel() else engine.store.shapes[p])
+            done[id(t)] = full.to(dtype).cpu() if out is not None else full[:0]
+        if out is not None:
+            out[name] = done[id(t)]
+    return out
+
+
 @contextlib.contextmanager
 def gathered_parameters(params: Union[nn.Module, nn.Parameter, Iterable[nn.Parameter]],
                         modifier_rank: Optional[int] = None) -> Iterator[None]:

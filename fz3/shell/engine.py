@@ -48,6 +48,7 @@ from fz3.shell.saved import SavedParams
 from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, first_nonfinite, global_grad_norm
 from fz3.shell.options import Options
 from fz3.shell.store import DTYPES, TensorStore
+from fz3.shell.surface import BatchSizes, DeepSpeedSurface
 from fz3.shell.tables import read_tables
 
 
@@ -57,8 +58,9 @@ COUNTERS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "all_ga
 """The interpreter's counters stats() reports; every key is present, 0 until it first counts."""
 
 
-class Engine:
-    """What `fz3.initialize` returns. Call it like the model."""
+class Engine(DeepSpeedSurface):
+    """What `fz3.initialize` returns. Call it like the model. DeepSpeed's engine methods and
+    counters are fz3/shell/surface.py's."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, *,
                  device, rank: int, world_size: int, interpreter: Callable[[TensorStore], Interpreter],
@@ -87,6 +89,12 @@ class Engine:
                                initial_calls(self.spec, self.store.trainable))
         self.grad_norm: torch.Tensor | None = None  # at the last boundary, before clipping
         self.step_log = StepLog()
+        # DeepSpeed's counters and batch sizes ([Note: DeepSpeed's counters], surface.py);
+        # fz3.deepspeed.initialize sets the batch sizes and the 16-bit save switch
+        self.micro_steps, self.global_samples, self.step_applied = 0, 0, False
+        self.boundary_override: bool | None = None
+        self.batch = BatchSizes(None, None, config.gradient_accumulation_steps)
+        self.gather_16bit_weights_on_model_save = False
         self.saved = SavedParams(self.store, self.tables.names, self.param_ids)
         self.run_hook_effect = {BeginPass: self._begin_pass, EndPass: self._end_pass,
                                 WrapInputs: self._wrap_inputs, WrapOutputs: self._wrap_outputs,
@@ -321,31 +329,35 @@ class Engine:
         self._refuse_if_stopped()
         loss.backward(**kwargs)
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return at_boundary(self.grads_state, config=self.config)
-
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At the accumulation boundary: the global grad norm, then clipping, the optimizer step
         on the fp32 master shards and the lr scheduler (`lr_scheduler.step(**lr_kwargs)`); or,
         the norm not finite, none of them (a WARNING names the step and the first param whose
         grad is not finite; was_step_applied() is False). A no-op between boundaries, as
-        DeepSpeed's."""
+        DeepSpeed's, but for its counters ([Note: DeepSpeed's counters], surface.py)."""
         self._refuse_if_stopped()
-        if not self.is_gradient_accumulation_boundary():
-            return
+        self.step_applied = False
+        boundary = at_boundary(self.grads_state, config=self.config)
+        if boundary:
+            self._step_at_boundary(lr_kwargs)
+        self._count_step(boundary)
+
+    def _step_at_boundary(self, lr_kwargs: dict | None) -> None:
         self.grad_norm = norm = global_grad_norm(self.store, self.interp.all_reduce_sum)
         leaf_own = self.state.calls.tables.leaf_own
         got = self.interp.any_rank(calls.leaf_grads_seen(self.state))  # () without leaf modules
         self._event(calls.stepped, finite=self.interp.finite(norm),
                     leaf_grads=frozenset(p for p, g in zip(leaf_own, got) if g))
-        if self.grads_state.applied and self.lr_scheduler is not None:
+        self.step_applied = self.grads_state.applied
+        if self.step_applied and self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.step_log.step(self)
 
     def was_step_applied(self) -> bool:
-        """Whether the last accumulation boundary stepped the optimizer (False before the first,
-        and after a step skipped for a non-finite grad norm). DeepSpeed: was_step_applied."""
-        return self.grads_state.applied
+        """Whether the last step() stepped the optimizer: False before the first, after a step()
+        between boundaries, and after a step skipped for a non-finite grad norm.
+        DeepSpeed: was_step_applied."""
+        return self.step_applied
 
     def get_global_grad_norm(self) -> float | None:
         """The global L2 norm of the averaged gradient at the last accumulation boundary, before

@@ -9,6 +9,7 @@
              plan in between (prefetch never gets going): where the order changed, and what the
              plan expected there; and, every rank, when an optimizer step is skipped because the
              global grad norm is not finite: the step and the first param whose grad is not
+             finite; and, rank 0, when save_16bit_model writes nothing (DeepSpeed: INFO)
 
 The DEBUG line costs nothing unless DEBUG is enabled for "fz3"; the WARNING check is one integer
 comparison per pass.
@@ -111,6 +112,15 @@ def skipped_step(engine, step: int, first: str | None) -> None:
                 "weights, the optimizer state and the lr scheduler did not change (skipped steps: %d). "
                 "A NaN or inf loss on any rank reaches every rank through the reduce.", engine.rank,
                 step, engine.get_global_grad_norm(), where, engine.grads_state.skipped)
+
+
+def not_saved_16bit(engine, path: str) -> None:
+    """Rank 0's WARNING that save_16bit_model wrote nothing (DeepSpeed logs it at INFO; a file
+    a user asked for and did not get should not be silent)."""
+    if engine.rank == 0:
+        LOG.warning("fz3: did not save the model %s because zero_optimization."
+                    "stage3_gather_16bit_weights_on_model_save is false (DeepSpeed's default); set it "
+                    "true, or write engine.full_state_dict() yourself", path)
 
 
 def departure(engine, where: tuple[int, int, int]) -> str:

@@ -1,0 +1,161 @@
+"""The names DeepSpeed scripts call on the engine, with DeepSpeed 0.19.8's answers.
+
+    engine.train() / eval() / parameters() / named_parameters() / zero_grad() / no_sync()
+    engine.global_steps, global_samples, micro_steps, skipped_steps
+    engine.is_gradient_accumulation_boundary()      DeepSpeed's answer, call for call
+    engine.gradient_accumulation_steps(), train_micro_batch_size_per_gpu(), train_batch_size()
+    engine.save_16bit_model(save_dir, save_filename="pytorch_model.bin")
+
+[Note: DeepSpeed's counters] DeepSpeed counts `engine.step()` calls, not backwards:
+micro_steps += 1 at the end of every step(); at a boundary step global_steps += 1 and
+global_samples += train_batch_size() (a skipped step counts too, and skipped_steps says how
+many). `is_gradient_accumulation_boundary()` answers whether the NEXT step() will be a boundary:
+(micro_steps + 1) % gradient_accumulation_steps == 0. So with 2 accumulation steps, asked before
+forward / after backward / after step over two micro-steps, it says (F, F, T), (T, T, F).
+fz3's own step decides the boundary from the backwards the core has counted
+(fz3/core/epilogue.py at_boundary); in a loop that calls step() once per backward, as DeepSpeed
+requires, the two agree. `was_step_applied()` is False after every step() that did not step the
+optimizer: between boundaries, and at a skipped one. After load_checkpoint, global_steps,
+global_samples and skipped_steps are the saved ones and micro_steps is this engine's (0 for a
+fresh engine), as DeepSpeed's load_checkpoint leaves them. DeepSpeed: runtime/engine.py step,
+_take_model_step, is_gradient_accumulation_boundary, _load_checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """DeepSpeed's three batch sizes; the first two None where the engine was built by
+    fz3.initialize, which is given no batch size."""
+
+    train_batch_size: Optional[int]
+    train_micro_batch_size_per_gpu: Optional[int]
+    gradient_accumulation_steps: int
+
+
+class DeepSpeedSurface:
+    """Mixed into the Engine: DeepSpeed's method names over the engine's state. Reads
+    `self.module`, `self.config`, `self.batch`, `self.micro_steps`, `self.global_samples`,
+    `self.grads_state`; the counters are moved by the engine's step()."""
+
+    # ---- the module -----------------------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> None:
+        """module.train(mode); -> None, as DeepSpeed's override of nn.Module.train returns.
+        DeepSpeed: DeepSpeedEngine.train."""
+        self.module.train(mode)
+
+    def eval(self) -> None:
+        """module.train(False); -> None. DeepSpeed: DeepSpeedEngine.eval."""
+        self.module.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's params (the sharded placeholders) named as DeepSpeed's engine names them:
+        it is an nn.Module holding the model as `module`, so every name starts with "module.".
+        DeepSpeed: DeepSpeedEngine.named_parameters (nn.Module's)."""
+        inner = prefix + ("." if prefix else "") + "module"
+        return self.module.named_parameters(prefix=inner, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse=recurse)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Every model param's .grad = None. fz3 keeps the gradients it accumulates in its own
+        partitions, not in .grad, so this clears nothing of an accumulation window (the
+        optimizer's grads are cleared after each step). DeepSpeed: DeepSpeedEngine.zero_grad."""
+        for p in self.module.parameters():
+            p.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Under ZeRO-3 gradients are reduced into partitions in every backward, so there is no
+        reduce to skip: an AssertionError, with DeepSpeed's message. DeepSpeed: no_sync."""
+        raise AssertionError("no_sync context manager is incompatible with gradient partitioning logic of "
+                             "ZeRO stage 3")
+        yield  # pragma: no cover  (a generator, so `with engine.no_sync():` raises on entry)
+
+    # ---- counters ([Note: DeepSpeed's counters]) -------------------------------------------------
+
+    @property
+    def global_steps(self) -> int:
+        """Accumulation boundaries stepped through, skipped steps included."""
+        return self.grads_state.window
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.grads_state.skipped
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next step() closes an accumulation window ([Note: DeepSpeed's counters]),
+        or what set_gradient_accumulation_boundary last set. DeepSpeed: is_gradient_accumulation_boundary."""
+        if self.boundary_override is not None:
+            return self.boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override is_gradient_accumulation_boundary()'s answer (None: DeepSpeed's counter
+        again). fz3's step still closes the window after gradient_accumulation_steps
+        backwards. DeepSpeed: set_gradient_accumulation_boundary."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary expects a bool, got {is_boundary!r}")
+        self.boundary_override = is_boundary
+
+    def _count_step(self, boundary: bool) -> None:
+        """What DeepSpeed's step() counts ([Note: DeepSpeed's counters])."""
+        if boundary and self.batch.train_batch_size is not None:
+            self.global_samples += self.batch.train_batch_size
+        self.micro_steps += 1
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._batch_size("train_micro_batch_size_per_gpu")
+
+    def train_batch_size(self) -> int:
+        return self._batch_size("train_batch_size")
+
+    def _batch_size(self, name: str) -> int:
+        value = getattr(self.batch, name)
+        if value is None:
+            raise ValueError(f"engine.{name}(): this engine was built by fz3.initialize, which is given no "
+                             "batch size; build it with fz3.deepspeed.initialize and a config that sets "
+                             "train_batch_size or train_micro_batch_size_per_gpu")
+        return value
+
+    # ---- 16-bit weights ---------------------------------------------------------------------------
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the whole model's weights in the compute dtype (torch.save of a state
+        dict keyed as model.state_dict(), persistent buffers included, tied params one tensor)
+        to save_dir/save_filename; -> True. Every rank must call it (it gathers). Without
+        zero_optimization.stage3_gather_16bit_weights_on_model_save it writes nothing and
+        returns False, as DeepSpeed (whose default that is). DeepSpeed: save_16bit_model,
+        _zero3_consolidated_16bit_state_dict."""
+        self._refuse_if_stopped()
+        path = os.path.join(save_dir, save_filename)
+        if not self.gather_16bit_weights_on_model_save:
+            from fz3.shell import log
+            log.not_saved_16bit(self, path)
+            return False
+        from fz3.shell.consolidate import compute_dtype_state_dict
+        state = compute_dtype_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
+        if self.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, path)
+        self.transport.all_reduce(torch.zeros(1, device=self.device.torch_device))  # written before any rank returns
+        return True
