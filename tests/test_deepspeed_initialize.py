@@ -161,6 +161,7 @@ def test_initialize_returns_four_and_takes_callables_and_training_data():
 
 @pytest.mark.parametrize("case, message", [
     ("client_and_json", "both as optimizer="),
+    ("client_and_json_scheduler", "both as lr_scheduler="),
     ("no_optimizer", "no optimizer"),
     ("mpu", "mpu="),
     ("no_config", "needs a config"),
@@ -172,6 +173,10 @@ def test_initialize_refuses_what_it_cannot_honour(case, message):
         if case == "client_and_json":
             kwargs.update(optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
                           config=cfg(optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+        elif case == "client_and_json_scheduler":
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            kwargs.update(optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1),
+                          config=cfg(scheduler={"type": "WarmupLR", "params": {}}))
         elif case == "mpu":
             kwargs.update(mpu=object(), optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
         elif case == "no_config":

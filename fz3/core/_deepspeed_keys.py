@@ -210,9 +210,7 @@ def translate(ds: Mapping[str, object]) -> tuple[dict[str, object], list[str]]:
     ignored: list[str] = []
     for key, value in ds.items():
         if is_auto(value):
-            auto_means_default(key, None)
-            ignored.append(f"{key} (\"auto\": DeepSpeed's default)")
-            continue
+            auto_means_default(key, None)  # top-level: refused
         if key == "zero_optimization":
             _zero(value, fields, ignored)
         elif key in ("bf16", "bfloat16"):
@@ -243,7 +241,8 @@ def _zero(zero: object, fields: dict[str, object], ignored: list[str]) -> None:
         raise TypeError(f"zero_optimization must be a dict, got {zero!r}")
     stage = zero.get("stage", 0)
     if stage != 3:
-        raise ValueError(f"zero_optimization.stage = {stage!r}: fz3 implements stage 3 only")
+        said = " (DeepSpeed reads \"auto\" as its default, 0)" if is_auto(stage) else ""
+        raise ValueError(f"zero_optimization.stage = {stage!r}{said}: fz3 implements stage 3 only")
     for key, value in zero.items():
         if is_auto(value):  # [Note: "auto"]: the field keeps DeepSpeed's default
             continue
@@ -362,17 +361,22 @@ def _as_int(key: str, value: object) -> int:
 
 
 # [Note: "auto"] Hugging Face's DeepSpeed JSONs say "auto" where the Trainer fills in a value
-# from TrainingArguments before DeepSpeed sees the dict. Given to DeepSpeed 0.19.8 itself, an
-# "auto" inside a section DeepSpeed reads through pydantic (zero_optimization, bf16, fp16, ...)
-# is dropped, so the field keeps its default (runtime/config_utils.py DeepSpeedConfigModel:
-# `v != "auto"`); a top-level number read by get_scalar_param stays the string "auto", and
-# DeepSpeed fails on it. fz3 does the same: an "auto" in a section means DeepSpeed's default
-# (bf16.enabled "auto" is off), and the keys below are errors naming what DeepSpeed does.
+# from TrainingArguments before DeepSpeed sees the dict. Given to DeepSpeed 0.19.8 itself
+# (bench/deepspeed_facts.py, tests/data/deepspeed_facts_0.19.8.json), an "auto" inside a
+# section DeepSpeed reads through pydantic (zero_optimization, bf16, fp16, ...) is dropped, so
+# the field keeps its default (runtime/config_utils.py DeepSpeedConfigModel: `v != "auto"`):
+# bf16.enabled "auto" is off, zero_optimization.stage "auto" is stage 0. A top-level key read
+# by get_scalar_param keeps the string "auto", and DeepSpeed fails on it, at initialize or at
+# the first step (AUTO_REFUSED: what it did), or treats it as true. fz3 keeps the defaults and
+# refuses every top-level "auto" at once, naming the key; the JSON optimizer's and scheduler's
+# params are the builders' (fz3/deepspeed/optimizers.py, schedulers.py).
 AUTO_REFUSED: dict[str, str] = {
-    "train_batch_size": "DeepSpeed compares it with numbers and fails",
-    "train_micro_batch_size_per_gpu": "DeepSpeed compares it with numbers and fails",
-    "gradient_accumulation_steps": "DeepSpeed compares it with numbers and fails",
-    "gradient_clipping": "DeepSpeed compares it with 0.0 at the first step and fails",
+    "train_batch_size": "TypeError at initialize: '>' not supported between 'str' and 'int'",
+    "train_micro_batch_size_per_gpu": "TypeError at initialize: '>' not supported between 'str' and 'int'",
+    "gradient_accumulation_steps": "TypeError at initialize: '>' not supported between 'str' and 'int'",
+    "gradient_clipping": "TypeError at the first step: '>' not supported between 'str' and 'float'",
+    "steps_per_print": "TypeError at the first step: unsupported operand type(s) for %",
+    "wall_clock_breakdown": "TypeError at initialize: unsupported operand type(s) for |",
 }
 
 
@@ -382,8 +386,9 @@ def is_auto(value: object) -> bool:
 
 def auto_means_default(key: str, default: object) -> object:
     """What an "auto" at `key` means ([Note: "auto"]): `default`, DeepSpeed's, or an error."""
-    if key in AUTO_REFUSED:
+    if key in AUTO_REFUSED or "." not in key:
+        did = AUTO_REFUSED.get(key, "it keeps the string 'auto' and fails on it or reads it as true")
         raise ValueError(f"DeepSpeed key {key!r} is \"auto\", which DeepSpeed 0.19.8 does not resolve "
-                         f"({AUTO_REFUSED[key]}): set a number (the Hugging Face Trainer fills it from "
-                         "TrainingArguments; fz3.hf.Trainer does too)")
+                         f"(DeepSpeed: {did}): set a value (the Hugging Face Trainer fills \"auto\" from "
+                         "TrainingArguments before DeepSpeed sees the config; fz3.hf.Trainer does too)")
     return default

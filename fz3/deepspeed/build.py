@@ -79,14 +79,21 @@ def _optimizer(optimizer, settings: Settings, model: nn.Module, model_parameters
 
 
 def _client_and_json(optimizer, section: Mapping[str, object]) -> None:
-    """A client optimizer and a JSON "optimizer" together: which one the user meant is not
-    knowable, so it is an error, as in DeepSpeed 0.19.8 (docs/deepspeed_map.md)."""
+    """A client optimizer and a JSON "optimizer" together: an error, as Accelerate's (and so the
+    HF Trainer's) DeepSpeed path makes it. DeepSpeed 0.19.8 itself steps the client optimizer
+    and ignores the section without a word (tests/data/deepspeed_facts_0.19.8.json), so the
+    lr, betas and weight decay the JSON says would silently not be the ones trained with."""
     raise ValueError(f"deepspeed.initialize: an optimizer came both as optimizer= "
                      f"({type(optimizer).__name__}) and as the config's \"optimizer\" section "
                      f"({dict(section).get('type')!r}); pass one: remove the section or the argument")
 
 
 def _lr_scheduler(lr_scheduler, settings: Settings, optimizer):
+    if lr_scheduler is not None and settings.scheduler is not None:
+        raise ValueError(f"deepspeed.initialize: an lr scheduler came both as lr_scheduler= "
+                         f"({type(lr_scheduler).__name__}) and as the config's \"scheduler\" section "
+                         f"({dict(settings.scheduler).get('type')!r}); pass one (DeepSpeed 0.19.8 silently "
+                         "steps the argument and ignores the section; Accelerate refuses the pair)")
     if lr_scheduler is not None:
         if callable(lr_scheduler) and not callable(getattr(lr_scheduler, "step", None)):
             return lr_scheduler(optimizer)

@@ -116,7 +116,7 @@ def read_settings(ds: Mapping[str, object], *, world_size: int) -> Settings:
         for key in GATHER_16BIT_KEYS:
             if key in zero:
                 value = zero.pop(key)
-                if is_auto(value):
+                if is_auto(value):  # [Note: "auto"]: DeepSpeed's default
                     value = auto_means_default(f"zero_optimization.{key}", False)
                 if not isinstance(value, bool):
                     raise TypeError(f"DeepSpeed key 'zero_optimization.{key}' must be a bool, got {value!r}")
