@@ -67,18 +67,12 @@ def _enabled(section: object) -> bool:
     return bool(section)
 
 
-def _any_enabled(section: object) -> bool:
-    """Some `enabled: true` anywhere in a nested section (compression_training's techniques)."""
-    if isinstance(section, Mapping):
-        return section.get("enabled") is True or any(_any_enabled(v) for v in section.values())
-    return False
-
-
 def _offload_on(section: object) -> bool:
     if section is None:
         return False
-    if isinstance(section, Mapping):
-        return section.get("device", "none") not in ("none", None)
+    if isinstance(section, Mapping):  # "auto": DeepSpeed's default, none ([Note: "auto"])
+        device = section.get("device", "none")
+        return not is_auto(device) and device not in ("none", None)
     return True
 
 
@@ -92,7 +86,6 @@ _NO_OFFLOAD = "fz3 keeps params and optimizer states on the device (no offload)"
 # top-level features fz3 lacks: key -> (predicate "switched on", what to do instead)
 TOP_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
     "fp16": (_enabled, "fz3 has no fp16 loss scaling; use bf16 ({'enabled': true}) or fp32"),
-    "amp": (_enabled, "fz3 has no Apex AMP; use bf16 or fp32"),
     "optimizer": (lambda v: v is not None, "fz3 builds no optimizer from the JSON: build it "
                   "yourself (e.g. torch.optim.AdamW(model.parameters(), lr=...)) and pass it to "
                   "fz3.initialize"),
@@ -105,18 +98,8 @@ TOP_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
     "checkpoint": (_any_true("load_universal", "use_node_local_storage"),
                    "fz3 saves and loads its own sharded checkpoints (engine.save_checkpoint / "
                    "load_checkpoint, any world size): remove load_universal / use_node_local_storage"),
-    "nebula": (_enabled, "fz3 writes checkpoints with engine.save_checkpoint only: disable nebula"),
-    "elasticity": (_enabled, "fz3 has no elastic batch sizing: set the batch size and "
-                   "gradient_accumulation_steps yourself"),
     "autotuning": (_enabled, "fz3 has no autotuner: set the zero_optimization sizes yourself"),
-    "compression_training": (_any_enabled, "fz3 runs no compression schedule (quantization, "
-                             "pruning, layer reduction) during training: disable it"),
     "data_efficiency": (_enabled, "fz3 runs no data sampling or random-LTD routing: disable it"),
-    "curriculum_learning": (_enabled, "fz3 passes no curriculum_seqlen to the model: drive the "
-                            "curriculum in your own data loop"),
-    "progressive_layer_drop": (_enabled, "fz3 passes no progressive_layer_drop / pld_theta to "
-                               "the model: disable it"),
-    "eigenvalue": (_enabled, "fz3 computes no Hessian eigenvalues during training: disable it"),
     "hybrid_engine": (_enabled, "fz3 has no hybrid (generate + train) engine: disable it"),
     "compile": (_any_true("deepcompile", "passes"), "fz3 has no DeepCompile: remove deepcompile "
                 "and passes"),
@@ -143,8 +126,6 @@ ZERO_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
     "zero_quantized_nontrainable_weights": (bool, "fz3 keeps weights unquantized: set false"),
     "zero_quantized_gradients": (bool, "fz3 reduces grads unquantized (communication_data_type "
                                  "picks their dtype): set false"),
-    "zeropp_loco_param": (lambda v: v is not None, "fz3 has no LoCo-ZeRO++: remove it"),
-    "mics_shard_size": (lambda v: v not in (None, -1), "fz3 has no MiCS sub-groups; use -1"),
     "zenflow": (lambda v: v is not None, "fz3 has no ZenFlow: remove it"),
     "stage3_module_granularity_threshold": (bool, "fz3 forms fetch units from modules only: mark "
                                             "fine-grained blocks as leaf modules (leaf_module)"),
@@ -152,6 +133,37 @@ ZERO_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
                                "checkpoints: remove the key"),
     "pipeline_loading_checkpoint": (bool, "fz3 has no pipeline checkpoints: set false"),
 }
+
+# Keys DeepSpeed 0.19.8 itself refuses wherever they appear, whatever their value: the feature
+# was removed (runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS, _REMOVED_ZERO_CONFIG_KEYS,
+# _reject_removed_config_keys; deepspeedai/DeepSpeed#8489). key -> what DeepSpeed says
+REMOVED_TOP = {
+    "nebula": "Nebula checkpointing has been removed",
+    "compression_training": "The DeepSpeed compression library has been removed",
+    "amp": "NVIDIA Apex AMP integration has been removed. Use DeepSpeed 'fp16', 'bf16', or 'torch_autocast' instead",
+    "quantize_training": "Mixture-of-Quantization (MoQ) / 'quantize_training' has been removed",
+    "sparse_gradients": "Sparse compression of dense torch.nn.Embedding gradients has been removed",
+    "eigenvalue": "Eigenvalue-based Mixture-of-Quantization (MoQ) has been removed",
+    "sparse_attention": "DeepSpeed Sparse Attention has been removed",
+    "elasticity": "Elastic training has been removed; set train_batch_size / train_micro_batch_size_per_gpu / "
+                  "gradient_accumulation_steps directly",
+    "graph_harvesting": "Graph harvesting has been removed",
+    "curriculum_learning": "Legacy top-level 'curriculum_learning' has been removed. Use "
+                           "'data_efficiency.data_sampling.curriculum_learning' instead",
+    "progressive_layer_drop": "Progressive Layer Dropping has been removed",
+}
+REMOVED_ZERO = {
+    "mics_shard_size": "MiCS ZeRO-3 sharding has been removed",
+    "mics_hierarchical_params_gather": "MiCS ZeRO-3 sharding has been removed",
+    "zeropp_loco_param": "LoCo-Zero++ has been removed",
+}
+
+
+def _removed(key: str, table: Mapping[str, str], where: str = "") -> None:
+    if key in table:
+        raise ValueError(f"DeepSpeed key {where}{key!r}: DeepSpeed 0.19.8 refuses it whatever its value "
+                         f"({table[key]}; deepspeedai/DeepSpeed#8489): remove it")
+
 
 # DeepSpeed keys that change nothing in fz3: key -> why (shown to readers, not to users)
 TOP_UNUSED = {
@@ -171,15 +183,12 @@ TOP_UNUSED = {
     "zero_force_ds_cpu_optimizer": "only with offload, which fz3 rejects",
     "aio": "NVMe offload I/O, which fz3 rejects",
     "activation_checkpointing": "configures deepspeed.checkpointing, which only user code calls",
-    "sparse_attention": "read by sparse-attention modules that user code builds",
     "pipeline": "PipelineModule only",
     "seq_parallel_communication_data_type": "sequence parallelism only",
     "use_data_before_expert_parallelism": "expert-parallel groups of deepspeed.moe only",
     # read at stage 3 but unused there (engine.py: a stage-3 engine reduces through the ZeRO
     # optimizer, never through allreduce_bucket / buffered_allreduce_fallback)
-    "sparse_gradients": "CSR grads only outside ZeRO's partitioned grads",
     "gradient_allreduce_op": "stage 1/2 and non-ZeRO reductions only",
-    "graph_harvesting": "the stage 0/1 bf16 optimizer only",
     "disable_allgather": "read but used nowhere in DeepSpeed 0.19",
 }
 ZERO_UNUSED = {
@@ -196,7 +205,6 @@ ZERO_UNUSED = {
     "ignore_unused_parameters": "stage 2 only", "elastic_checkpoint": "stage 1/2 only",
     "legacy_stage1": "stage 1 only", "cpu_offload_use_pin_memory": "offload only",
     "save_muon_momentum_buffer_in_memory": "NVMe offload only",
-    "mics_hierarchical_params_gather": "MiCS only (mics_shard_size is rejected)",
 }
 
 
@@ -209,6 +217,7 @@ def translate(ds: Mapping[str, object]) -> tuple[dict[str, object], list[str]]:
     fields: dict[str, object] = {"gradient_clipping": DEEPSPEED_GRADIENT_CLIPPING}
     ignored: list[str] = []
     for key, value in ds.items():
+        _removed(key, REMOVED_TOP)
         if is_auto(value):
             auto_means_default(key, None)  # top-level: refused
         if key == "zero_optimization":
@@ -244,6 +253,7 @@ def _zero(zero: object, fields: dict[str, object], ignored: list[str]) -> None:
         said = " (DeepSpeed reads \"auto\" as its default, 0)" if is_auto(stage) else ""
         raise ValueError(f"zero_optimization.stage = {stage!r}{said}: fz3 implements stage 3 only")
     for key, value in zero.items():
+        _removed(key, REMOVED_ZERO, "zero_optimization.")
         if is_auto(value):  # [Note: "auto"]: the field keeps DeepSpeed's default
             continue
         canonical = ZERO_ALIASES.get(key, key)

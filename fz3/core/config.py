@@ -56,7 +56,7 @@ class Config:
     param_persistence_threshold: int = 100_000  # params this small stay gathered all step
     reduce_bucket_size: int = 500_000_000  # IPG bucket capacity in grad elements
     contiguous_gradients: bool = True
-    reduce_scatter: bool = True  # False (with contiguous_gradients): all-reduce + local slice
+    reduce_scatter: bool = True  # False, with contiguous_gradients: all-reduce + local slice
     overlap_comm: bool = True  # gathers and reduces on their own streams
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0  # global grad-norm clip; 0 = off
@@ -104,14 +104,15 @@ class Config:
                              f"(1.0 = off), got {factor!r}")
         for name in LEAF_FIELDS:
             object.__setattr__(self, name, _str_tuple(name, getattr(self, name)))
-        if not self.contiguous_gradients and not self.reduce_scatter:
-            raise ValueError("contiguous_gradients=False needs reduce_scatter=True: the all-reduce "
-                             "path reduces one contiguous bucket (DeepSpeed has the same rule)")
 
     @property
     def reduce_path(self) -> str:
-        """'allreduce' (contiguous bucket, keep own slice) or 'reduce_scatter'."""
-        return "reduce_scatter" if self.reduce_scatter else "allreduce"
+        """'allreduce' (the contiguous bucket all-reduced, each rank keeps its slice) when
+        contiguous_gradients and not reduce_scatter, else 'reduce_scatter'; without a
+        contiguous bucket there is nothing to all-reduce, so reduce_scatter=False changes
+        nothing there. DeepSpeed: stage3.py __reduce_and_partition_ipg_grads (contiguous and
+        not reduce_scatter: __avg_scatter_contiguous_grads; else __avg_scatter_grads)."""
+        return "allreduce" if self.contiguous_gradients and not self.reduce_scatter else "reduce_scatter"
 
     def replace(self, **changes: object) -> "Config":
         return dataclasses.replace(self, **changes)

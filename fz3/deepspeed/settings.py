@@ -127,7 +127,7 @@ def read_settings(ds: Mapping[str, object], *, world_size: int) -> Settings:
         warnings.simplefilter("always")
         config = Config.from_deepspeed(rest)
     for w in caught:  # re-raised here, so the warning points at the user's initialize call
-        warnings.warn(w.message, w.category, stacklevel=3)
+        warnings.warn(w.message, w.category, stacklevel=4)
     return Settings(config=config, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
                     gradient_accumulation_steps=gas, optimizer=optimizer, scheduler=scheduler,
                     gather_16bit_weights_on_model_save=gather, dataloader_drop_last=drop_last)

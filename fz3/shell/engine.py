@@ -322,12 +322,14 @@ class Engine(DeepSpeedSurface):
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+    def backward(self, loss: torch.Tensor, **kwargs) -> torch.Tensor:
         """loss.backward(); the grads are summed over ranks and micro-steps and divided once at
         the boundary, by world_size * gradient_accumulation_steps over what each was divided by
-        before its reduce (fz3/core/epilogue.py; no loss scaling here)."""
+        before its reduce (fz3/core/epilogue.py; no loss scaling here). -> loss divided by
+        gradient_accumulation_steps, detached: what DeepSpeed's backward returns (its scaled loss)."""
         self._refuse_if_stopped()
         loss.backward(**kwargs)
+        return loss.detach() / self.config.gradient_accumulation_steps
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At the accumulation boundary: the global grad norm, then clipping, the optimizer step
