@@ -57,3 +57,28 @@ def test_apply_under_a_functorch_transform_uses_setup_context():
     grad = torch.func.grad(lambda x: PostBackward.apply(lambda: calls.append(1), x * 3)[0].sum())
     assert torch.equal(grad(torch.ones(2)), torch.full((2,), 3.0))
     assert calls == [1]
+
+
+
+def test_a_wrapped_output_takes_in_place_ops():
+    """A module's output the engine wrapped can be changed in place, as any tensor (the HF
+    Trainer's `loss *= num_processes`), and the grads are the plain ones."""
+    import copy
+
+    import fz3
+    from fz3 import launch
+
+    def fn(rank, world):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+        ref = copy.deepcopy(model)
+        engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config())
+        x = torch.ones(2, 3)
+        out = engine(x)  # the root's output, wrapped
+        out *= 3.0
+        engine.backward(out.sum())
+        engine.step()
+        (ref(x).sum() * 3.0).backward()
+        return engine.get_global_grad_norm(), torch.cat([p.grad.flatten() for p in ref.parameters()]).norm().item()
+    ours, plain = launch.run_threads(fn, world_size=1)[0]
+    assert abs(ours - plain) <= 1e-6 * plain

@@ -26,11 +26,17 @@ from fz3.shell import pytree
 
 
 class PreBackward(torch.autograd.Function):
-    """Identity on a forward call's outputs; its backward fetches the module's params."""
+    """Identity on a forward call's outputs; its backward fetches the module's params.
+
+    forward returns each tensor detached, not as it came: a tensor a Function returns as-is is
+    a view of its input to autograd, and an in-place op on it (`loss *= n`, as the HF Trainer's
+    compute_loss does) is an error. A detached tensor shares the storage and the version
+    counter, so a tensor saved for backward that an in-place op overwrites is still caught.
+    DeepSpeed: PreBackwardFunctionForModule.forward (`outputs.detach()`)."""
 
     @staticmethod
     def forward(on_backward: Callable[[], None], *tensors: torch.Tensor):
-        return tensors
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
