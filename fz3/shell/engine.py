@@ -70,7 +70,7 @@ class Engine(DeepSpeedSurface):
         fz3.plan. `transport` moves the bytes of the real run's other collectives (consolidation,
         checkpoints' agreement; fz3/interpreters/transport.py); None under fz3.plan. `options`:
         fz3's own switches (fz3/shell/options.py; the interpreter takes the same)."""
-        self.module, self.optimizer, self.config, self.device = model, optimizer, config, device
+        self.module, self.optimizer, self.config, self.accelerator = model, optimizer, config, device
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)
         self.transport, self.options = transport, options
         self.rank, self.world_size = rank, world_size

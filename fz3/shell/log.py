@@ -36,14 +36,14 @@ def initialized(engine) -> None:
         return
     spec, store = engine.spec, engine.store
     persistent = [p for p in spec.params if p.persistent]
-    gather_by, reduce_by = accounting.carriers(engine.options, engine.device.backend)
+    gather_by, reduce_by = accounting.carriers(engine.options, engine.accelerator.backend)
     shards = store.shard_bytes()["param_shards"]
     grads = store.grad_flat.numel() * store.grad_flat.element_size()
     changed = ", ".join(f"{k}={v!r}" for k, v in differences(engine.config).items()) or "none"
     LOG.info("fz3: %d ranks on %s, backend %s (all-gather by %s, reduce-scatter by %s); %d params "
              "sharded (%s elements), %d persistent (%s elements); per rank: param shards %s, grad "
              "partitions %s; config differences from the defaults: %s",
-             engine.world_size, engine.device.torch_device, engine.device.backend, gather_by, reduce_by,
+             engine.world_size, engine.accelerator.torch_device, engine.accelerator.backend, gather_by, reduce_by,
              len(spec.params) - len(persistent), f"{sum(p.numel for p in spec.params if not p.persistent):,}",
              len(persistent), f"{sum(p.numel for p in persistent):,}", human_bytes(shards), human_bytes(grads), changed)
 

@@ -35,8 +35,8 @@ def memory_stats(engine) -> dict[str, int]:
         "buffer_bytes": tensor_bytes(engine.module.buffers()),
         "reduce_buffer_bytes": engine.interp.bucket_bytes(),
         "pool_bytes": engine.interp.pool_bytes(),
-        "device_allocated_bytes": engine.device.memory_allocated(),
-        "device_peak_bytes": engine.device.max_memory_allocated(),
+        "device_allocated_bytes": engine.accelerator.memory_allocated(),
+        "device_peak_bytes": engine.accelerator.max_memory_allocated(),
     }
 
 

@@ -110,7 +110,7 @@ def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple
     optimizer keeps state for the params it has stepped: the trainable ones that got a grad in
     some window so far ([Note: no grad, no step])."""
     config, interp, spec = engine.config, engine.interp, engine.spec
-    out = Plan(engine.world_size, engine.device.backend, config, params=sum(p.numel for p in spec.params),
+    out = Plan(engine.world_size, engine.accelerator.backend, config, params=sum(p.numel for p in spec.params),
                persistent_params=sum(p.numel for p in spec.params if p.persistent))
     live, stepped = 0, set()
     trainable = {p for p, t in enumerate(engine.store.trainable) if t}

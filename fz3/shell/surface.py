@@ -1,6 +1,7 @@
 """The names DeepSpeed scripts call on the engine, with DeepSpeed 0.19.8's answers.
 
     engine.train() / eval() / parameters() / named_parameters() / zero_grad() / no_sync()
+    engine.device, local_rank, global_rank, bfloat16_enabled(), zero_optimization_stage(), ...
     engine.global_steps, global_samples, micro_steps, skipped_steps
     engine.is_gradient_accumulation_boundary()      DeepSpeed's answer, call for call
     engine.gradient_accumulation_steps(), train_micro_batch_size_per_gpu(), train_batch_size()
@@ -87,6 +88,43 @@ class DeepSpeedSurface:
                              "ZeRO stage 3")
         yield  # pragma: no cover  (a generator, so `with engine.no_sync():` raises on entry)
 
+    # ---- where and what it runs ------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's torch device (`batch.to(engine.device)`). DeepSpeed: DeepSpeedEngine.device."""
+        return self.accelerator.torch_device
+
+    @property
+    def local_rank(self) -> int:
+        """LOCAL_RANK as torchrun sets it (0 without it). DeepSpeed: DeepSpeedEngine.local_rank."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.compute_dtype == "bf16"
+
+    def fp16_enabled(self) -> bool:
+        return False  # fz3 has no fp16 loss scaling (Config.from_deepspeed refuses fp16)
+
+    def zero_optimization(self) -> bool:
+        return True
+
+    def zero_optimization_stage(self) -> int:
+        return 3
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return True
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return True
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
     # ---- counters ([Note: DeepSpeed's counters]) -------------------------------------------------
 
     @property
@@ -138,6 +176,14 @@ class DeepSpeedSurface:
 
     # ---- 16-bit weights ---------------------------------------------------------------------------
 
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """Rank 0: the whole model's state dict in the compute dtype on the CPU (what
+        save_16bit_model writes); other ranks: None. Every rank must call it. DeepSpeed's name,
+        which Accelerate's get_state_dict calls: _zero3_consolidated_16bit_state_dict."""
+        self._refuse_if_stopped()
+        from fz3.shell.consolidate import compute_dtype_state_dict
+        return compute_dtype_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Rank 0 writes the whole model's weights in the compute dtype (torch.save of a state
@@ -152,10 +198,9 @@ class DeepSpeedSurface:
             from fz3.shell import log
             log.not_saved_16bit(self, path)
             return False
-        from fz3.shell.consolidate import compute_dtype_state_dict
-        state = compute_dtype_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         if self.rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, path)
-        self.transport.all_reduce(torch.zeros(1, device=self.device.torch_device))  # written before any rank returns
+        self.transport.all_reduce(torch.zeros(1, device=self.device))  # written before any rank returns
         return True
