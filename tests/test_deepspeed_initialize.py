@@ -48,7 +48,7 @@ def test_config_is_a_dict_a_json_path_or_base64(tmp_path):
 
 
 def test_a_missing_config_path_names_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.json"):
+    with pytest.raises(ValueError, match="nope.json.*no such file"):
         read_config(str(tmp_path / "nope.json"))
 
 

@@ -78,8 +78,8 @@ def read_config(config: object) -> dict:
         decoded = base64.urlsafe_b64decode(config).decode("utf-8")
         out = json.loads(decoded, object_pairs_hook=_no_duplicates)
     except (binascii.Error, UnicodeDecodeError, ValueError) as e:
-        raise FileNotFoundError(f"DeepSpeed config {config!r}: no such file (and not base64 JSON); "
-                                "expected a path to an existing JSON file, a dict, or base64 JSON") from e
+        raise ValueError(f"DeepSpeed config {config!r}: no such file (and not base64 JSON); expected a "
+                         "path to an existing JSON file, a dict, or base64 JSON (DeepSpeed: a ValueError)") from e
     if not isinstance(out, dict):
         raise ValueError(f"DeepSpeed config {config!r} decodes to {type(out).__name__}, not a JSON object")
     return out
