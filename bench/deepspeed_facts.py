@@ -4,7 +4,7 @@
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 bench/.env/bin/torchrun --nproc_per_node 2 \
         bench/deepspeed_facts.py --out tests/data/deepspeed_facts_0.19.8.json
 
-Sections of the JSON (docs/deepspeed_facts.md reads them out, one row per fact):
+Sections of the JSON (docs/deepspeed_map.md §9 reads them out, one row per fact):
   auto          each key Hugging Face's ZeRO-3 JSON sets to "auto", set alone: the value the
                 engine ends up with and what one accumulation window then does, or the error
   batch_sizes   which of train_batch_size / micro / gas are given, world size 2 -> derived or error
