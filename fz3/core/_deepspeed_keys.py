@@ -192,8 +192,8 @@ TOP_UNUSED = {
     "disable_allgather": "read but used nowhere in DeepSpeed 0.19",
 }
 ZERO_UNUSED = {
-    "stage3_gather_16bit_weights_on_model_save": "only engine.save_16bit_model, which user code "
-                                                 "calls (fz3: engine.full_state_dict)",
+    "stage3_gather_16bit_weights_on_model_save": "only engine.save_16bit_model: fz3.deepspeed.initialize "
+                                                 "reads it (fz3/deepspeed/settings.py)",
     "sub_group_size": "tiles the optimizer step; elementwise optimizers give the same numbers",
     "memory_efficient_linear": "a memory-saving F.linear with the same numbers",
     "override_module_apply": "deepspeed.zero.Init only",

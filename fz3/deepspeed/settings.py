@@ -23,6 +23,7 @@ import base64
 import binascii
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -107,6 +108,8 @@ def read_settings(ds: Mapping[str, object], *, world_size: int) -> Settings:
     rest["gradient_accumulation_steps"] = gas
     optimizer, scheduler = (_section(rest.pop(k, None), k) for k in ("optimizer", "scheduler"))
     drop_last = rest.pop("dataloader_drop_last", False)
+    if is_auto(drop_last):
+        auto_means_default("dataloader_drop_last", False)  # a top-level "auto": refused
     if not isinstance(drop_last, bool):
         raise TypeError(f"DeepSpeed key 'dataloader_drop_last' must be a bool, got {drop_last!r}")
     gather = False
@@ -122,7 +125,6 @@ def read_settings(ds: Mapping[str, object], *, world_size: int) -> Settings:
                     raise TypeError(f"DeepSpeed key 'zero_optimization.{key}' must be a bool, got {value!r}")
                 gather = value
         rest["zero_optimization"] = zero
-    import warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = Config.from_deepspeed(rest)

@@ -119,8 +119,9 @@ def not_saved_16bit(engine, path: str) -> None:
     a user asked for and did not get should not be silent)."""
     if engine.rank == 0:
         LOG.warning("fz3: did not save the model %s because zero_optimization."
-                    "stage3_gather_16bit_weights_on_model_save is false (DeepSpeed's default); set it "
-                    "true, or write engine.full_state_dict() yourself", path)
+                    "stage3_gather_16bit_weights_on_model_save is false (DeepSpeed's default; an engine "
+                    "from fz3.initialize always has it off): set it true in the config given to "
+                    "fz3.deepspeed.initialize, or write engine.full_state_dict() yourself", path)
 
 
 def departure(engine, where: tuple[int, int, int]) -> str:
