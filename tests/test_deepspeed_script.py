@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -44,8 +45,15 @@ def runs(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FZ3_DEVICE": "cpu"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            swapped(tmp), "--deepspeed_config", CONFIG, "--out", str(out), "--save_dir", str(tmp / "ckpt")]
-    done = subprocess.run(cmd, env=env, cwd=str(tmp), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    proc = subprocess.Popen(cmd, env=env, cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: a hang kills every rank
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail("the script did not finish within 240 s:\n" + stdout[-3000:] + stderr[-3000:])
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     with open(out) as f, open(RECORDED) as g:
         return json.load(f), json.load(g)
 
