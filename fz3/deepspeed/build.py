@@ -37,7 +37,8 @@ def build_engine(model: nn.Module, ds: Mapping[str, object], *, optimizer=None, 
     lr_scheduler = _lr_scheduler(lr_scheduler, settings, optimizer)
     engine = initialize(model, optimizer, settings.config, lr_scheduler=lr_scheduler)
     adopt(engine, settings)
-    loader = None if training_data is None else dataloader(engine, training_data, collate_fn)
+    loader = None if training_data is None else dataloader(engine, training_data, collate_fn,
+                                                           drop_last=settings.dataloader_drop_last)
     return engine, optimizer, loader, lr_scheduler
 
 
@@ -45,10 +46,8 @@ def adopt(engine, settings: Settings) -> None:
     """The engine takes what only the DeepSpeed config says: the batch sizes, the 16-bit
     save switch."""
     from fz3.shell.surface import BatchSizes
-    engine.batch = BatchSizes(settings.train_batch_size, settings.train_micro_batch_size_per_gpu,
-                              settings.gradient_accumulation_steps)
+    engine.batch = BatchSizes(settings.train_batch_size, settings.train_micro_batch_size_per_gpu)
     engine.gather_16bit_weights_on_model_save = settings.gather_16bit_weights_on_model_save
-    engine.dataloader_drop_last = settings.dataloader_drop_last
 
 
 def _world_size() -> int:
@@ -104,7 +103,8 @@ def _lr_scheduler(lr_scheduler, settings: Settings, optimizer):
     return build_scheduler(settings.scheduler, optimizer)
 
 
-def dataloader(engine, dataset, collate_fn: Optional[Callable] = None) -> torch.utils.data.DataLoader:
+def dataloader(engine, dataset, collate_fn: Optional[Callable] = None, *,
+               drop_last: bool = False) -> torch.utils.data.DataLoader:
     """A DataLoader of train_micro_batch_size_per_gpu samples, this rank's part of the dataset
     (a DistributedSampler over the engine's ranks, shuffled with seed 0, as DeepSpeed's), the
     last short batch kept unless dataloader_drop_last. DeepSpeed: deepspeed_io,
@@ -118,4 +118,4 @@ def dataloader(engine, dataset, collate_fn: Optional[Callable] = None) -> torch.
         sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.rank)
     return torch.utils.data.DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(),
                                        sampler=sampler, collate_fn=collate_fn,
-                                       drop_last=engine.dataloader_drop_last)
+                                       drop_last=drop_last)

@@ -22,7 +22,7 @@ def set_z3_leaf_modules(model: nn.Module, leaf_module_classes, raise_if_not_foun
     for m in model.modules():
         cls = type(m)
         named = f"{cls.__module__}.{cls.__qualname__}"
-        if cls not in classes and any(e is cls or (isinstance(e, type) and isinstance(m, e)) or e in (cls.__name__, named)
+        if cls not in classes and any(isinstance(m, e) if isinstance(e, type) else e in (cls.__name__, named)
                                       for e in entries):
             classes.append(cls)
     if not classes:

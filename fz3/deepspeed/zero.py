@@ -30,9 +30,9 @@ def Init(module=None, data_parallel_group=None, mem_efficient_linear: bool = Tru
     if module is not None:
         raise ValueError("deepspeed.zero.Init(module=...): fz3 shards a built model in initialize; "
                          "use zero.Init() as a context manager around the model's construction")
-    if remote_device not in (None, "none", "cuda", "cpu") or remote_device == "cpu":
+    if remote_device not in (None, "none", "cuda"):
         raise ValueError(f"deepspeed.zero.Init(remote_device={remote_device!r}): fz3 keeps params on the "
-                         "device (no offload); allowed: None or 'none'")
+                         "device (no offload); allowed: None, 'none' or 'cuda' (the device itself)")
     if dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"deepspeed.zero.Init(dtype={dtype!r}): fz3 keeps fp32 master shards and "
                          "computes in fp32 or bf16; allowed: None, torch.float32, torch.bfloat16")

@@ -93,7 +93,7 @@ class Engine(DeepSpeedSurface):
         # fz3.deepspeed.initialize sets the batch sizes and the 16-bit save switch
         self.micro_steps, self.global_samples, self.step_applied = 0, 0, False
         self.boundary_override: bool | None = None
-        self.batch = BatchSizes(None, None, config.gradient_accumulation_steps)
+        self.batch = BatchSizes(None, None)
         self.gather_16bit_weights_on_model_save = False
         self.saved = SavedParams(self.store, self.tables.names, self.param_ids)
         self.run_hook_effect = {BeginPass: self._begin_pass, EndPass: self._end_pass,

@@ -34,12 +34,11 @@ from torch import nn
 
 @dataclass(frozen=True)
 class BatchSizes:
-    """DeepSpeed's three batch sizes; the first two None where the engine was built by
-    fz3.initialize, which is given no batch size."""
+    """DeepSpeed's batch sizes beside the config's gradient_accumulation_steps; None where the
+    engine was built by fz3.initialize, which is given no batch size."""
 
     train_batch_size: Optional[int]
     train_micro_batch_size_per_gpu: Optional[int]
-    gradient_accumulation_steps: int
 
 
 class DeepSpeedSurface:
