@@ -65,12 +65,16 @@ def test_initialize_says_what_it_set_up_and_each_step_what_it_did():
         assert len(debug) == 7, debug
         lines = [re.fullmatch(rf"fz3 rank {rank} step {i + 1}: (\d+) all-gathers \((\d+) on demand, (\d+) "
                               r"prefetched\), .* gathered, (\d+) reduces, .* reduced; trace (\w+), (\d+) "
-                              r"invalidations; peak live [\d,]+ params", m) for i, m in enumerate(debug)]
+                              r"invalidations; peak live [\d,]+ params; compiler: (\d+) graphs, (\d+) graph "
+                              r"breaks, (\d+) frames \(\+\d+, \+\d+, \+\d+ this step\) over (\d+) compiled units", m)
+                 for i, m in enumerate(debug)]
         assert all(lines), debug
         per_step = [[int(g) for g in (m[1], m[2], m[3], m[4])] for m in lines]
         assert [sum(col) for col in zip(*per_step)] == [stats["all_gather"], stats["all_gather_on_demand"],
                                                         stats["all_gather_prefetch"], stats["reduce"]]
         assert lines[-1][5] == stats["trace"] and int(lines[-1][6]) == stats["trace_invalidations"]
+        assert [int(g) for g in lines[-1].groups()[6:]] == [stats["graphs"], stats["graph_breaks"],
+                                                          stats["compiled_frames"], stats["compiled_units"]]
 
 
 def test_orders_dropped_again_and_again_are_a_warning_naming_where():

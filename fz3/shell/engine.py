@@ -41,6 +41,7 @@ from fz3.interpreters.leaf_hint import leaf_hint
 from fz3.interpreters.protocol import Interpreter
 from fz3.shell import checks, log, pytree, state_dict
 from fz3.shell.buffers import BufferSync
+from fz3.shell.compiled import compile_stats, outside_graph, refuse_compiled_engine
 from fz3.shell.log import StepLog
 from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, needs_grad, wrap_tensors
 from fz3.shell.memory import memory_stats
@@ -78,15 +79,10 @@ class Engine(DeepSpeedSurface):
         self.spec = self.tables.spec
         self.store = TensorStore(self.tables, rank=self.rank, world_size=self.world_size,
                                  compute_dtype=config.compute_dtype, device=device.torch_device)
-        self.interp = interpreter(self.store)
-        self.stopped: DivergenceError | None = None  # [Note: an engine stops at a DivergenceError]
-        self._watch_divergence()
         self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
-        self.module_ids = {id(m): i for i, m in enumerate(self.tables.modules)}
-        in_place = getattr(self.interp, "in_place_reduce_scatter", False)
-        # the engine's two cells: the core state, and the grad norm at the last boundary
-        self.state = Lifecycle(initial_state(self.spec), init_grad_state(self.spec, in_place_reduce_scatter=in_place),
-                               initial_calls(self.spec, self.store.trainable))
+        self.make_interpreter = interpreter
+        self.hook_handles: list = []
+        self._take_units()
         self.grad_norm: torch.Tensor | None = None  # at the last boundary, before clipping
         self.step_log = StepLog()
         # DeepSpeed's counters and batch sizes ([Note: DeepSpeed's counters], surface.py);
@@ -104,10 +100,36 @@ class Engine(DeepSpeedSurface):
                                 SkipStep: self._skip_step}
         if config.compute_dtype != "fp32":
             _cast_buffers(model, DTYPES[config.compute_dtype])
-        self.buffers = BufferSync(model, self.interp.broadcast, enabled=options.broadcast_buffers,
-                                  world_size=world_size)
+        self.buffers = BufferSync(model, lambda t: self.interp.broadcast(t), enabled=options.broadcast_buffers,
+                                  world_size=world_size)  # the interpreter of the units of the time
         bind_optimizer(optimizer, self.tables.params, self.store.masters)
+
+    def _take_units(self) -> None:
+        """What follows from the fetch units (the tables' modules): the interpreter, the core
+        state, the hooks. Run at initialize, and again by engine.compile() before the first
+        forward, when compiled blocks become units (fz3/shell/compiled.py)."""
+        self.spec = self.tables.spec
+        self.store.tables = self.tables
+        self.interp = self.make_interpreter(self.store)
+        self.stopped: DivergenceError | None = None  # [Note: an engine stops at a DivergenceError]
+        self._watch_divergence()
+        self.module_ids = {id(m): i for i, m in enumerate(self.tables.modules)}
+        in_place = getattr(self.interp, "in_place_reduce_scatter", False)
+        # the engine's two cells: the core state, and the grad norm at the last boundary
+        self.state = Lifecycle(initial_state(self.spec), init_grad_state(self.spec, in_place_reduce_scatter=in_place),
+                               initial_calls(self.spec, self.store.trainable))
+        self.fresh_state = self.state  # what no event has touched yet (engine.compile() checks it)
         self._install()
+
+    def units_changed(self) -> None:
+        """Modules of the model became compiled regions (engine.compile()): read the units
+        again and build what follows from them. Before the first forward only."""
+        self._uninstall()
+        names = self.tables.names
+        self.tables = read_tables(self.module, world_size=self.world_size, config=self.config,
+                                  numels=[s.numel() for s in self.store.shapes])
+        assert self.tables.names == names, "compiling in place renames no param"
+        self._take_units()
 
     @property
     def params_state(self):
@@ -198,15 +220,29 @@ class Engine(DeepSpeedSurface):
     # ---- hooks: torch's events in ---------------------------------------------------------------
 
     def _install(self) -> None:
+        # [Note: hooks outside the graph] (compiled.py): the compiler never traces into fz3
+        pre_forward, post_forward = outside_graph(self._pre_forward), outside_graph(self._post_forward)
+        on_param_read = outside_graph(self._on_param_read)
+        handles = self.hook_handles
         for m, module in enumerate(self.tables.modules):
-            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True)
-            module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
+            handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True, prepend=True))
+            handles.append(module.register_forward_hook(post_forward, with_kwargs=True, always_call=True))
             if not self.spec.modules[m].is_leaf:
-                module._parameters = ParamDict(module._parameters, m, self._on_param_read)
+                module._parameters = ParamDict(module._parameters, m, on_param_read)
         for p, hooked in enumerate(self.state.calls.tables.hooked):  # [Note: leaf modules]
             if hooked:
-                self.tables.params[p].register_post_accumulate_grad_hook(self._make_grad_hook(p))
-        state_dict.install(self)
+                handles.append(self.tables.params[p].register_post_accumulate_grad_hook(
+                    outside_graph(self._make_grad_hook(p))))
+        handles.extend(state_dict.install(self))
+
+    def _uninstall(self) -> None:
+        """Take every hook `_install` put in (engine.compile(), before the units change)."""
+        for h in self.hook_handles:
+            h.remove()
+        self.hook_handles.clear()
+        for module in self.tables.modules:
+            if isinstance(module._parameters, ParamDict):
+                module._parameters = dict(module._parameters)
 
     def _pre_forward(self, module, args, kwargs):
         grad = torch.is_grad_enabled()
@@ -320,6 +356,8 @@ class Engine(DeepSpeedSurface):
     # ---- public API -------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # torch.compile(engine): [Note: compiled regions]
+            refuse_compiled_engine()
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -398,7 +436,7 @@ class Engine(DeepSpeedSurface):
                    trace=TraceMode(st.trace.mode).name, trace_invalidations=st.trace.invalidations,
                    micro_step=self.grads_state.micro_step, optimizer_steps=self.optimizer_steps,
                    skipped_steps=self.grads_state.skipped,
-                   **memory_stats(self))
+                   **memory_stats(self), **compile_stats(self))
         return out
 
     def param_status(self, param: nn.Parameter) -> str:

@@ -3,8 +3,10 @@
     INFO     at fz3.initialize, rank 0: world size, device, backend and the carriers of the
              gathers and reduces, params sharded and persistent, bytes per rank, and the config's
              differences from DeepSpeed's defaults
+    INFO     at engine.compile(), rank 0: the backend and the modules compiled
     DEBUG    after each optimizer step, every rank: gathers (on demand / prefetched), bytes
-             gathered and reduced, reduces, the trace's state and invalidations, peak live params
+             gathered and reduced, reduces, the trace's state and invalidations, peak live params,
+             and the compiler's graphs, graph breaks and frames compiled (what the step added)
     WARNING  when a recorded module order is dropped twice or more in a row, no pass keeping to a
              plan in between (prefetch never gets going): where the order changed, and what the
              plan expected there; and, every rank, when an optimizer step is skipped because the
@@ -27,7 +29,7 @@ from fz3.shell.memory import human_bytes
 
 LOG = logging.getLogger("fz3")
 STEP_KEYS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "gathered_bytes", "reduce",
-             "reduced_bytes")
+             "reduced_bytes", "graphs", "graph_breaks", "compiled_frames")
 
 
 def initialized(engine) -> None:
@@ -83,10 +85,22 @@ class StepLog:
         d = {k: s[k] - self.counts.get(k, 0) for k in STEP_KEYS}
         self.counts = {k: s[k] for k in STEP_KEYS}
         LOG.debug("fz3 rank %d step %d: %d all-gathers (%d on demand, %d prefetched), %s gathered, %d "
-                  "reduces, %s reduced; trace %s, %d invalidations; peak live %s params", engine.rank,
-                  s["optimizer_steps"], d["all_gather"], d["all_gather_on_demand"], d["all_gather_prefetch"],
-                  human_bytes(d["gathered_bytes"]), d["reduce"], human_bytes(d["reduced_bytes"]), s["trace"],
-                  s["trace_invalidations"], f"{s['peak_live_numel']:,}")
+                  "reduces, %s reduced; trace %s, %d invalidations; peak live %s params; compiler: %d "
+                  "graphs, %d graph breaks, %d frames (+%d, +%d, +%d this step) over %d compiled units",
+                  engine.rank, s["optimizer_steps"], d["all_gather"], d["all_gather_on_demand"],
+                  d["all_gather_prefetch"], human_bytes(d["gathered_bytes"]), d["reduce"],
+                  human_bytes(d["reduced_bytes"]), s["trace"], s["trace_invalidations"], f"{s['peak_live_numel']:,}",
+                  s["graphs"], s["graph_breaks"], s["compiled_frames"], d["graphs"], d["graph_breaks"],
+                  d["compiled_frames"], s["compiled_units"])
+
+
+def compiled(engine, backend, names: list[str]) -> None:
+    """engine.compile()'s INFO line (rank 0): what it compiled."""
+    if engine.rank != 0:
+        return
+    shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+    LOG.info("fz3: engine.compile(backend=%r) compiled %d modules, each one fetch unit: %s", backend,
+             len(names), shown or "none (no module left to compile)")
 
 
 def own_buffers(engine) -> None:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fz3.core.pvec import Log
+from fz3.shell.compiled import outside_graph
 
 
 class SavedView(NamedTuple):
@@ -46,7 +47,8 @@ class SavedParams:
         """A root forward starts: a fresh log, and the hooks open (until `end`)."""
         self.log = Log()
         if self.hooks is None:
-            self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            # [Note: hooks outside the graph] (compiled.py): a compiled region's saves come here too
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(outside_graph(self.pack), outside_graph(self.unpack))
             self.hooks.__enter__()
 
     def end(self) -> None:

@@ -27,13 +27,16 @@ from torch import nn
 from fz3.core.state import AVAILABLE, STATUS
 
 
-def install(engine) -> None:
-    """A pre-hook on every module of `engine` that owns params."""
-    for module in engine.tables.modules:
+def install(engine) -> list:
+    """A pre-hook on every module of `engine`'s model that owns params, inside leaf modules and
+    compiled blocks too. -> the hooks' handles."""
+    handles = []
+    for module in engine.module.modules():
         own = [(name, engine.param_ids[id(p)]) for name, p in module._parameters.items()
                if p is not None and id(p) in engine.param_ids]
         if own:
-            module.register_state_dict_pre_hook(_Check(engine, own))
+            handles.append(module.register_state_dict_pre_hook(_Check(engine, own)))
+    return handles
 
 
 class _Check:

@@ -26,10 +26,12 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
+
+from fz3.shell import log
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,24 @@ class DeepSpeedSurface:
     @property
     def training(self) -> bool:
         return self.module.training
+
+    def compile(self, backend: str | Callable = "inductor", compile_kwargs: dict | None = None,
+                schedule=None, compiled_autograd_enabled: bool = False) -> None:
+        """Compile the model's repeated blocks (a transformer's layers; without any, each child
+        of the root that holds params) in place with torch.compile(backend=backend,
+        **compile_kwargs), each one fetch unit with fz3's hooks outside its graph ([Note:
+        compiled regions], fz3/shell/compiled.py). Call it before the first forward. Blocks
+        compiled before fz3.initialize need no call. DeepSpeed: DeepSpeedEngine.compile (which
+        compiles the whole module, a graph break at every module's hooks)."""
+        from fz3.shell.compiled import compile_engine
+        self.compiled_regions = compile_engine(self, backend, compile_kwargs, schedule, compiled_autograd_enabled)
+        log.compiled(self, backend, self.compiled_regions)
+
+    @property
+    def is_compiled(self) -> bool:
+        """engine.compile() ran, or some fetch unit is a module compiled before initialize.
+        DeepSpeed: DeepSpeedEngine.is_compiled."""
+        return bool(self.tables.compiled)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:

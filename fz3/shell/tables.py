@@ -23,7 +23,7 @@ from torch import nn
 
 from fz3.core.config import DEFAULT_LEAF_MODULE_CLASSES, Config
 from fz3.core.spec import ModelSpec, build_spec
-from fz3.shell import registry
+from fz3.shell import compiled, registry
 
 _LEAF_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -104,10 +104,12 @@ class Tables:
     names: list[str]  # by ParamId
     modules: list[nn.Module]  # by ModuleId
     module_names: list[str]
+    compiled: tuple[int, ...] = ()  # ModuleIds of the compiled regions (each a leaf)
 
 
-def read_tables(model: nn.Module, *, world_size: int, config: Config) -> Tables:
-    """Number the params and fetch units of `model` for the core."""
+def read_tables(model: nn.Module, *, world_size: int, config: Config, numels: list[int] | None = None) -> Tables:
+    """Number the params and fetch units of `model` for the core. `numels`: each param's size,
+    where the params no longer show it (sharded: engine.compile() reads the units again)."""
     params, names, index = [], [], {}
     for name, p in model.named_parameters():  # remove_duplicate: a tied param once
         index[p] = len(params)
@@ -119,21 +121,30 @@ def read_tables(model: nn.Module, *, world_size: int, config: Config) -> Tables:
     seen: set[int] = set()
     leaves = {id(m) for m in config_leaves(model, config)}
 
-    def visit(module: nn.Module, name: str) -> None:
+    compiled_units: list[int] = []
+
+    def visit(module: nn.Module, name: str, wrapped: bool = False) -> None:
         if id(module) in seen:
             return  # a submodule shared under two names is one unit
         seen.add(id(module))
-        leaf = module is not model and (marked_leaf(module) or id(module) in leaves)
+        # [Note: compiled regions]: a module compiled in place, or the one a torch.compile
+        # wrapper (not the root) holds, is a leaf
+        region = module is not model and (wrapped or compiled.compiled_in_place(module))
+        leaf = module is not model and (marked_leaf(module) or id(module) in leaves or region)
         own = module.parameters() if leaf else module.parameters(recurse=False)
+        if region:
+            compiled_units.append(len(modules))
         modules.append(module)
         module_names.append(name)
         units.append((name, sorted({index[p] for p in own}), leaf))
         if not leaf:
+            wraps = module is not model and compiled.is_wrapper(module)
             for child_name, child in module.named_children():
-                visit(child, f"{name}.{child_name}" if name else child_name)
+                visit(child, f"{name}.{child_name}" if name else child_name, wraps)
 
     visit(model, "")
-    spec = build_spec([(n, p.numel()) for n, p in zip(names, params)], units,
+    sizes = [p.numel() for p in params] if numels is None else numels
+    spec = build_spec(list(zip(names, sizes)), units,
                       world_size=world_size, persistence_threshold=config.param_persistence_threshold,
                       model_persistence_threshold=config.model_persistence_threshold)
-    return Tables(spec, params, names, modules, module_names)
+    return Tables(spec, params, names, modules, module_names, tuple(compiled_units))
