@@ -289,3 +289,33 @@ def test_a_hook_is_a_graph_break_run_without_the_compiler():
     assert seen == [(False, False)]
     assert torch.equal(f(torch.ones(2)), torch.full((2,), 3.0)) and len(seen) == 2
     assert not torch.compiler.is_compiling()
+
+
+@pytest.mark.parametrize("how", ["block.compile", "torch.compile(block)", "set_leaf_modules"])
+def test_plan_sees_the_units_the_engine_runs(how):
+    """fz3.plan runs the engine on a copy of the model, and a copy keeps neither leaf marks nor
+    compiled modules: the plan now has the same units (and so the same gathers) as the run, and
+    compiles nothing."""
+    def net() -> nn.Module:
+        if how == "set_leaf_modules":
+            m = build(Case("eager", "block.compile"), compiled=False)
+            fz3.set_leaf_modules(m, [type(m.blocks[0])])
+            return m
+        return build(Case("eager", how))
+
+    def run(rank, world):
+        m = net()
+        engine = fz3.initialize(m, optimizer(m), fz3.Config(param_persistence_threshold=0))
+        x, y = batch(0, rank, world)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+        return engine.stats()
+
+    ran = launch.run_threads(run, 2)[0]
+    before = torch._dynamo.utils.counters["frames"]["total"]
+    planned = fz3.plan(net(), fz3.Config(param_persistence_threshold=0), world_size=2,
+                       example_inputs=(batch(0, 0, 2)[0],), optimizer="sgd").stats
+    assert torch._dynamo.utils.counters["frames"]["total"] == before  # the plan compiled nothing
+    for k in ("compiled_units", "all_gather", "gathered_bytes", "reduce", "peak_live_numel"):
+        assert planned[k] == ran[k], (k, planned[k], ran[k])
+    assert planned["compiled_units"] == (0 if how == "set_leaf_modules" else C.n_layer)

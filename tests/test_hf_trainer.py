@@ -125,6 +125,9 @@ def _worker(rank: int, world: int, root: str) -> dict:
                                                   save_steps=2, weight_decay=0.01, adam_beta2=0.99),
                        train_dataset=_data(WORLD * MICRO * GAS * 2), fz3_config=JSON_CONFIG)
     j.train()
+    c = fz3.hf.Trainer(model=_model(), args=_args(f"{root}/c", MICRO, torch_compile=True, torch_compile_backend="eager"),
+                       train_dataset=_data(WORLD * MICRO * GAS * STEPS), fz3_config=DS_CONFIG)
+    c.train()
     cfg = a.engine.config
     refused = {
         "mismatch": _refusal(lambda: fz3.hf.Trainer(
@@ -136,6 +139,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     if rank != 0:
         return {}
     return {"a": _logs(a), "b": _logs(b, after=2), "b_steps_run": steps_run.steps,
+            "compiled": {"logs": _logs(c), "regions": c.engine.compiled_regions, "units": c.engine.stats()["compiled_units"]},
             "full_a": full_a, "full_b": full_b, "refused": refused,
             "config": {k: getattr(cfg, k) for k in ("gradient_accumulation_steps", "gradient_clipping",
                                                    "reduce_bucket_size", "prefetch_bucket_size",
@@ -194,6 +198,15 @@ def test_losses_match_plain_trainer(ranks, plain):
         assert mine["learning_rate"] == pytest.approx(ref["learning_rate"], rel=1e-12), (mine, ref)
         assert mine["grad_norm"] > CLIP  # the clip was in effect
     assert got[-1]["loss"] != pytest.approx(got[1]["loss"], rel=1e-3)  # training moved the weights
+
+
+def test_torch_compile_compiles_the_decoder_layers_at_the_same_losses(ranks):
+    """TrainingArguments(torch_compile=True) goes to engine.compile(), as Accelerate's prepare
+    sends it to a DeepSpeed engine: each decoder layer one compiled fetch unit."""
+    assert ranks["compiled"]["regions"] == ["model.layers.0", "model.layers.1"]
+    assert ranks["compiled"]["units"] == 2
+    for got, want in zip(ranks["compiled"]["logs"], ranks["a"]):
+        assert got["step"] == want["step"] and got["loss"] == pytest.approx(want["loss"], rel=1e-6)
 
 
 def test_auto_values_filled_from_training_arguments(ranks):

@@ -154,6 +154,10 @@ class Trainer(transformers.Trainer):
         _check_windows(train_dataloader, max_steps, self.args.gradient_accumulation_steps)
         self.fz3_config.trainer_config_finalize(self.args, self.model, max_steps)
         self.engine, self.optimizer, self.lr_scheduler = self._initialize(max_steps)
+        if self.args.torch_compile:  # as Accelerate's prepare compiles a DeepSpeed engine
+            mode = self.args.torch_compile_mode
+            self.engine.compile(backend=self.args.torch_compile_backend or "inductor",
+                                compile_kwargs={"mode": mode} if mode else None)
         self.model_wrapped = self.model
         if resume_from_checkpoint is not None:
             self._load_engine(resume_from_checkpoint)

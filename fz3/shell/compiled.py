@@ -34,6 +34,7 @@ it calls is compiled either). Where torch lacks these, torch.compiler.disable it
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Callable, TypeVar
 
 import torch
@@ -47,13 +48,36 @@ except ImportError:  # a torch without these: torch.compiler.disable instead
 F = TypeVar("F", bound=Callable)
 
 
+_PLANNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # fz3.plan's copies of compiled modules
+
+
+class PlannedWrapper(nn.Module):
+    """fz3.plan's copy of a torch.compile wrapper: the same `_orig_mod` (so the same names),
+    run as it is, nothing compiled (fz3/shell/fake.py)."""
+
+    def __init__(self, orig: nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = orig
+
+    def forward(self, *args, **kwargs):
+        return self._orig_mod(*args, **kwargs)
+
+
+def mark_region(module: nn.Module) -> None:
+    """fz3.plan's copy of a module compiled in place is a region too (the copy is not compiled)."""
+    _PLANNED.add(module)
+
+
 def compiled_in_place(module: nn.Module) -> bool:
-    """`module.compile()` was called."""
-    return getattr(module, "_compiled_call_impl", None) is not None
+    """`module.compile()` was called (or `module` is fz3.plan's copy of such a module)."""
+    return getattr(module, "_compiled_call_impl", None) is not None or module in _PLANNED
 
 
 def is_wrapper(module: nn.Module) -> bool:
-    """`module` is what torch.compile(m) returns (an OptimizedModule; m is its `_orig_mod`)."""
+    """`module` is what torch.compile(m) returns (an OptimizedModule; m is its `_orig_mod`), or
+    fz3.plan's copy of one."""
+    if isinstance(module, PlannedWrapper):
+        return True
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 

@@ -58,6 +58,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            FakeTensorMode, unset_fake_temporarily)
 from torch.utils import _pytree
 
+from fz3.shell import compiled, tables
 from fz3.shell.guesses import FINITE, GUESSES, STRICTER_META, scalar_rule
 
 KNOWN_NUMEL = 1 << 20
@@ -151,7 +152,7 @@ class Fakes:
             for v in vars(m).values():
                 if isinstance(v, torch.Tensor) and id(v) not in memo:
                     memo[id(v)] = self.known(v)
-        return copy.deepcopy(model, memo)
+        return _same_units(model, copy.deepcopy(model, memo))
 
 
 class PlanFakeMode(FakeTensorMode):
@@ -268,3 +269,22 @@ def _short(path: str) -> str:
         if mark in path:
             return path.split(mark, 1)[1]
     return os.path.relpath(path) if path.startswith(os.getcwd()) else path
+
+
+def _same_units(model: nn.Module, dup: nn.Module) -> nn.Module:
+    """The copy with the fetch units the model has: leaf marks and compiled regions do not
+    survive a deepcopy (the marks are by object; torch drops `_compiled_call_impl` and rebuilds
+    a torch.compile wrapper around the copy). The copy compiles nothing: a region is marked, a
+    wrapper becomes a plain one around the same block ([Note: compiled regions], compiled.py)."""
+    for orig, new in zip(model.modules(), dup.modules()):
+        if tables.marked_leaf(orig):
+            tables.mark_leaves([new])
+        if compiled.compiled_in_place(orig):
+            compiled.mark_region(new)
+    for parent in dup.modules():
+        for name, child in parent.named_children():
+            if compiled.is_wrapper(child) and not isinstance(child, compiled.PlannedWrapper):
+                parent._modules[name] = compiled.PlannedWrapper(child._orig_mod)
+    if compiled.is_wrapper(dup) and not isinstance(dup, compiled.PlannedWrapper):
+        dup = compiled.PlannedWrapper(dup._orig_mod)
+    return dup

@@ -45,8 +45,10 @@ from fz3.shell.memory import human_bytes
 from fz3.shell.hooks import flatten
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-NOT_PLANNED = ("pool_bytes", "device_allocated_bytes", "device_peak_bytes")
-"""engine.stats() keys that are runtime, not decided by the core: the plan leaves them out."""
+NOT_PLANNED = ("pool_bytes", "device_allocated_bytes", "device_peak_bytes", "graphs", "graph_breaks",
+               "compiled_frames")
+"""engine.stats() keys that are runtime, not decided by the core (the compiler's counts are the
+process's): the plan leaves them out."""
 STEP_COUNTS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "gathered_bytes",
                "reduce", "reduced_bytes")
 
