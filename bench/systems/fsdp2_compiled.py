@@ -1,0 +1,37 @@
+"""FSDP2 with per-block compile (issue #25, bench/compile.py), torchtitan's recipe: each
+transformer block torch.compile(block, backend="inductor", fullgraph=True), put back in
+model.blocks, BEFORE fully_shard(block); then fully_shard(model). FSDP2's hooks sit on the
+OptimizedModule wrapper, outside the compiled graph. Otherwise as fsdp2.py (CPU mesh, SUM
+reduction with FSDP's own division afterwards)."""
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from systems.common import Plain, make_model
+
+BACKEND = "inductor"
+
+
+class Fsdp2Compiled(Plain):
+    def __init__(self, spec: dict, world: int) -> None:
+        model = make_model(spec["model"])
+        mesh = init_device_mesh("cpu", (world,))
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend=BACKEND, fullgraph=True)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+        super().__init__(model, model)
+
+    def describe(self) -> dict:
+        return {"how": "model.blocks[i] = torch.compile(block, backend='inductor', fullgraph=True); "
+                       "fully_shard(block) each; fully_shard(model)"}
+
+
+def build(rank: int, world: int, spec: dict) -> Fsdp2Compiled:
+    return Fsdp2Compiled(spec, world)
