@@ -62,6 +62,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)  # systems.* (spawned ranks inherit sys.path)
 
+import compare  # noqa: E402  (machine_info)
+
 LABELS = ["fz3", "fz3-compiled", "fsdp2", "fsdp2-compiled", "ddp", "ddp-compiled", "fz3-blocks"]
 EAGER_OF = {"fz3-compiled": "fz3", "fsdp2-compiled": "fsdp2", "ddp-compiled": "ddp"}
 MD_BEGIN, MD_END = "<!-- compile:begin -->", "<!-- compile:end -->"
@@ -171,17 +173,6 @@ def versions() -> dict:
     except OSError:
         pass
     return out
-
-
-def machine_info() -> dict:
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
 def log(msg: str) -> None:
@@ -349,7 +340,7 @@ def main() -> int:
     t_start = time.time()
     res: dict = {"started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                  "command": "python bench/compile.py " + " ".join(sys.argv[1:]),
-                 "machine": machine_info(), "versions": versions(), "load_start": os.getloadavg(),
+                 "machine": compare.machine_info(), "versions": versions(), "load_start": os.getloadavg(),
                  "settings": {"rounds": args.rounds, "warmup": args.warmup, "steps": args.steps, "world": 2,
                               "threads_per_rank": 1, "fz3_compile": args.fz3_compile, "cache": args.cache, "models": models,
                               "systems": labels, "backend": "inductor"},

@@ -14,14 +14,19 @@ class Fsdp2(Plain):
 
     def __init__(self, spec: dict, world: int) -> None:
         model = make_model(spec["model"])
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_force_sum_reduction_for_comms(True)
+        shard(model, world)
         super().__init__(model, model)
+
+
+def shard(model, world: int) -> None:
+    """fully_shard each block, then the root, on a CPU mesh; SUM reduction (FSDP divides after)."""
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
 
 
 def build(rank: int, world: int, spec: dict) -> Fsdp2:

@@ -6,10 +6,9 @@ reduction with FSDP's own division afterwards)."""
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from systems.common import Plain, make_model
+from systems.fsdp2 import shard
 
 BACKEND = "inductor"
 
@@ -17,15 +16,9 @@ BACKEND = "inductor"
 class Fsdp2Compiled(Plain):
     def __init__(self, spec: dict, world: int) -> None:
         model = make_model(spec["model"])
-        mesh = init_device_mesh("cpu", (world,))
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, backend=BACKEND, fullgraph=True)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_force_sum_reduction_for_comms(True)
+        shard(model, world)
         super().__init__(model, model)
 
     def describe(self) -> dict:

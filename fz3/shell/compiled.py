@@ -175,6 +175,10 @@ def compile_engine(engine, backend, compile_kwargs: dict | None, schedule, compi
     return [name for name, _ in found]
 
 
+PROCESS_WIDE = ("graphs", "graph_breaks", "compiled_frames")
+"""compile_stats' keys that count for the whole process (every engine and thread rank in it)."""
+
+
 def compile_stats(engine) -> dict[str, int]:
     """stats()' compile keys. compiled_units: fetch units that are compiled regions. The rest are
     dynamo's process-wide counts (0 before anything was compiled): graphs compiled, graph breaks

@@ -40,13 +40,13 @@ from fz3.core.config import Config, differences
 from fz3.shell.options import given
 from fz3.core.effects import AllGather, Free
 from fz3.shell import registry
+from fz3.shell.compiled import PROCESS_WIDE
 from fz3.shell.fake import Fakes, Guess
 from fz3.shell.memory import human_bytes
 from fz3.shell.hooks import flatten
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-NOT_PLANNED = ("pool_bytes", "device_allocated_bytes", "device_peak_bytes", "graphs", "graph_breaks",
-               "compiled_frames")
+NOT_PLANNED = ("pool_bytes", "device_allocated_bytes", "device_peak_bytes", *PROCESS_WIDE)
 """engine.stats() keys that are runtime, not decided by the core (the compiler's counts are the
 process's): the plan leaves them out."""
 STEP_COUNTS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "gathered_bytes",
