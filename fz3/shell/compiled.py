@@ -3,6 +3,8 @@
     is_compiled(module)     torch.compile(block) (an OptimizedModule) or block.compile()
     outside_graph(fn)       a hook the compiler calls as a graph break, never traces into
     regions(model)          what engine.compile() compiles: the repeated blocks
+    compile_engine(...)     engine.compile(): compile the regions, make them the fetch units
+    compile_stats(engine)   stats()' compiler keys
 
 [Note: compiled regions] A compiled module is one fetch unit, as a leaf module is
 (fz3/shell/tables.py): its pre-forward gathers every param of its subtree, its post-forward and
@@ -21,7 +23,8 @@ engine.compile() keeps its hooks out the same way (`@torch.compiler.disable`) bu
 module a unit, so its graphs break at every module.
 
 [Note: hooks outside the graph] Every entry point torch calls in fz3 (forward pre/post hooks,
-the param reads of ParamDict, the grad hooks) is `torch.compiler.disable`d: when the compiler
+the param reads of ParamDict, the grad hooks, the saved-tensor pack and unpack) is disabled for
+the compiler (`outside_graph`): when the compiler
 meets one while tracing (a block compiled with block.compile() runs its hooks inside its
 compiled `_call_impl`; torch.compile(model) traces the whole tree), it breaks the graph there and
 runs the hook eagerly with the compiler off, so nothing fz3 does (gathers, pool, core) is ever
