@@ -29,7 +29,7 @@ import time
 
 from fz3.core import calls
 from fz3.core.backward import post_backward, pre_backward
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.fetch import fetch
 from fz3.core.release import release
 from fz3.core.spec import build_spec

@@ -10,12 +10,12 @@
 
 The shell's names load on first use, so `import fz3.core` stays free of torch.
 """
-from fz3.core.config import Config
+from fz3.config import Config, Options
 
 __all__ = ["Config", "Options", "Init", "initialize", "gathered_parameters", "set_leaf_modules", "load_weights", "plan",
            "timeline", "DivergenceError"]
 
-_LAZY = {"Options": "fz3.shell.options", "Init": "fz3.shell.init", "initialize": "fz3.shell.api", "gathered_parameters": "fz3.shell.consolidate",
+_LAZY = {"Init": "fz3.shell.init", "initialize": "fz3.shell.api", "gathered_parameters": "fz3.shell.consolidate",
          "set_leaf_modules": "fz3.shell.tables", "load_weights": "fz3.shell.weights",
          "plan": "fz3.shell.plan", "timeline": "fz3.shell.timeline",
          "DivergenceError": "fz3.interpreters.agreement"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.testing.calls_machine import CallsMachine
 from fz3.testing.models import Call, Case, Model
 

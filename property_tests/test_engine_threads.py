@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fz3 import launch
-from fz3.core.config import Config
+from fz3.config.config import Config
 
 STEPS = 2
 

@@ -19,7 +19,7 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import AllGather
 from fz3.core.ids import TraceMode
 from fz3.testing.models import (HUGE, Call, Case, External, Model, cases, configs,

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.state import initial_state, unit_of
 from fz3.data import layout
 from fz3.interpreters.simulated import SimulatedWorld

@@ -11,7 +11,7 @@ import pytest
 
 from fz3.core.backward import (inputs_wrapped, outputs_wrapped, post_backward, pre_backward,
                                register_external)
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.fetch import fetch
 from fz3.core.ids import Status, TraceMode

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fz3.core import calls
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import AllGather, CopyToBucket, Free, FreePartitions
 from fz3.core.grads import init_grad_state
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,

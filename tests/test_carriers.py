@@ -30,7 +30,7 @@ def _carrier(rank: int, world: int, name: str) -> dict:
     engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                             fz3.Config(param_persistence_threshold=0))
     it = engine.interp
-    carrier = CARRIERS[name](it)
+    carrier = CARRIERS[name](it.gather.ctx)  # the context the interpreter built for its own
     ps = tuple(range(len(engine.spec.params)))
     work, fulls, keep = carrier.gather(ps, [it.store.shards[p] for p in ps])
     if work is not None:

@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.launch import run
 from fz3.testing.parity import make_optimizer, make_scheduler
 from fz3.testing.parity_models import MODELS, rank_slice

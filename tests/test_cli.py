@@ -47,7 +47,7 @@ def test_plan_takes_models_that_make_tensors_or_read_their_data(target, guessed)
     (("plan", "examples/05_plan.py:nope", "--world-size", "2"), "has no function 'nope'"),
     (("plan", "examples/05_plan.py", "--world-size", "2"), "is not MODULE:FUNCTION"),
     (("plan", "fz3.testing.gpt:markov_batch", "--world-size", "2"), "markov_batch() raised TypeError"),
-    (("plan", "fz3.core.config:Config", "--world-size", "2"), "must return (model, example_inputs)"),
+    (("plan", "fz3.config.config:Config", "--world-size", "2"), "must return (model, example_inputs)"),
     (("plan", TARGET, "--world-size", "0"), "--world-size must be >= 1, got 0"),
     (("plan", TARGET, "--world-size", "two"), "invalid int value: 'two'"),
     (("plan", TARGET, "--world-size", "2", "--config", "/nonexistent/ds.json"), "cannot read it"),

@@ -1,4 +1,4 @@
-"""Config validation and Config.from_deepspeed (fz3/core/config.py, fz3/core/_deepspeed_keys.py)."""
+"""Config validation and Config.from_deepspeed (fz3/config/config.py, fz3/config/deepspeed_keys.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 
 ZERO3 = {"stage": 3}
 
@@ -64,7 +64,7 @@ def test_invalid_options(fields, error):
 
 
 def test_options_argument_must_be_options():
-    from fz3.shell.options import Options, given
+    from fz3.config.options import Options, given
     assert given(None, "fz3.plan") == Options()
     with pytest.raises(TypeError, match="fz3.plan: options must be a fz3.Options, got str"):
         given("p2p", "fz3.plan")
@@ -199,7 +199,7 @@ def test_shape_errors():
 def test_new_defaults_are_deepspeeds():
     import sys
 
-    from fz3.core.config import DEFAULT_LEAF_MODULE_CLASSES
+    from fz3.config.config import DEFAULT_LEAF_MODULE_CLASSES
     c = Config()
     assert (c.communication_data_type, c.prescale_gradients, c.gradient_predivide_factor) == (
         None, False, 1.0)
@@ -358,7 +358,7 @@ def test_names_deepspeed_does_not_read_are_unknown(key):
 
 def test_every_table_key_is_handled():
     """Each key of the tables is accepted with some value (none falls through as unknown)."""
-    from fz3.core import _deepspeed_keys as keys
+    from fz3.config import deepspeed_keys as keys
     off = {"managed_gradient_accumulation": True, "load_from_fp32_weights": True}
     for key in sorted(keys.TOP_UNUSED) + sorted(keys.TOP_LACKING):
         with pytest.warns(UserWarning, match=key):
@@ -421,7 +421,7 @@ def test_keys_deepspeed_0_19_8_removed_are_refused_whatever_their_value(key, val
 def test_any_true_predicate():
     """checkpoint / compile: on when one of the named sub-keys is truthy; a non-dict is off.
     Called here, not only through TOP_LACKING: the table builds its lambdas at import time."""
-    from fz3.core._deepspeed_keys import _any_true
+    from fz3.config.deepspeed_keys import _any_true
     on = _any_true("load_universal", "use_node_local_storage")
     assert on({"use_node_local_storage": 1}) is True
     assert on({"load_universal": False, "tag_validation": "Fail"}) is False
@@ -476,7 +476,7 @@ def test_unused_keys_warning_points_at_the_caller(monkeypatch):
     import sys
     import types
 
-    import fz3.core.config as config_module
+    import fz3.config.config as config_module
     callers = []
 
     def warn(message, category=None, stacklevel=1):
@@ -496,7 +496,7 @@ def test_unused_keys_warning_points_at_the_caller(monkeypatch):
 
 def test_differences_are_the_fields_off_deepspeeds_defaults():
     """config.differences (printed by fz3.shell.log and fz3.shell.plan), in field order."""
-    from fz3.core.config import differences
+    from fz3.config.config import differences
     assert differences(Config()) == {}
     got = differences(Config(compute_dtype="bf16", prefetch_bucket_size=0, leaf_module_names=["h.0"]))
     assert list(got.items()) == [("prefetch_bucket_size", 0), ("compute_dtype", "bf16"),

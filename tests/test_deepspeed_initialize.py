@@ -116,7 +116,7 @@ def test_settings_take_gradient_accumulation_from_the_batch_sizes():
     assert (s.config.gradient_accumulation_steps, s.train_batch_size, s.train_micro_batch_size_per_gpu) == (2, 12, 2)
 
 
-# ---- "auto" ([Note: "auto"], fz3/core/_deepspeed_keys.py) ----------------------------------------
+# ---- "auto" ([Note: "auto"], fz3/config/deepspeed_keys.py) ----------------------------------------
 
 def test_auto_in_a_section_is_deepspeeds_default_and_bf16_auto_is_off():
     s = read_settings(cfg(bf16={"enabled": "auto"}, fp16={"enabled": "auto"},

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.fetch import fetch
 from fz3.core.ids import TraceMode

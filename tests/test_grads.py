@@ -1,7 +1,7 @@
 """fz3.core.grads: bucket_add and flush, table-driven."""
 import pytest
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, HoldGrad, ReduceBucket, Slot,
                               WritePartition)
 from fz3.core.epilogue import epilogue, optimizer_step

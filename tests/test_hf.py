@@ -56,8 +56,8 @@ pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.utils import ModelOutput  # noqa: E402
 
-from fz3.core.config import Config  # noqa: E402
-from fz3.shell.options import Options  # noqa: E402
+from fz3.config.config import Config  # noqa: E402
+from fz3.config.options import Options  # noqa: E402
 from fz3.testing.parity_data import GLOBAL_BATCH, rank_slice  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

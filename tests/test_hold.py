@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.fetch import fetch
 from fz3.core.hold import hold, unhold

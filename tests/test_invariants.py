@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.invariants import (InvariantError, check_fetched, check_live_budget,
                                  check_quiescent, check_state)

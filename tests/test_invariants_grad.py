@@ -1,7 +1,7 @@
 """fz3.core.invariants_grad: each check passes on real runs and fails on a planted violation."""
 import pytest
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import (CopyToBucket, DropGrads, HoldGrad, ReduceBucket, Slot, WaitReduce,
                               WritePartition)
 from fz3.core.grads import IPGBucket, Link, bucket_add, init_grad_state

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, HoldGrad,
                               ReduceBucket, Slot, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core import grads as grads_core

@@ -1,7 +1,7 @@
 """The parameter state and its primitive moves (fz3/core/state.py)."""
 from __future__ import annotations
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import AllGather, Wait
 from fz3.core.fetch import fetch
 from fz3.core.spec import build_spec

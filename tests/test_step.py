@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fz3.core.backward import post_backward, pre_backward, register_external
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.fetch import fetch
 from fz3.core.hold import hold, unhold

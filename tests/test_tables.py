@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.shell.tables import read_tables
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fz3.core.backward import register_external
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.fetch import fetch
 from fz3.core.ids import TraceMode
 from fz3.core.step import reset_step

@@ -26,7 +26,7 @@ from then on, never freed by a release, and freed at the end of the optimizer st
 """
 from __future__ import annotations
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.fetch import fetch_into
 from fz3.core.ids import ModuleId, ParamId, TraceMode
 from fz3.core.release import release_into

@@ -65,7 +65,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from fz3.core import backward as core_bwd
-from fz3.core.config import COMM_DTYPES, Config
+from fz3.config.config import COMM_DTYPES, Config
 from fz3.core.epilogue import epilogue, optimizer_step, without_grad
 from fz3.core.fetch import fetch
 from fz3.core.grads import GradState, bucket_add

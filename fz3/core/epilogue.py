@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import AverageGrads, FreePartitions, GradEffect, WaitReduce, ZeroPartitions
 from fz3.core.grads import GradError, GradState, flush, grad_predivide
 from fz3.core.ids import ParamId

@@ -17,7 +17,7 @@ live numel past it, so I1 holds exactly. Such a param is fetched on demand inste
 """
 from __future__ import annotations
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.ids import ModuleId, ParamId, TraceMode
 from fz3.core.state import (ACTIVE, EXTERNAL, EXTERNALS, FETCHED_FOR, GRADS_REMAINING, HANDLE,
                             NOT_AVAILABLE, PRE_BACKWARD, STATUS, USERS, Effects, ParamState, Txn,

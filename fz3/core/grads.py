@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from fz3.core.config import COMM_DTYPES, Config
+from fz3.config.config import COMM_DTYPES, Config
 from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, GradEffect, HoldGrad, ReduceBucket,
                               Slot, WriteMode, WritePartition)
 from fz3.core.ids import BucketId, ParamId

@@ -10,7 +10,7 @@ DeepSpeed: GatheredParameters.__enter__ / __exit__.
 """
 from __future__ import annotations
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.state import (AVAILABLE, FETCHED_FOR, HANDLE, NOT_AVAILABLE, STATUS, USERS, EXTERNAL,
                             Effects, ParamState, Txn, free, gather, wait_for)
 from fz3.core.ids import ParamId

@@ -13,7 +13,7 @@ so they are for checking, never for the hot path.
 """
 from __future__ import annotations
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import AllGather
 from fz3.core.ids import ModuleId, Status
 from fz3.core.state import MAX_INFLIGHT, Effects, ParamState, unit_of

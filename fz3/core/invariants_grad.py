@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional, Sequence, Union
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import (CopyToBucket, DropGrads, HoldGrad, ReduceBucket, WaitReduce,
                               WritePartition)
 from fz3.core.grads import GradState

@@ -14,7 +14,7 @@ full params nobody needs any more.
 """
 from __future__ import annotations
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.ids import ModuleId, ParamId, TraceMode
 from fz3.core.state import (ACTIVE, AVAILABLE, EXTERNAL, EXTERNALS, FETCH_STEP, FETCHED_FOR,
                             GRADS_REMAINING, HANDLE, PRE_BACKWARD, STATUS, USERS, Effects,

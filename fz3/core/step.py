@@ -13,7 +13,7 @@ modules fetched in this pass (the trace's recording), never the whole model.
 """
 from __future__ import annotations
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.ids import ModuleId, ParamId
 from fz3.core.state import (AVAILABLE, EXTERNAL, EXTERNALS, FETCHED_FOR, HANDLE, IDLE_ROW, STATUS,
                             USERS, Effects, ParamState, Txn, drain, free, gather, unit_params, wait)

@@ -27,8 +27,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from fz3.core._deepspeed_keys import auto_means_default, is_auto
-from fz3.core.config import Config
+from fz3.config.deepspeed_keys import auto_means_default, is_auto
+from fz3.config.config import Config
 
 # zero_optimization spellings of save_16bit_model's switch (DeepSpeedZeroConfig: field, alias,
 # deprecated name)

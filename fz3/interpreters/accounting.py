@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from fz3.shell.options import Options
+from fz3.config.options import Options
 from fz3.core.effects import ReduceBucket
 from fz3.core.spec import ModelSpec
 

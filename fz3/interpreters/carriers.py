@@ -24,76 +24,96 @@ core then holds grads (HoldGrad) instead of copying them (fz3.core.grads.grad_ro
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Optional, Sequence
+from typing import Callable, ContextManager, NamedTuple, Optional, Sequence
 
 import torch
 
 from fz3.core.effects import ReduceBucket
+from fz3.core.spec import ModelSpec
 from fz3.data import collectives
 from fz3.interpreters import agreement, p2p
 
 
+class Context(NamedTuple):
+    """What a carrier needs of the interpreter it serves (dist.py builds it), and no more."""
+
+    rank: int
+    world_size: int
+    spec: ModelSpec
+    comm: object  # the Transport that moves the bytes (transport.py)
+    async_op: bool  # overlap_comm: collectives return work to wait on later
+    agreement: Optional[agreement.Agreement]  # the divergence check; None: unchecked
+    take: Callable[[int, torch.dtype], torch.Tensor]  # a buffer of that numel from the pool
+    reduce_buffer: Callable[[int, torch.dtype, int], torch.Tensor]  # (numel, dtype, capacity)
+    on: Callable[[object], ContextManager]  # run on that stream (None: the current one)
+    gather_stream: object
+    reduce_stream: object
+    bucket_capacity: int  # the largest bucket, in elements
+    shard_capacity: int  # a bucket's largest shard on one rank
+    scratch_capacity: int  # the peers' shards a p2p reduce receives
+
+
 class Carrier:
-    """Shared by the three: the interpreter it serves (pool, transport, check, streams)."""
+    """Shared by the three: the context it runs in (pool, transport, check, streams)."""
 
     name = ""
     reads_grads_in_place = False  # True: the reduce sends each grad from where it lies
 
-    def __init__(self, interp) -> None:
-        self.interp = interp
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
 
     def check(self, kind: int, params: Sequence[int], numel: int):
         """Collectives without tags wait for the ranks' descriptors before posting data; -> the
         descriptors (None when unchecked), for `issue`."""
-        if self.interp.agreement is not None:
-            return self.interp.agreement.check(kind, params, numel)
+        if self.ctx.agreement is not None:
+            return self.ctx.agreement.check(kind, params, numel)
         return None
 
     def issue(self, posted, post: Callable[[], object]):
         """post() the collective (-> its work, None when synchronous); checked (`posted`), a
         peer that leaves mid-collective is a DivergenceError, at the post or the work's wait."""
-        return post() if posted is None else self.interp.agreement.issue(posted, post)
+        return post() if posted is None else self.ctx.agreement.issue(posted, post)
 
 
 class P2P(Carrier):
     name = "p2p"
     reads_grads_in_place = True  # p2p.reduce_scatter sends each rank's slice of each grad
 
-    def __init__(self, interp) -> None:
-        super().__init__(interp)
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
         self.tags = itertools.count(1)  # message tags unchecked: the same sequence on every rank (SPMD)
 
     def tag(self, kind: int, params: Sequence[int], numel: int):
         """-> (posted descriptors or None, tag): with the divergence check the tag is made from
         the collective's descriptor ([Note: descriptors beside the data]), else the next of a
         counter."""
-        if self.interp.agreement is None:
+        if self.ctx.agreement is None:
             return None, next(self.tags)
-        posted = self.interp.agreement.post(kind, params, numel)
+        posted = self.ctx.agreement.post(kind, params, numel)
         return posted, posted.tag
 
     def posted(self, work: p2p.P2PWork, posted):
         """Point-to-point work is always async; without overlap_comm it is waited here. Waiting
         it first compares the descriptors it was posted under (`posted`, None when unchecked)."""
         if posted is not None:
-            work = self.interp.agreement.guard(posted, work)
-        if not self.interp.async_op:
+            work = self.ctx.agreement.guard(posted, work)
+        if not self.ctx.async_op:
             work.wait()
             return None
         return work
 
     def gather(self, ps: Sequence[int], shards: Sequence[torch.Tensor]):
-        it = self.interp
+        it = self.ctx
         # a buffer per param: freeing one frees its memory (a flat buffer for the batch would
         # live until the last of its params is freed)
-        fulls = [it.buffers_pool.take(it.spec.params[p].numel, shards[0].dtype) for p in ps]
+        fulls = [it.take(it.spec.params[p].numel, shards[0].dtype) for p in ps]
         posted, tag = self.tag(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
         with it.on(it.gather_stream):
             work = p2p.all_gather(fulls, shards, it.comm, tag=tag)
         return self.posted(work, posted), (lambda: fulls), None
 
     def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
-        it = self.interp
+        it = self.ctx
         params = [s.param for s in e.slots]
         keep = it.reduce_buffer(p2p.scratch_numel([g.numel() for g in grads], it.rank, it.world_size),
                                 grads[0].dtype, it.scratch_capacity)
@@ -107,17 +127,17 @@ class Native(Carrier):
     name = "native"
 
     def gather(self, ps: Sequence[int], shards: Sequence[torch.Tensor]):
-        it = self.interp
+        it = self.ctx
         posted = self.check(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
         S = sum(s.numel() for s in shards)
-        out = it.buffers_pool.take(S * it.world_size, shards[0].dtype)
-        inp = shards[0] if len(shards) == 1 else torch.cat(shards, out=it.buffers_pool.take(S, shards[0].dtype))
+        out = it.take(S * it.world_size, shards[0].dtype)
+        inp = shards[0] if len(shards) == 1 else torch.cat(shards, out=it.take(S, shards[0].dtype))
         with it.on(it.gather_stream):
             work = self.issue(posted, lambda: it.comm.all_gather_into(out, inp, async_op=it.async_op))
         return work, (lambda: unpack(it, out, ps)), inp  # inp alive until done
 
     def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
-        it, W = self.interp, self.interp.world_size
+        it, W = self.ctx, self.ctx.world_size
         params = [s.param for s in e.slots]
         posted = self.check(agreement.REDUCE, params, sum(s.numel for s in e.slots))
         order = sorted(range(len(e.slots)), key=lambda i: params[i])
@@ -136,10 +156,10 @@ class AllReduce(Carrier):
     name = "all_reduce"
 
     def gather(self, ps: Sequence[int], shards: Sequence[torch.Tensor]):
-        it, W = self.interp, self.interp.world_size
+        it, W = self.ctx, self.ctx.world_size
         posted = self.check(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
         S = sum(s.numel() for s in shards)
-        out = it.buffers_pool.take(S * W, shards[0].dtype)
+        out = it.take(S * W, shards[0].dtype)
         rows = out.view(W, S)
         rows[:it.rank].zero_()
         rows[it.rank + 1:].zero_()
@@ -149,7 +169,7 @@ class AllReduce(Carrier):
         return work, (lambda: unpack(it, out, ps)), inp
 
     def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
-        it = self.interp
+        it = self.ctx
         posted = self.check(agreement.REDUCE, [s.param for s in e.slots], sum(s.numel for s in e.slots))
         if buf is not None:  # the grads are views of the flat bucket (copied, not held)
             flat = buf[:max(s.offset + s.numel for s in e.slots)]
@@ -164,12 +184,12 @@ class AllReduce(Carrier):
                                        collectives.slice_allreduced(flat, spans, it.rank, it.world_size)))), flat
 
 
-def unpack(it, out: torch.Tensor, ps: Sequence[int]) -> list[torch.Tensor]:
+def unpack(it: Context, out: torch.Tensor, ps: Sequence[int]) -> list[torch.Tensor]:
     """The full values of `ps` from a rank-major gathered buffer."""
     numels = [it.spec.params[p].numel for p in ps]
     if len(ps) == 1:
         return [out[:numels[0]]]  # rank-major of one param: already its flat value
-    return collectives.unpack_gather_into(out, numels, it.world_size, it.buffers_pool.take(sum(numels), out.dtype))
+    return collectives.unpack_gather_into(out, numels, it.world_size, it.take(sum(numels), out.dtype))
 
 
 CARRIERS: dict[str, Callable] = {"p2p": P2P, "native": Native, "all_reduce": AllReduce}

@@ -50,15 +50,15 @@ from typing import Iterable, Optional
 
 import torch
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               HoldGrad, ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import BufferPool
 from fz3.interpreters import accounting, agreement, carriers, p2p
 from fz3.interpreters.transport import Transport
-from fz3.shell.options import Options
-from fz3.shell.store import TensorStore
+from fz3.config.options import Options
+from fz3.data.store import TensorStore
 
 
 class _Reduce:
@@ -84,17 +84,14 @@ class DistInterpreter:
                  options: Options = Options()) -> None:
         """`transport` moves the bytes (fz3/interpreters/transport.py): torch.distributed on a
         process group, or a rank of a ThreadWorld (N ranks in one process); `options` picks the
-        gloo carriers (fz3/shell/options.py)."""
+        gloo carriers (fz3/config/options.py)."""
         self.store, self.config, self.device, self.comm = store, config, device, transport
         self.rank, self.world_size = store.rank, store.world_size
-        self.spec = store.tables.spec
+        self.spec = store.spec
         self.async_op = config.overlap_comm
         self.gather_by, self.reduce_scatter_by = accounting.carriers(options, device.backend)
         # chosen once: how gathers and reduce-scatters move their bytes (carriers.py); a bucket
         # on the all-reduce path runs AllReduce's reduce whatever the reduce-scatter carrier
-        self.gather = carriers.CARRIERS[self.gather_by](self)
-        self.reduce_scatter = carriers.CARRIERS[self.reduce_scatter_by](self)
-        self.all_reduce_carrier = carriers.AllReduce(self)
         self.held: dict[BucketId, dict[int, torch.Tensor]] = {}  # bucket -> offset -> grad
         self.gather_stream = device.new_stream() if self.async_op else None
         self.reduce_stream = device.new_stream() if self.async_op else None
@@ -118,9 +115,9 @@ class DistInterpreter:
         owner = [""] * len(self.spec.params)
         for m, ms in enumerate(self.spec.modules):
             for p in ms.params:
-                owner[p] = store.tables.module_names[m]
+                owner[p] = store.module_names[m]
         # [Note: descriptors beside the data] fz3/interpreters/agreement.py
-        self.agreement = agreement.Agreement.for_transport(transport, agreement.describe_with(store.tables.names, owner))
+        self.agreement = agreement.Agreement.for_transport(transport, agreement.describe_with(store.names, owner))
         # CPU: room for what the live budget can need at once, and no more than the model could:
         # the live full params (within max_live_parameters plus the unit fetched on demand past
         # it, fz3/core/fetch.py), the gathers' packed inputs (not for p2p, which sends from the
@@ -137,6 +134,12 @@ class DistInterpreter:
         limit = min((live + inputs + reduce) * elem, 3 * total * elem) + (64 << 20) \
             if store.device.type == "cpu" else 0
         self.buffers_pool = BufferPool(store.device, limit_bytes=limit)
+        ctx = carriers.Context(self.rank, W, self.spec, transport, self.async_op, self.agreement,
+                               self.buffers_pool.take, self.reduce_buffer, self.on, self.gather_stream,
+                               self.reduce_stream, self.bucket_capacity, self.shard_capacity, self.scratch_capacity)
+        self.gather = carriers.CARRIERS[self.gather_by](ctx)
+        self.reduce_scatter = carriers.CARRIERS[self.reduce_scatter_by](ctx)
+        self.all_reduce_carrier = carriers.AllReduce(ctx)
 
     def run(self, effects: Iterable[object]) -> None:
         if torch.is_inference_mode_enabled():

@@ -22,19 +22,19 @@ from typing import Iterable
 
 import torch
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               HoldGrad, ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import Handle
 from fz3.interpreters import accounting, carriers
-from fz3.shell.options import Options
-from fz3.shell.store import TensorStore
+from fz3.config.options import Options
+from fz3.data.store import TensorStore
 
 
 class PlanInterpreter:
     def __init__(self, store: TensorStore, *, config: Config, backend: str, options: Options = Options()) -> None:
         self.store, self.config = store, config
-        self.spec = store.tables.spec
+        self.spec = store.spec
         self.gather_by, self.reduce_scatter_by = accounting.carriers(options, backend)
         trainable = sum(s.numel for s, t in zip(self.spec.params, store.trainable) if t)
         self.bucket_capacity = max(1, min(config.reduce_bucket_size, trainable))

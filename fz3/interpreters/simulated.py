@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               HoldGrad, ReduceBucket, Wait, WaitReduce, WriteMode, WritePartition,
                               ZeroPartitions)

@@ -5,14 +5,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.shell import init, log, meta, registry
 from fz3.shell.pick import check_group_backend, pick_device
 from fz3.interpreters import threads
 from fz3.interpreters.dist import DistInterpreter
 from fz3.interpreters.transport import Transport, TorchTransport
 from fz3.shell.engine import Engine
-from fz3.shell.options import Options, given
+from fz3.config.options import Options, given
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None,
@@ -21,7 +21,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     model.parameters()) to this rank's fp32 master shards. Every rank must call it.
     `lr_scheduler` (built on `optimizer`) is stepped by `engine.step()` at each accumulation
     boundary, after the optimizer. `options`: fz3's own switches outside DeepSpeed's vocabulary
-    (the gloo carriers, debug checks; fz3/shell/options.py).
+    (the gloo carriers, debug checks; fz3/config/options.py).
     Inside fz3.launch.run_threads the rank is a thread of one process: the thread's transport
     (fz3/interpreters/threads.py) stands in for the process group.
     DeepSpeed: deepspeed.initialize(model=..., optimizer=..., config=...) at stage 3."""

@@ -8,7 +8,7 @@ they walk the whole model, so this is for debugging and the parity tests, not fo
 from __future__ import annotations
 
 from fz3.core import invariants, invariants_grad
-from fz3.core.config import Config
+from fz3.config.config import Config
 
 
 def after_event(state, effects, config: Config) -> None:

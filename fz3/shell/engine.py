@@ -28,7 +28,7 @@ from torch import nn
 
 from fz3.core import calls
 from fz3.core.calls import Lifecycle, initial_calls
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.epilogue import at_boundary
 from fz3.core.grads import init_grad_state
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
@@ -39,7 +39,7 @@ from fz3.core.state import STATUS, initial_state
 from fz3.interpreters.agreement import DivergenceError
 from fz3.interpreters.leaf_hint import leaf_hint
 from fz3.interpreters.protocol import Interpreter
-from fz3.shell import checks, log, pytree, state_dict
+from fz3.shell import checks, init, log, pytree, state_dict
 from fz3.shell.buffers import BufferSync
 from fz3.shell.compiled import compile_stats, outside_graph, refuse_compiled_engine
 from fz3.shell.log import StepLog
@@ -47,8 +47,8 @@ from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, needs
 from fz3.shell.memory import memory_stats
 from fz3.shell.saved import SavedParams
 from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, first_nonfinite, global_grad_norm
-from fz3.shell.options import Options
-from fz3.shell.store import DTYPES, TensorStore
+from fz3.config.options import Options
+from fz3.data.store import DTYPES, TensorStore
 from fz3.shell.surface import BatchSizes, DeepSpeedSurface
 from fz3.shell.tables import read_tables
 
@@ -70,14 +70,17 @@ class Engine(DeepSpeedSurface):
         (fz3/interpreters/protocol.py): DistInterpreter under fz3.initialize, PlanInterpreter under
         fz3.plan. `transport` moves the bytes of the real run's other collectives (consolidation,
         checkpoints' agreement; fz3/interpreters/transport.py); None under fz3.plan. `options`:
-        fz3's own switches (fz3/shell/options.py; the interpreter takes the same)."""
+        fz3's own switches (fz3/config/options.py; the interpreter takes the same)."""
         self.module, self.optimizer, self.config, self.accelerator = model, optimizer, config, device
         self.lr_scheduler = check_scheduler(lr_scheduler, optimizer)
         self.transport, self.options = transport, options
         self.rank, self.world_size = rank, world_size
         self.tables = read_tables(model, world_size=self.world_size, config=config)
         self.spec = self.tables.spec
-        self.store = TensorStore(self.tables, rank=self.rank, world_size=self.world_size,
+        self.store = TensorStore(self.tables.params, tuple(self.tables.names),
+                                 init.initial_shards(self.tables.params, self.tables.names, rank=rank,
+                                                     world_size=world_size, device=device.torch_device),
+                                 rank=self.rank, world_size=self.world_size,
                                  compute_dtype=config.compute_dtype, device=device.torch_device)
         self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
         self.make_interpreter = interpreter
@@ -109,7 +112,7 @@ class Engine(DeepSpeedSurface):
         state, the hooks. Run at initialize, and again by engine.compile() before the first
         forward, when compiled blocks become units (fz3/shell/compiled.py)."""
         self.spec = self.tables.spec
-        self.store.tables = self.tables
+        self.store.take_units(self.spec, self.tables.module_names)
         self.interp = self.make_interpreter(self.store)
         self.stopped: DivergenceError | None = None  # [Note: an engine stops at a DivergenceError]
         self._watch_divergence()

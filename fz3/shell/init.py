@@ -100,6 +100,18 @@ def shard_of(param: nn.Parameter) -> Shard | None:
     return entry[1]
 
 
+def initial_shards(params, names, *, rank: int, world_size: int, device: torch.device) -> list[torch.Tensor]:
+    """This rank's fp32 shard of each param, handed to the tensor store at fz3.initialize: the
+    one fz3.Init built (take_shard), else cut from the param's full value."""
+    out = []
+    for p, name in zip(params, names):
+        shard = take_shard(p, name, rank=rank, world_size=world_size)
+        if shard is None:
+            shard = layout.shard_of(p.detach().to(device=device, dtype=torch.float32), rank, world_size)
+        out.append(shard)
+    return out
+
+
 def take_shard(param: nn.Parameter, name: str, *, rank: int, world_size: int) -> torch.Tensor | None:
     """For fz3.initialize: the shard of an Init-built param (now the engine's), else None.
     Raises if the param was built for another world size or rank, or replaced outside the

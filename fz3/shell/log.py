@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import weakref
 
-from fz3.core.config import differences
+from fz3.config.config import differences
 from fz3.core.ids import TraceMode
 from fz3.core.trace import EXTERNALS
 from fz3.interpreters import accounting

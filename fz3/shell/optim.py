@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from fz3.shell.store import TensorStore
+from fz3.data.store import TensorStore
 
 
 def bind_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from fz3.core import calls
-from fz3.core.config import Config, differences
-from fz3.shell.options import given
+from fz3.config.config import Config, differences
+from fz3.config.options import given
 from fz3.core.effects import AllGather, Free
 from fz3.shell import registry
 from fz3.shell.compiled import PROCESS_WIDE

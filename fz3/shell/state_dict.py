@@ -10,7 +10,7 @@ outside; never the empty tensors that stand for a param that is not gathered.
     engine.module.state_dict(keep_vars=True)            the Parameters themselves, for their
                                                         names and identity (ties), as ever
 
-A param that is not gathered holds an empty tensor (fz3/shell/store.py), so a plain state_dict()
+A param that is not gathered holds an empty tensor (fz3/data/store.py), so a plain state_dict()
 returned 0-element tensors for it, even for persistent params right after initialize, and
 Hugging Face's save_pretrained wrote them without complaint (from_pretrained failed later).
 Each module of an engine gets a state-dict pre-hook that refuses, before the module's own

@@ -21,7 +21,7 @@ from typing import Iterable
 
 from torch import nn
 
-from fz3.core.config import DEFAULT_LEAF_MODULE_CLASSES, Config
+from fz3.config.config import DEFAULT_LEAF_MODULE_CLASSES, Config
 from fz3.core.spec import ModelSpec, build_spec
 from fz3.shell import compiled, registry
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from fz3.core.backward import inputs_wrapped, outputs_wrapped
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.fetch import fetch
 from fz3.core.ids import Status
 from fz3.core.invariants import check_state

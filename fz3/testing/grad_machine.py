@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fz3.core import epilogue as ep
 from fz3.core import grads
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import HoldGrad
 from fz3.core.grads import GradError
 from fz3.core.ids import ParamId

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from fz3.core import epilogue as ep
 from fz3.core import grads
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.grads import GradState
 from fz3.core.ids import ParamId
 from fz3.core.invariants_grad import check_drained, check_grad_state, check_reduce_log

@@ -28,7 +28,7 @@ from typing import Union
 
 from hypothesis import strategies as st
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.spec import ModelSpec, build_spec
 
 HUGE = 10**9

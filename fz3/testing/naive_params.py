@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable, Sequence
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.ids import Status, TraceMode
 from fz3.core.spec import ModelSpec

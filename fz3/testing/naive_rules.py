@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ from fz3.core import hold as _hold
 from fz3.core import invariants as _inv
 from fz3.core import release as _release
 from fz3.core import step as _step
-from fz3.core.config import Config
+from fz3.config.config import Config
 from fz3.core.effects import AllGather
 from fz3.core.state import ParamState, initial_state
 from fz3.testing.coverage import covered

@@ -34,8 +34,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from fz3.core.config import Config
-from fz3.shell.options import Options
+from fz3.config.config import Config
+from fz3.config.options import Options
 from fz3.testing.live_watch import LiveWatch, unit_bounds
 from fz3.testing.parity_models import MODELS, rank_slice
 

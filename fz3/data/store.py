@@ -16,29 +16,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fz3.core.spec import ModelSpec
 from fz3.data import layout
-from fz3.shell import init
-from fz3.shell.tables import Tables
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class TensorStore:
-    def __init__(self, tables: Tables, *, rank: int, world_size: int, compute_dtype: str,
-                 device: torch.device) -> None:
-        self.tables, self.rank, self.world_size = tables, rank, world_size
+    """The shell hands it the model's params and this rank's fp32 shard of each (`shards`: from
+    the Init that built them sharded, or cut from the full values), and tells it the units'
+    spec and module names (`take_units`): the interpreters read them here."""
+
+    def __init__(self, params: list[nn.Parameter], names: tuple[str, ...], shards: list[torch.Tensor], *,
+                 rank: int, world_size: int, compute_dtype: str, device: torch.device) -> None:
+        self.rank, self.world_size = rank, world_size
         self.dtype = DTYPES[compute_dtype]
         self.device = device
-        self.params = tables.params
+        self.params, self.names = params, names
+        self.spec: ModelSpec | None = None  # the fetch units' spec, and their modules' names
+        self.module_names: tuple[str, ...] = ()
         self.shapes = [p.shape for p in self.params]
         self.trainable = [p.requires_grad for p in self.params]
-        self.masters: list[nn.Parameter] = []
-        for p, name in zip(self.params, tables.names):
-            shard = init.take_shard(p, name, rank=rank, world_size=world_size)  # built under fz3.Init
-            if shard is None:
-                shard = layout.shard_of(p.detach().to(device=device, dtype=torch.float32), rank, world_size)
-            self.masters.append(nn.Parameter(shard.to(device=device, dtype=torch.float32, copy=True),
-                                             requires_grad=p.requires_grad))
+        self.masters: list[nn.Parameter] = [
+            nn.Parameter(shard.to(device=device, dtype=torch.float32, copy=True), requires_grad=p.requires_grad)
+            for p, shard in zip(params, shards)]
         self.shards: list[torch.Tensor] = []
         self.refresh_shards()
         sizes = [m.numel() if t else 0 for m, t in zip(self.masters, self.trainable)]
@@ -54,6 +55,11 @@ class TensorStore:
         self.full_key: dict[int, int] = {}  # param -> the storage its full value lies in
         for p in range(len(self.params)):
             self.free(p)
+
+    def take_units(self, spec: ModelSpec, module_names: tuple[str, ...]) -> None:
+        """The fetch units the interpreters serve: at initialize, and again when
+        engine.compile() makes compiled blocks units."""
+        self.spec, self.module_names = spec, tuple(module_names)
 
     def refresh_shards(self) -> None:
         """Compute-dtype shards from the fp32 masters (after each optimizer step)."""

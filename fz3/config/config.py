@@ -1,0 +1,151 @@
+"""fz3's configuration: DeepSpeed's stage-3 knobs, with DeepSpeed's names and defaults (fz3's
+own switches, the gloo carriers and the debug mode, are fz3.Options: fz3/config/options.py).
+
+    Config(...)                        frozen; validated on construction
+    Config.from_deepspeed(ds_dict)     a real DeepSpeed JSON dict -> Config
+
+Every transition of the core takes the config as an explicit keyword argument, so it shows in
+reprs and in Hypothesis failure output.
+
+[Note: unknown keys] A DeepSpeed config that names a key fz3 does not know is almost always a
+typo ("stage3_prefetch_bucket_sise") that DeepSpeed itself would silently drop. fz3 raises,
+naming the key. Keys DeepSpeed knows but that change nothing in fz3 (steps_per_print, wandb,
+...) are accepted and listed in one warning. A key that changes DeepSpeed's training and that
+fz3 does not implement (offload, fp16 loss scaling, a JSON optimizer, stage != 3, ...) raises,
+naming the key, its value and what to do instead: never a warning for a behaviour change.
+
+[Note: leaf modules by default] DeepSpeed 0.19 marks three Hugging Face MoE blocks as leaf
+modules when the JSON says nothing (`DEFAULT_LEAF_MODULE_CLASSES`, deepspeed/runtime/zero/
+leaf_module_config.py): their experts are picked by the data, so without the mark ranks would
+fetch different modules. fz3 keeps that default, so the same model trains the same way; a
+default class absent from the model is skipped, while any other entry that matches nothing is
+an error (fz3/shell/tables.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+COMPUTE_DTYPES = ("fp32", "bf16")
+# communication_data_type (DeepSpeed's names, runtime/config.py get_communication_data_type)
+# -> the torch dtype name the core's effects carry
+COMM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# DeepSpeed 0.19's zero_optimization.leaf_module.classes when the JSON gives none
+DEFAULT_LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+LEAF_FIELDS = ("leaf_module_classes", "leaf_module_names", "leaf_module_name_suffixes")
+
+
+@dataclass(frozen=True)
+class Config:
+    """DeepSpeed ZeRO-3 settings (`zero_optimization` names without the `stage3_` prefix).
+
+    Sizes are in elements (numel), as in DeepSpeed.
+    """
+
+    prefetch_bucket_size: int = 50_000_000  # numel prefetched at most per fetch; 0 turns prefetch off
+    max_live_parameters: int = 1_000_000_000  # prefetch never lifts live full-param numel past this
+    max_reuse_distance: int = 1_000_000_000  # keep a param if reused within this numel ahead
+    param_persistence_threshold: int = 100_000  # params this small stay gathered all step
+    reduce_bucket_size: int = 500_000_000  # IPG bucket capacity in grad elements
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True  # False, with contiguous_gradients: all-reduce + local slice
+    overlap_comm: bool = True  # gathers and reduces on their own streams
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0  # global grad-norm clip; 0 = off
+    compute_dtype: str = "fp32"  # "fp32" | "bf16"; master shards are always fp32
+    # the dtype grads are reduced in: "fp32" | "bf16" | "fp16"; None = each grad's own dtype.
+    # Partitions accumulate in fp32 whatever it is.
+    communication_data_type: Optional[str] = None
+    # divide each grad by the world size before the reduce (instead of after): the sum stays
+    # in the range of a narrow comm dtype. The mean gradient is the same (fz3/core/grads.py)
+    prescale_gradients: bool = False
+    # without prescale_gradients: divide each grad by this before the reduce, undone after
+    gradient_predivide_factor: float = 1.0
+    # persistent params (numel <= param_persistence_threshold) hold at most this many elements
+    # in all, taken greedily in parameter order; DeepSpeed's default is sys.maxsize (no cap)
+    model_persistence_threshold: int = sys.maxsize
+    # leaf modules named by the config (see the module's [Note: leaf modules by default]):
+    # class names, bare or module-qualified; module names as named_modules() gives them; name
+    # suffixes. Tuples (lists are converted) so the Config stays hashable
+    leaf_module_classes: tuple[str, ...] = DEFAULT_LEAF_MODULE_CLASSES
+    leaf_module_names: tuple[str, ...] = ()
+    leaf_module_name_suffixes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
+                     "param_persistence_threshold", "model_persistence_threshold"):
+            _check_int(name, getattr(self, name), low=0)
+        _check_int("reduce_bucket_size", self.reduce_bucket_size, low=1)
+        _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, low=1)
+        for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "prescale_gradients"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
+        clip = self.gradient_clipping
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
+            raise ValueError(f"Config.gradient_clipping must be a number >= 0 (0 = off), got {clip!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"Config.compute_dtype must be one of {COMPUTE_DTYPES}, "
+                             f"got {self.compute_dtype!r}")
+        if self.communication_data_type is not None and self.communication_data_type not in COMM_DTYPES:
+            raise ValueError(f"Config.communication_data_type must be None (each grad's own dtype) "
+                             f"or one of {tuple(COMM_DTYPES)}, got {self.communication_data_type!r}")
+        factor = self.gradient_predivide_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                math.isfinite(factor) and factor > 0):
+            raise ValueError(f"Config.gradient_predivide_factor must be a finite number > 0 "
+                             f"(1.0 = off), got {factor!r}")
+        for name in LEAF_FIELDS:
+            object.__setattr__(self, name, _str_tuple(name, getattr(self, name)))
+
+    @property
+    def reduce_path(self) -> str:
+        """'allreduce' (the contiguous bucket all-reduced, each rank keeps its slice) when
+        contiguous_gradients and not reduce_scatter, else 'reduce_scatter'; without a
+        contiguous bucket there is nothing to all-reduce, so reduce_scatter=False changes
+        nothing there. DeepSpeed: stage3.py __reduce_and_partition_ipg_grads (contiguous and
+        not reduce_scatter: __avg_scatter_contiguous_grads; else __avg_scatter_grads)."""
+        return "allreduce" if self.contiguous_gradients and not self.reduce_scatter else "reduce_scatter"
+
+    def replace(self, **changes: object) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_deepspeed(cls, ds: Mapping[str, object]) -> "Config":
+        """Build a Config from a DeepSpeed JSON config dict (see the module note)."""
+        from fz3.config.deepspeed_keys import translate
+
+        fields, ignored = translate(ds)
+        if ignored:
+            warnings.warn("fz3 accepts but does not use these DeepSpeed keys: " + ", ".join(ignored),
+                          stacklevel=2)
+        return cls(**fields)
+
+
+def _str_tuple(name: str, value: object) -> tuple[str, ...]:
+    """A list or tuple of strings, as a tuple (a frozen Config must hash)."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise TypeError(f"Config.{name} must be a tuple (or list) of non-empty strings, got {value!r}")
+    return tuple(value)
+
+
+def _check_int(name: str, value: object, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Config.{name} must be an int (numel), got {value!r}")
+    if value < low:
+        raise ValueError(f"Config.{name} must be >= {low}, got {value}")
+
+
+def differences(config: Config) -> dict[str, object]:
+    """The fields of `config` that differ from Config()'s (DeepSpeed's defaults), in field order:
+    what the log and the plan print."""
+    default = Config()
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if getattr(config, f.name) != getattr(default, f.name)}
