@@ -89,7 +89,7 @@ def instrument(timers: Timers) -> None:
         setattr(calls, name, timers.wrap("core", getattr(calls, name)))
     eng.at_boundary = timers.wrap("core", eng.at_boundary)
     for name in ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_on_param_read",
-                 "_end_of_backward", "_event", "_run", "_begin_pass", "_queue_end_of_backward"):
+                 "_end_of_backward", "apply", "_run", "_begin_pass"):
         setattr(eng.Engine, name, timers.wrap("shell", getattr(eng.Engine, name)))
     eng.wrap_tensors = timers.wrap("shell", hooks.wrap_tensors)
     eng.Engine.step = timers.wrap("step_other", eng.Engine.step)

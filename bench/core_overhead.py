@@ -28,7 +28,8 @@ import platform
 import time
 
 from fz3.core import calls
-from fz3.core.backward import post_backward, pre_backward
+from fz3.core import events as ev
+from fz3.core.backward import fetch_for_backward, release_after_backward
 from fz3.config.config import Config
 from fz3.core.fetch import fetch
 from fz3.core.release import release
@@ -66,8 +67,8 @@ def one_pass(box, order, config):
         st, _ = release(st, m, config=config, grad_outputs=True)
     st, _ = release(st, 0, config=config)
     for m in reversed(order):
-        st, _ = pre_backward(st, m, config=config)
-        st, _ = post_backward(st, m, config=config)
+        st, _ = fetch_for_backward(st, m, config=config)
+        st, _ = release_after_backward(st, m, config=config)
     st, _ = finish_backward(st, config=config)
     box.append(st)
 
@@ -93,6 +94,27 @@ def one_pass_calls(box, order, config):
     box.append(st)
 
 
+def one_pass_update(box, order, config):
+    """The same pass as `one_pass_calls`, as the engine sends it: event records through
+    fz3/core/events.py's `update` (each built, then matched)."""
+    config = config.replace(gradient_accumulation_steps=1 << 40)
+    update = ev.update
+    st, _ = update(box.pop(), ev.Enter(0, True, False), config=config)
+    units = st.params.spec.modules
+    for m in order:
+        st, _ = update(st, ev.Enter(m, True, True), config=config)
+        st, _ = update(st, ev.Leave(m, True), config=config)
+    st, _ = update(st, ev.Leave(0, True), config=config)
+    for m in reversed(order):
+        st, _ = update(st, ev.PreBackwardRan(m), config=config)
+        for p in units[m].params:
+            if st.grads.params[p].reported != st.grads.backward:  # a tied param reports once
+                st, _ = update(st, ev.GradReady(p, "float32"), config=config)
+        st, _ = update(st, ev.PostBackwardRan(m), config=config)
+    st, _ = update(st, ev.BackwardEnded(), config=config)
+    box.append(st)
+
+
 def one_pass_lifecycles(box, order, config):
     """What the shell called before #12 moved its decisions into fz3/core/calls.py: the same
     pass as `one_pass_calls`, straight to the two lifecycles' transitions (box holds a pair)."""
@@ -106,11 +128,11 @@ def one_pass_lifecycles(box, order, config):
         st, _ = release(st, m, config=config, grad_outputs=True)
     st, _ = release(st, 0, config=config, grad_outputs=True)
     for m in reversed(order):
-        st, _ = pre_backward(st, m, config=config)
+        st, _ = fetch_for_backward(st, m, config=config)
         for p in units[m].params:
             if gs.params[p].reported != gs.backward:
                 gs, _ = bucket_add(gs, p, config=config, dtype="float32")
-        st, _ = post_backward(st, m, config=config)
+        st, _ = release_after_backward(st, m, config=config)
     gs, _ = epilogue(gs, config=config)
     st, _ = finish_backward(st, config=config)
     box.append((st, gs))
@@ -125,7 +147,7 @@ def initial(spec, events: str):
     return calls.Lifecycle(initial_state(spec), init_grad_state(spec), calls.initial_calls(spec, trainable))
 
 
-PASSES = {"params": one_pass, "lifecycles": one_pass_lifecycles, "calls": one_pass_calls}
+PASSES = {"params": one_pass, "lifecycles": one_pass_lifecycles, "calls": one_pass_calls, "update": one_pass_update}
 
 
 def measure(sizes: list[int], config: Config, *, world_size: int = 2,

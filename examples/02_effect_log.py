@@ -1,21 +1,23 @@
 """Step 2: what the pure core decides for a small GPT, printed as an effect log.
 
-No tensors and no processes: fz3.core alone drives the parameter lifecycle of a 2-layer GPT
-(tied token embedding / lm_head) through three forward+backward passes on 2 ranks, and prints
-the effects it asks the data plane to run. Pass 0 records the module order (trace RECORD),
+No tensors and no processes: fz3.core alone takes the events a 2-layer GPT's hooks would send
+(fz3/core/events.py: Enter, Leave, PreBackwardRan, GradReady, ...; tied token embedding /
+lm_head) through three training steps on 2 ranks, and prints the parameter effects it asks the
+data plane to run. Pass 0 records the module order (trace RECORD),
 pass 1 prefetches from it (COMPLETE). Watch the tied embedding: gathered once for the embedding,
 kept for the lm_head when it is reused within max_reuse_distance.
 
     python examples/02_effect_log.py
 """
 from fz3 import Config
-from fz3.core.backward import post_backward, pre_backward
-from fz3.core.fetch import fetch
+from fz3.core.calls import Lifecycle, initial_calls
+from fz3.core.effects import AllGather, Free, Wait
+from fz3.core.events import (BackwardEnded, Enter, GradReady, Leave, PostBackwardRan, PreBackwardRan, Stepped,
+                             update)
+from fz3.core.grads import init_grad_state
 from fz3.core.invariants import check_fetched, check_quiescent, check_state
-from fz3.core.release import release
 from fz3.core.spec import build_spec
 from fz3.core.state import initial_state
-from fz3.core.step import end_of_step, finish_backward, reset_step
 from fz3.interpreters.recorder import Recorder
 
 D, V, T = 64, 512, 32  # width, vocab, context
@@ -33,36 +35,50 @@ config = Config(prefetch_bucket_size=20_000, max_live_parameters=60_000,
                 max_reuse_distance=40_000, param_persistence_threshold=D)
 spec = build_spec(params, modules, world_size=2, persistence_threshold=config.param_persistence_threshold)
 order = list(range(1, len(modules)))  # every module once, in registration order
-st = initial_state(spec)
+trainable = (True,) * len(params)
+st = Lifecycle(initial_state(spec), init_grad_state(spec), initial_calls(spec, trainable))
 
 
-def step(rec, result):
+def send(rec, event):
+    """One event through the core; the parameter effects it returns into the log. (The hook
+    effects, WrapInputs and the like, and the gradient effects are the shell's and the grad
+    interpreter's: examples/03_grad_buckets.py prints those.)"""
     global st
-    st, effects = result
-    rec.run(effects)
-    check_state(st)
+    st, effects = update(st, event, config=config)
+    rec.run(e for e in effects if isinstance(e, (AllGather, Wait, Free)))
+    check_state(st.params)
+
+
+def wrapped(m):
+    """The engine gives a call autograd nodes unless the core says it is inert (its own params
+    all persistent: the layer norms here)."""
+    return not st.calls.tables.inert[m]
 
 
 for pass_no in range(3):
     rec = Recorder(spec)
-    step(rec, reset_step(st, config=config))
-    print(f"\n== pass {pass_no}: trace {st.trace.mode.name}")
-    step(rec, fetch(st, 0, forward=True, config=config))
-    for m in order:
-        step(rec, fetch(st, m, forward=True, config=config, grad_inputs=int(m > 2)))
-        check_fetched(st, m)
-        step(rec, release(st, m, config=config, grad_outputs=True))
-    step(rec, release(st, 0, config=config))
-    for m in reversed(order):
-        step(rec, pre_backward(st, m, config=config))
-        check_fetched(st, m)
-        step(rec, post_backward(st, m, config=config))
-    step(rec, finish_backward(st, config=config))
-    check_quiescent(st)
+    print(f"\n== pass {pass_no}: trace {st.params.trace.mode.name}")
+    send(rec, Enter(0, grad=True, grad_inputs=False))
+    for m in order:  # the token and position embeddings take ids: no grad inputs
+        send(rec, Enter(m, grad=True, grad_inputs=m > 2))
+        check_fetched(st.params, m)
+        send(rec, Leave(m, grad_outputs=True))
+    send(rec, Leave(0, grad_outputs=True))
+    for m in reversed(order):  # autograd: each call's backward, the last call first
+        if wrapped(m):
+            send(rec, PreBackwardRan(m))
+            check_fetched(st.params, m)
+        for p in spec.modules[m].params:
+            if p != 0 or m == 1:  # the tied weight's grad is whole after the embedding's backward
+                send(rec, GradReady(p, "float32"))
+        if wrapped(m) and m > 2:
+            send(rec, PostBackwardRan(m))
+    send(rec, BackwardEnded())
+    check_quiescent(st.params)
     print(rec.format())
     print(f"-- {rec.counts['AllGather']} gathers ({rec.counts['prefetch']} prefetched), "
-          f"{rec.counts['gathered_numel']} elements gathered, peak live {st.peak_live_numel} "
+          f"{rec.counts['gathered_numel']} elements gathered, peak live {st.params.peak_live_numel} "
           f"(max_live_parameters {config.max_live_parameters})")
-st, _ = end_of_step(st, config=config)
+    send(rec, Stepped())
 print("\nafter the optimizer step only persistent params are live:",
-      [spec.params[p].name for p, s in enumerate(st.params) if s.status.name != "NOT_AVAILABLE"])
+      [spec.params[p].name for p, s in enumerate(st.params.params) if s.status.name != "NOT_AVAILABLE"])

@@ -68,7 +68,7 @@ def test_inertness_too_wide_is_caught(monkeypatch, naive):
         return real(ModelSpec(persistent, spec.modules, spec.world_size), trainable)
 
     monkeypatch.setattr(calls, "call_tables", all_persistent)
-    caught_by(naive, r"naive model: enter.*emitted hook effects \[\], expected \[WrapInputs",
+    caught_by(naive, r"naive model: Enter.*emitted hook effects \[\], expected \[WrapInputs",
               r"I5 in backward: .* NOT_AVAILABLE")
 
 
@@ -97,7 +97,7 @@ def test_reads_none_ignoring_the_saved_log_is_caught(monkeypatch, naive):
         return real(st, m, saved=None if saved is None else Log(), **kwargs)
 
     monkeypatch.setattr(calls, "leave", blind)
-    caught_by(naive, r"naive model: leave.*expected \[WrapOutputs",
+    caught_by(naive, r"naive model: Leave.*expected \[WrapOutputs",
               r"I5 in backward: .* NOT_AVAILABLE")
 
 
@@ -115,7 +115,7 @@ def test_leaf_reduced_at_its_first_post_backward_is_caught(monkeypatch):
         return st, queued + reduced + effects
 
     monkeypatch.setattr(calls, "post_backward", eager)
-    assert_caught("reported at post_backward before its last contribution")
+    assert_caught("reported at PostBackwardRan before its last contribution")
 
 
 def test_leaf_not_reduced_at_end_of_backward_is_caught(monkeypatch):
@@ -140,7 +140,7 @@ def test_returned_params_not_registered_is_caught(monkeypatch, naive):
         return real(st, m, returned=(), **kwargs)
 
     monkeypatch.setattr(calls, "leave", dropped)
-    caught_by(naive, r"naive model: after leave.* has externals",
+    caught_by(naive, r"naive model: after Leave.* has externals",
               r"I5 in forward: .* NOT_AVAILABLE")
 
 
@@ -148,8 +148,8 @@ def test_returned_params_not_registered_is_caught(monkeypatch, naive):
 def test_borrowed_params_not_registered_is_caught(monkeypatch, naive):
     """(g) a param read off another module's _parameters is not registered on the reader: it
     computes with a param nobody gathered."""
-    monkeypatch.setattr(calls, "read", lambda st, owner, p, *, config: (st, ()))
-    caught_by(naive, r"naive model: after read.* has externals",
+    monkeypatch.setattr(calls, "read", lambda st, owner, p, *, config, grad=True: (st, ()))
+    caught_by(naive, r"naive model: after Read.* has externals",
               r"I5 in forward: .* NOT_AVAILABLE")
 
 
@@ -160,7 +160,7 @@ def test_end_of_backward_not_queued_once_is_caught(monkeypatch, queue, naive):
     epilogue several times), or never (it would not run)."""
     queued = (QueueEndOfBackward(),) if queue == "every event" else ()
     monkeypatch.setattr(calls, "_in_backward", lambda c: (c._replace(backward=True), queued))
-    caught_by(naive, r"naive model: (pre_backward|post_backward|grad_ready)",
+    caught_by(naive, r"naive model: (PreBackwardRan|PostBackwardRan|GradReady)",
               r"end of backward queued (0|[2-9]\d*) times in one backward")
 
 
@@ -183,7 +183,7 @@ def test_a_wrong_hook_set_is_caught(monkeypatch, wrong):
 def test_a_step_that_gives_every_param_a_grad_is_caught(monkeypatch):
     """(j) stepped names no param without a grad: zeros would move them (AdamW's decay)."""
     monkeypatch.setattr(calls, "no_grad_params", lambda st, leaf_grads=None: ())
-    assert_caught(r"naive model: stepped.*expected \[StepOptimizer\(no_grad=\(\d")
+    assert_caught(r"naive model: Stepped.*expected \[StepOptimizer\(no_grad=\(\d")
 
 
 def test_a_step_taken_on_a_grad_norm_not_finite_is_caught(monkeypatch):
@@ -191,11 +191,11 @@ def test_a_step_taken_on_a_grad_norm_not_finite_is_caught(monkeypatch):
     real = calls.stepped
     monkeypatch.setattr(calls, "stepped", lambda st, *, config, finite=True, leaf_grads=None:
                         real(st, config=config, leaf_grads=leaf_grads))
-    assert_caught(r"naive model: stepped.*expected \[SkipStep")
+    assert_caught(r"naive model: Stepped.*expected \[SkipStep")
 
 
 def test_zeros_standing_in_for_a_leafs_grad_counted_as_a_grad_are_caught(monkeypatch):
     """(l) a leaf's stand-in zeros mark the param as having had a grad: the step moves it."""
     real = calls.bucket_add
     monkeypatch.setattr(calls, "bucket_add", lambda *a, stand_in=False, **k: real(*a, **k))
-    assert_caught(r"naive model: stepped.*expected \[StepOptimizer")
+    assert_caught(r"naive model: Stepped.*expected \[StepOptimizer")

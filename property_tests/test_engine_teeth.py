@@ -50,7 +50,7 @@ def test_a_leaf_reduced_before_its_other_calls_is_caught(monkeypatch):
         if m in cs.leaves:
             cs, g, eff = real(cs, g, m, config, with_grad)
             effects += eff
-        params, eff = calls.core_bwd.post_backward(st.params, m, config=config)
+        params, eff = calls.core_bwd.release_after_backward(st.params, m, config=config)
         cs, params, eff2 = calls._end_waiting(cs, params, m, config)
         return calls.Lifecycle(params, g, cs), effects + eff + eff2
 

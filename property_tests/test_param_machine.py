@@ -111,15 +111,15 @@ SCHEDULES = st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["complete", "
                      min_size=1, max_size=6)
 
 
-@given(cases(), SCHEDULES, st.booleans())
-def test_config_and_order_never_change_what_is_computed(case, schedule, merged):
+@given(cases(), SCHEDULES)
+def test_config_and_order_never_change_what_is_computed(case, schedule):
     """I5: the same passes under the drawn config and under a config with no prefetch, no reuse
     keeping and no budget find, at every compute, the same params AVAILABLE: the whole unit."""
     schedule = [(w % len(case.programs), k) for w, k in schedule]
-    drawn, _ = run_passes(case, schedule, merged=merged)
+    drawn, _ = run_passes(case, schedule)
     stingy, _ = run_passes(Case(case.model, STINGY.replace(
         param_persistence_threshold=case.config.param_persistence_threshold), case.programs),
-        schedule, merged=merged)
+        schedule)
     assert drawn.model.computed == stingy.model.computed
 
 
@@ -140,7 +140,7 @@ SCHEDULE = ([(0, "complete")] * 3 + [(1, "complete"), (2, "complete"), (0, "part
 
 def effect_log() -> list[str]:
     """EXAMPLE's effects over SCHEDULE, as strings (for the cross-process comparison)."""
-    _, passes = run_passes(EXAMPLE, SCHEDULE, merged=True)
+    _, passes = run_passes(EXAMPLE, SCHEDULE)
     return [repr(e) for entries in passes for _, effs in entries for e in effs]
 
 

@@ -77,7 +77,7 @@ def test_pre_backward_not_decrementing_is_caught(monkeypatch):
             return st, ()
         return fetch.fetch(st, module, forward=False, config=config)
 
-    monkeypatch.setattr(backward, "pre_backward", sticky)
+    monkeypatch.setattr(backward, "fetch_for_backward", sticky)
     assert_caught("counters")
 
 

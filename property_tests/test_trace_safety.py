@@ -54,7 +54,7 @@ def schedules(draw, case: Case) -> list[tuple]:
         if kind == "partial":
             detail = draw(st.frozensets(st.integers(0, count_calls(case.programs[which]) - 1)))
         elif kind == "raise":
-            n = len(forward_events(case.programs[which], merged=True))
+            n = len(forward_events(case.programs[which]))
             detail = draw(st.integers(1, n - 1))
         out.append((which, kind, detail))
         finished = kind in ("complete", "partial")
@@ -76,7 +76,7 @@ def run(case: Case, config: Config, schedule: list[tuple]) -> list[list[torch.Te
             st_, effects = apply_event(st_, ("end_of_step",), config)
             world.run(effects)
             continue
-        events = pass_events(case.programs[which], kind, detail, merged=True)
+        events = pass_events(case.programs[which], kind, detail)
         events[0] = ("reset", kind != "none", raised)
         raised = kind == "raise"
         for ev in events:

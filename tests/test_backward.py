@@ -1,7 +1,7 @@
 """Backward bookkeeping and external params (fz3/core/backward.py).
 
-pre_backward fetches once per forward call whose outputs were wrapped; post_backward ends one
-call's backward and releases what it fetched (the params go once no call of the module is open);
+fetch_for_backward fetches once per forward call whose outputs were wrapped;
+release_after_backward ends one call's backward and releases what it fetched (the params go once no call of the module is open);
 a module without wrapped inputs waits for finish_backward. External
 params are gathered at registration, fetched with their module, freed only by end_of_step.
 """
@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fz3.core.backward import (inputs_wrapped, outputs_wrapped, post_backward, pre_backward,
-                               register_external)
+from fz3.core.backward import fetch_for_backward, register_external, release_after_backward
 from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.fetch import fetch
@@ -30,24 +29,17 @@ def G(h, ps, forward=True):
 
 
 def test_wrapping_counts():
+    """A call's wrapped outputs count one backward fetch (release(grad_outputs=True)), its
+    wrapped inputs one backward release (fetch(grad_inputs=1)); 0 counts nothing."""
     d = Driver(*BLOCK, config=CFG)
-    d.wrap(1, inputs=1)
-    d.wrap(1, inputs=0)
-    d.wrap(1, inputs=1)
+    d(reset_step)
+    for inputs in (1, 0, 1):
+        d(fetch, 1, forward=True, grad_inputs=inputs)
+        d(release, 1, grad_outputs=True)
     assert (d.st.modules[1].pre_backward, d.st.modules[1].grads_remaining) == (3, 2)
     for bad in (-1, 2):
-        with pytest.raises(ValueError, match=f"0 or 1.*got {bad}"):
-            inputs_wrapped(d.st, 1, bad)
         with pytest.raises(ValueError, match=f"grad_inputs must be 0 or 1.*got {bad}"):
             fetch(d.st, 1, forward=True, config=CFG, grad_inputs=bad)
-
-
-def test_inputs_wrapped_with_no_grad_input_counts_nothing():
-    """count 0 is allowed (a call whose inputs need no grad) and leaves both counters as they are."""
-    d = Driver(*BLOCK, config=CFG)
-    st = inputs_wrapped(d.st, 1, 0)
-    assert list(st.modules) == list(d.st.modules) and list(st.params) == list(d.st.params)
-    assert (st.modules[1].pre_backward, st.modules[1].grads_remaining) == (0, 0)
 
 
 def test_module_called_twice_is_fetched_twice_in_backward():
@@ -56,19 +48,17 @@ def test_module_called_twice_is_fetched_twice_in_backward():
     d = Driver(*BLOCK, config=CFG)
     d(reset_step)
     d(fetch, 0, forward=True)
-    d.wrap(0)
     for h in (0, 1):
-        assert d(fetch, 1, forward=True) == [G(h, [0]), Wait(h)]
-        d.wrap(1, inputs=1)
-        assert d(release, 1) == [Free((0,), refetch=True)]  # its backward gathers it again
-    d(release, 0)
+        assert d(fetch, 1, forward=True, grad_inputs=1) == [G(h, [0]), Wait(h)]
+        assert d(release, 1, grad_outputs=True) == [Free((0,), refetch=True)]  # its backward gathers it again
+    d(release, 0, grad_outputs=True)
     assert (d.st.modules[1].pre_backward, d.st.modules[1].grads_remaining) == (2, 2)
-    assert d(pre_backward, 0) == []
-    assert d(pre_backward, 1) == [G(2, [0], forward=False), Wait(2)]  # call 2
-    assert d(post_backward, 1) == [Free((0,), refetch=True)]  # call 2's backward is done; call 1's to come
-    assert d(pre_backward, 1) == [G(3, [0], forward=False), Wait(3)]  # call 1
+    assert d(fetch_for_backward, 0) == []
+    assert d(fetch_for_backward, 1) == [G(2, [0], forward=False), Wait(2)]  # call 2
+    assert d(release_after_backward, 1) == [Free((0,), refetch=True)]  # call 2's backward is done; call 1's to come
+    assert d(fetch_for_backward, 1) == [G(3, [0], forward=False), Wait(3)]  # call 1
     check_fetched(d.st, 1)
-    assert d(post_backward, 1) == [Free((0,))]
+    assert d(release_after_backward, 1) == [Free((0,))]
     assert (d.st.modules[1].pre_backward, d.st.modules[1].grads_remaining) == (0, 0)
     assert d(finish_backward) == []
     check_quiescent(d.st)
@@ -82,12 +72,12 @@ def test_interleaved_backward_calls_free_at_the_last_close():
     for _ in (0, 1):
         d(fetch, 1, forward=True, grad_inputs=1)
         d(release, 1, grad_outputs=True)
-    assert d(pre_backward, 1) == [G(2, [0], forward=False), Wait(2)]
-    assert d(pre_backward, 1) == []
+    assert d(fetch_for_backward, 1) == [G(2, [0], forward=False), Wait(2)]
+    assert d(fetch_for_backward, 1) == []
     assert d.st.modules[1].active == 2 and d.st.params[0].users == 1
-    assert d(post_backward, 1) == []  # call 1 is still open
+    assert d(release_after_backward, 1) == []  # call 1 is still open
     check_fetched(d.st, 1)
-    assert d(post_backward, 1) == [Free((0,))]
+    assert d(release_after_backward, 1) == [Free((0,))]
     assert d.st.modules[1].active == 0 and d.st.params[0].users == 0
     assert d(finish_backward) == []
     check_quiescent(d.st)
@@ -96,17 +86,17 @@ def test_interleaved_backward_calls_free_at_the_last_close():
 def test_extra_hooks_are_no_ops():
     d = Driver(*BLOCK, config=CFG)
     st = d.st
-    assert pre_backward(st, 1, config=CFG) == (st, ())
-    assert post_backward(st, 1, config=CFG) == (st, ())
+    assert fetch_for_backward(st, 1, config=CFG) == (st, ())
+    assert release_after_backward(st, 1, config=CFG) == (st, ())
 
 
 def test_module_without_grad_inputs_waits_for_finish_backward():
     d = Driver(*BLOCK, config=CFG)
     d(reset_step)
     d.forward([[0, [1]]], inputs=0)
-    assert d(pre_backward, 0) == []
-    assert d(pre_backward, 1) == [G(1, [0], forward=False), Wait(1)]
-    assert d(post_backward, 1) == []  # no input was wrapped: nothing to count down
+    assert d(fetch_for_backward, 0) == []
+    assert d(fetch_for_backward, 1) == [G(1, [0], forward=False), Wait(1)]
+    assert d(release_after_backward, 1) == []  # no input was wrapped: nothing to count down
     assert d.statuses() == "A"
     assert d(finish_backward) == [Free((0,))]
     check_quiescent(d.st)
@@ -177,17 +167,3 @@ def test_registering_an_own_param_is_a_no_op():
     d(fetch, 1, forward=True)
     assert d(register_external, 1, (0,)) == []
     assert not d.st.params[0].external
-
-
-def test_merged_wrapping_equals_separate_calls():
-    """fetch(grad_inputs=k) and release(grad_outputs=True) count as inputs_wrapped and
-    outputs_wrapped do."""
-    a, b = Driver(*BLOCK, config=CFG), Driver(*BLOCK, config=CFG)
-    for d in (a, b):
-        d(reset_step)
-    a(fetch, 1, forward=True, grad_inputs=1)
-    a(release, 1, grad_outputs=True)
-    b(fetch, 1, forward=True)
-    b.st = outputs_wrapped(inputs_wrapped(b.st, 1, 1), 1)
-    b(release, 1)
-    assert list(a.st.modules) == list(b.st.modules) and list(a.st.params) == list(b.st.params)

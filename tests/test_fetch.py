@@ -210,7 +210,7 @@ def test_zero_numel_and_empty_modules():
     assert d.statuses() == "AN"
 
 
-def test_grad_inputs_counts_like_inputs_wrapped():
+def test_grad_inputs_counts_one_backward_release():
     d = Driver(*THREE, config=cfg())
     d(reset_step)
     d(fetch, 1, forward=True, grad_inputs=1)

@@ -91,7 +91,7 @@ def test_release_of_inactive_module_is_a_no_op():
     assert d(release, 1) == []  # a second release finds the module inactive
 
 
-def test_grad_outputs_counts_like_outputs_wrapped():
+def test_grad_outputs_counts_one_backward_fetch():
     d = Driver(*TIED, config=cfg())
     d(reset_step)
     d(fetch, 1, forward=True)
@@ -120,15 +120,15 @@ def test_param_prefetched_for_a_later_step_is_kept():
 def test_free_says_whether_the_module_fetches_again_in_this_pass():
     """Free.refetch: a forward release of a module whose backward will fetch it (outputs wrapped)
     lets an interpreter keep the memory for that gather; any other release gives it back."""
-    from fz3.core.backward import post_backward, pre_backward
+    from fz3.core.backward import fetch_for_backward, release_after_backward
     d = Driver(*TIED, config=cfg(reuse=0))
     d(reset_step)
     d(fetch, 2, forward=True, grad_inputs=1)
     assert d(release, 2, grad_outputs=True) == [Free((1, 2), refetch=True)]
     d(fetch, 1, forward=True)
     assert d(release, 1) == [Free((0,), refetch=False)]  # no backward fetch: next pass's
-    assert d(pre_backward, 2)[-1:] == [Wait(2)]
-    assert d(post_backward, 2) == [Free((1, 2), refetch=False)]  # its backward is over
+    assert d(fetch_for_backward, 2)[-1:] == [Wait(2)]
+    assert d(release_after_backward, 2) == [Free((1, 2), refetch=False)]  # its backward is over
 
 
 # x owns a tied weight (10, used again by z) and a bias (6); y (1 element) runs in between

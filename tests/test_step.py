@@ -1,7 +1,7 @@
 """Pass- and step-level transitions (fz3/core/step.py): reset_step, finish_backward, end_of_step."""
 from __future__ import annotations
 
-from fz3.core.backward import post_backward, pre_backward, register_external
+from fz3.core.backward import fetch_for_backward, register_external, release_after_backward
 from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.fetch import fetch
@@ -30,10 +30,10 @@ def train_pass(d: Driver) -> list:
     d(reset_step)
     d.forward([[0, [1, 2]]], inputs=1)
     for m in (0, 2, 1):
-        d(pre_backward, m)
+        d(fetch_for_backward, m)
         if m:
-            d(post_backward, m)
-    d(post_backward, 0)
+            d(release_after_backward, m)
+    d(release_after_backward, 0)
     effects = d(finish_backward)
     check_quiescent(d.st)
     return effects
@@ -50,8 +50,8 @@ def test_finish_backward_drains_and_frees_leftovers():
     d = Driver(*MODEL, config=cfg())
     d(reset_step)
     d.forward([[0, [1, 2]]], inputs=1)
-    d(pre_backward, 0)
-    d(pre_backward, 2)
+    d(fetch_for_backward, 0)
+    d(fetch_for_backward, 2)
     assert d.statuses() == "ANA"
     assert d(finish_backward) == [Free((2,))]
     check_quiescent(d.st)

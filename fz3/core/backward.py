@@ -1,10 +1,16 @@
 """Backward bookkeeping and external parameters.
 
-    forward call of m:  outputs_wrapped(m)        pre_backward count  += 1
-                        inputs_wrapped(m, k)      grads_remaining     += k  (k = 1: the call's
-                                                  grad-requiring inputs were wrapped, in one node)
-    backward:           pre_backward(m)           count > 0: count -= 1, fetch(m): a call opens
-                        post_backward(m)          grads_remaining -= 1, release(m): it closes
+    forward call of m:  release(m, grad_outputs=True)   pre_backward count  += 1
+                        fetch(m, grad_inputs=k)         grads_remaining     += k  (k = 1: the
+                                                        call's grad-requiring inputs were
+                                                        wrapped, in one node)
+    backward:           fetch_for_backward(m)           count > 0: count -= 1, fetch(m): a call
+                                                        opens
+                        release_after_backward(m)       grads_remaining -= 1, release(m): it
+                                                        closes
+
+The shell's events of the same moments are PreBackwardRan and PostBackwardRan
+(fz3/core/events.py); fz3/core/calls.py decides when each of these runs.
 
 A module called k times in forward is fetched k times in backward, and both counts return to 0
 (ALBERT-style reuse, DeepSpeed PR #1227). A module with no grad-requiring input never gets a
@@ -15,9 +21,9 @@ params' grads are in).
 ds_grads_remaining reaches 0, i.e. after the backward of *all* its calls: a block applied k
 times keeps its params (and its children's) gathered from its first backward call to its last,
 with other modules fetched on demand on top, past any live budget. fz3's shell wraps all of a
-call's grad-requiring inputs in one node, so each post_backward ends one call's backward and
-releases what that call's pre_backward fetched; the params are freed (or kept, by the trace's
-reuse rule) once no call of the module is open. Calls whose backward interleaves stay correct:
+call's grad-requiring inputs in one node, so each release_after_backward ends one call's
+backward and releases what that call's fetch_for_backward fetched; the params are freed (or
+kept, by the trace's reuse rule) once no call of the module is open. Calls whose backward interleaves stay correct:
 `active` counts open calls, and only the last one to close counts the module out.
 
 External params: a param a module returns in its outputs, or reads from a module it does not
@@ -36,24 +42,7 @@ from fz3.core.state import (ACTIVE, EXTERNALS, FETCH_STEP, FETCHED_FOR, GRADS_RE
 from fz3.core.step import invalidate
 
 
-def outputs_wrapped(st: ParamState, module: ModuleId) -> ParamState:
-    """A forward call of `module` produced grad-requiring outputs (PreBackwardFunction applied).
-    The same as `release(..., grad_outputs=True)` does, for shells that report it apart."""
-    m = st.module_rows[module]
-    return st._replace(module_rows=st.module_rows.set(module, (m[PRE_BACKWARD] + 1,) + m[1:]))
-
-
-def inputs_wrapped(st: ParamState, module: ModuleId, count: int) -> ParamState:
-    """A forward call of `module` got `count` grad-requiring inputs (PostBackwardFunction).
-    The same as `fetch(..., grad_inputs=count)` does, for shells that report it apart."""
-    if count not in (0, 1):
-        raise ValueError(f"inputs_wrapped count must be 0 or 1 (one node per call), got {count!r}")
-    m = st.module_rows[module]
-    return st._replace(module_rows=st.module_rows.set(
-        module, (m[PRE_BACKWARD], m[GRADS_REMAINING] + count) + m[2:]))
-
-
-def pre_backward(st: ParamState, module: ModuleId, *, config: Config) -> tuple[ParamState, Effects]:
+def fetch_for_backward(st: ParamState, module: ModuleId, *, config: Config) -> tuple[ParamState, Effects]:
     """Gradient reached `module`'s outputs: fetch its params, once per forward call.
     DeepSpeed: _run_before_backward_function."""
     m = st.module_rows[module]
@@ -65,7 +54,7 @@ def pre_backward(st: ParamState, module: ModuleId, *, config: Config) -> tuple[P
     return tx.commit()
 
 
-def post_backward(st: ParamState, module: ModuleId, *, config: Config) -> tuple[ParamState, Effects]:
+def release_after_backward(st: ParamState, module: ModuleId, *, config: Config) -> tuple[ParamState, Effects]:
     """A call's grad-requiring inputs got their grads: its backward is done, release what it
     fetched (see [Note: release per call]). DeepSpeed: PostBackwardFunctionModule.backward."""
     m = st.module_rows[module]

@@ -1,27 +1,32 @@
-"""Module calls and autograd, as core events: what the shell's hooks see, and what they must do.
+"""Module calls and autograd: the step of each of torch's events, and every decision it takes.
 
-The param lifecycle (fetch, release, backward.py) and the grad lifecycle (grads.py, epilogue.py)
-each take events a step below what torch shows the shell. This layer takes torch's own events,
-one per hook, and decides everything between: which calls get autograd nodes, when a call
-without grad inputs is over, when a leaf module's grads are reduced, which params a caller
-borrows, when the end of backward is queued. It returns the parameter and gradient effects for
-the interpreter and the hook effects (hook_effects.py) for the hook itself.
+The shell reports torch's events as records (events.py: Enter, Read, Leave, ...), and `update`
+runs the step of this file that each names. The param lifecycle (fetch, release, backward.py)
+and the grad lifecycle (grads.py, epilogue.py) each take transitions a step below what torch
+shows the shell; these steps decide everything between: which calls get autograd nodes, when
+a call without grad inputs is over, when a leaf module's grads are reduced, which params a
+caller borrows, when the end of backward is queued. Each returns the parameter and gradient
+effects for the interpreter and the hook effects (hook_effects.py) for the hook itself.
 
-    enter(m)           pre-forward of a call     [new pass at the root] wrap inputs? fetch
-    read(owner, p)     a call reads p off another module's _parameters   external?
-    leave(m)           post-forward              returned params external on the caller;
+    enter(m)           Enter: pre-forward        [new pass at the root] wrap inputs? fetch
+    read(owner, p)     Read: a call reads p off another module's _parameters   external?
+    leave(m)           Leave: post-forward       returned params external on the caller;
                                                  reads none? wrap outputs? release
-    raised(m)          the forward raised        close the call, release; the pass is cut short
-    pre_backward(m)    PreBackward node ran      queue end of backward; fetch
-    post_backward(m)   PostBackward node ran     a leaf's last call: reduce it; release
-    grad_ready(p)      p's grad accumulated      bucket_add; calls waiting on p's grad: release
-    end_of_backward    autograd's callback       leaves left, epilogue, finish_backward
-    stepped            at the boundary, the      finite: StepOptimizer (unused params without a
-                       grad norm known           grad), optimizer_step, end_of_step;
+    raised(m)          Raised: the forward       close the call, release; the pass is cut short
+                       raised
+    pre_backward(m)    PreBackwardRan            queue end of backward; fetch_for_backward
+    post_backward(m)   PostBackwardRan           a leaf's last call: reduce it;
+                                                 release_after_backward
+    grad_ready(p)      GradReady: p's grad       bucket_add; calls waiting on p's grad: release
+                       accumulated
+    end_of_backward    BackwardEnded             leaves left, epilogue, finish_backward
+    stepped            Stepped: at the boundary, finite: StepOptimizer (unused params without a
+                       the grad norm known       grad), optimizer_step, end_of_step;
                                                  else SkipStep, the window closed, nothing stale
 
-The state is the three lifecycles together (`Lifecycle`); each event is a pure function
-`f(state, ..., *, config) -> (state, effects)` as below it.
+The state is the three lifecycles together (`Lifecycle`); each step is a pure function
+`f(state, ..., *, config) -> (state, effects)` as below it (`update` looks them up here when it
+runs, so a test may replace one).
 
 [Note: inert modules] A module whose own params are all persistent (or that has none: a
 container) never gathers nor frees, and its externals are pinned to the step's end: its
@@ -262,7 +267,7 @@ def raised(st: Lifecycle, m: ModuleId, *, config: Config, recomputing: bool = Fa
 def pre_backward(st: Lifecycle, m: ModuleId, *, config: Config) -> tuple[Lifecycle, tuple]:
     """Grads reached the outputs of a call of `m` (its PreBackward node ran): fetch."""
     calls, queued = _in_backward(st.calls)
-    params, effects = core_bwd.pre_backward(st.params, m, config=config)
+    params, effects = core_bwd.fetch_for_backward(st.params, m, config=config)
     return Lifecycle(params, st.grads, calls), queued + effects
 
 
@@ -276,7 +281,7 @@ def post_backward(st: Lifecycle, m: ModuleId, *, config: Config, with_grad: froz
     if m in calls.leaves and row[GRADS_REMAINING] <= 1 and row[PRE_BACKWARD] == 0:
         calls, grads, eff = _reduce_leaf(calls, grads, m, config, with_grad)
         effects += eff
-    params, eff = core_bwd.post_backward(st.params, m, config=config)
+    params, eff = core_bwd.release_after_backward(st.params, m, config=config)
     calls, params, eff2 = _end_waiting(calls, params, m, config)
     return Lifecycle(params, grads, calls), effects + eff + eff2
 
@@ -389,7 +394,7 @@ def _backward_over(calls: CallState, params: ParamState, m: ModuleId, config: Co
         if w.module == m:
             rest = calls.waiting[:i] + ((w._replace(calls=w.calls - 1),) if w.calls > 1 else ()) \
                 + calls.waiting[i + 1:]
-            params, effects = core_bwd.post_backward(params, m, config=config)
+            params, effects = core_bwd.release_after_backward(params, m, config=config)
             return calls._replace(waiting=rest), params, effects
     return calls, params, ()
 
@@ -413,7 +418,7 @@ def _end_waiting(calls: CallState, params: ParamState, m: ModuleId, config: Conf
                 return calls, params, ()
             effects: tuple = ()
             for _ in range(w.calls):
-                params, eff = core_bwd.post_backward(params, m, config=config)
+                params, eff = core_bwd.release_after_backward(params, m, config=config)
                 effects += eff
             return calls._replace(waiting=calls.waiting[:i] + calls.waiting[i + 1:]), params, effects
     return calls, params, ()

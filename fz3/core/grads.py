@@ -135,6 +135,15 @@ def init_grad_state(spec: ModelSpec, *, in_place_reduce_scatter: bool = False) -
                      in_place_reduce_scatter)
 
 
+def resumed(state: GradState, *, window: int, backward: int, skipped: int = 0) -> GradState:
+    """The state after a checkpoint load: a fresh one at the checkpoint's counters (`window`
+    also counts the skipped windows). Per-param records left by training before the load could
+    equal the restored counters and turn a window's first write into an add, so none is kept;
+    the static carrier flag stays."""
+    return init_grad_state(state.spec, in_place_reduce_scatter=state.in_place_reduce_scatter)._replace(
+        window=window, backward=backward, skipped=skipped)
+
+
 def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str = "float32",
                graph_task: int = 0, stand_in: bool = False) -> tuple[GradState, tuple[GradEffect, ...]]:
     """Place `param`'s ready grad (a `dtype` tensor) in the IPG bucket of its comm dtype

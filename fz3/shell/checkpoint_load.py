@@ -19,8 +19,7 @@ import os
 
 import torch
 
-from fz3.core.grads import init_grad_state
-from fz3.core.step import end_of_step
+from fz3.core.events import Resumed
 from fz3.data import layout
 from fz3.shell.checkpoint import (CLIENT, FORMAT, LATEST, META, VERSION, CheckpointError, agree,
                                   check_quiescent, check_tag, fingerprint, group_param_ids,
@@ -226,19 +225,14 @@ def apply(engine, loaded: dict, parts: dict = ALL_PARTS) -> None:
             buffers[name].data.copy_(value)
     meta = loaded["meta"]
     # (engine.optimizer_steps is the grad lifecycle's window, restored here with it)
-    # fresh per-param grad records: ones left by training before the load could equal the
-    # restored window / backward counters and turn a first write into an add (fz3/core/grads.py);
-    # the static route flag is the interpreter's, kept as it was
     old = engine.grads_state
     window, backward, skipped = (meta["grads"]["window"], meta["grads"]["backward"],
                                  meta["grads"].get("skipped", 0)) if parts["counters"] else \
         (old.window, old.backward, old.skipped)
-    fresh = init_grad_state(engine.spec, in_place_reduce_scatter=old.in_place_reduce_scatter)
-    engine.state = engine.state._replace(grads=fresh._replace(window=window, backward=backward, skipped=skipped))
+    engine.apply(Resumed(window, backward, skipped))  # the grad lifecycle afresh; persistent re-gathered
     if parts["counters"]:  # DeepSpeed's: global_samples as saved; micro_steps stays this engine's
         per_step = engine.batch.train_batch_size or 0
         engine.global_samples = meta.get("global_samples", window * per_step)
-    engine._params(end_of_step)  # re-gather persistent
 
 
 def _clone(obj):

@@ -1,22 +1,24 @@
 """The engine: the shell's mutable cells and the hooks that turn torch's events into core events.
 
-    engine(*args)      every registered module: pre-forward -> calls.enter, post-forward ->
-                       calls.leave (hooks.py: the autograd nodes; fz3/core/calls.py: the events)
+    engine(*args)      every registered module: pre-forward -> Enter, post-forward -> Leave
+                       (or Raised); a param read off another module -> Read (hooks.py: the
+                       autograd nodes; fz3/core/events.py: the events)
     engine.backward(loss) / loss.backward()
-                       PreBackward -> calls.pre_backward, PostBackward -> calls.post_backward,
-                       grad hooks -> calls.grad_ready, end of backward (queue_callback) ->
-                       calls.end_of_backward
-    engine.step()      at the accumulation boundary: the global grad norm, then calls.stepped:
+                       PreBackward -> PreBackwardRan, PostBackward -> PostBackwardRan, grad
+                       hooks -> GradReady, end of backward (queue_callback) -> BackwardEnded
+    engine.step()      at the accumulation boundary: the global grad norm, then Stepped:
                        StepOptimizer (clip, optimizer.step() on the fp32 master shards, shards
                        refreshed) or, the norm not finite, SkipStep (a WARNING naming the param)
 
-Every decision is a core transition (fz3/core/calls.py); a hook reads what torch shows it (grad
-mode, which tensors need grad, which params a module returned), hands it to the core, and runs
-the effects it gets back: the parameter and gradient effects through the interpreter, the hook
-effects (fz3/core/hook_effects.py: wrap the call's tensors, queue the end of backward, the
-store's grad placeholders) itself, in order. The engine's own cells: the core state and the
-last grad norm; torch forces two more, kept beside what they serve: the saved-tensor hooks of
-a root forward (saved.py) and the tensor store (store.py).
+Every decision is a core transition (`update`, fz3/core/events.py); a hook reads what torch
+shows it (grad mode, which tensors need grad, which params a module returned) into an event,
+hands it to the core, and runs the effects it gets back: the parameter and gradient effects
+through the interpreter, the hook effects (fz3/core/hook_effects.py: wrap the call's tensors,
+queue the end of backward, the store's grad placeholders) itself, by one `match`, in order.
+fz3's features (gathered_parameters, load_weights, load_checkpoint) send their events through
+the same door, `engine.apply`. The engine's own cells: the core state and the last grad norm;
+torch forces two more, kept beside what they serve: the saved-tensor hooks of a root forward
+(saved.py) and the tensor store (fz3/data/store.py).
 """
 from __future__ import annotations
 
@@ -26,12 +28,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from fz3.core import calls
+from fz3.core import calls, events
 from fz3.core.calls import Lifecycle, initial_calls
+from fz3.core.events import (BackwardEnded, Enter, GradReady, Leave, PostBackwardRan, PreBackwardRan, Raised, Read,
+                             Stepped)
 from fz3.config.config import Config
 from fz3.core.epilogue import at_boundary
 from fz3.core.grads import init_grad_state
-from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
+from fz3.core.hook_effects import (HOOK_EFFECTS, BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
                                    ZeroGrads)
 from fz3.core.ids import Status, TraceMode
@@ -52,6 +56,8 @@ from fz3.data.store import DTYPES, TensorStore
 from fz3.shell.surface import BatchSizes, DeepSpeedSurface
 from fz3.shell.tables import read_tables
 
+
+_HOOK_TYPES = frozenset(HOOK_EFFECTS)
 
 COUNTERS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "all_gather_via_all_reduce",
             "all_gather_via_native", "all_gather_via_p2p", "gathered_bytes", "reduce",
@@ -95,12 +101,7 @@ class Engine(DeepSpeedSurface):
         self.batch = BatchSizes(None, None)
         self.gather_16bit_weights_on_model_save = False
         self.saved = SavedParams(self.store, self.tables.names, self.param_ids)
-        self.run_hook_effect = {BeginPass: self._begin_pass, EndPass: self._end_pass,
-                                WrapInputs: self._wrap_inputs, WrapOutputs: self._wrap_outputs,
-                                GradDue: self._grad_due, GradIn: self._grad_in, ClearGradDue: self._clear_grad_due,
-                                ZeroGrads: self._zero_grads, QueueEndOfBackward: self._queue_end_of_backward,
-                                EndOfBackward: self._backward_done, StepOptimizer: self._step_optimizer,
-                                SkipStep: self._skip_step}
+        self.update = events.update  # the core's one door: fz3.timeline times what goes through it
         if config.compute_dtype != "fp32":
             _cast_buffers(model, DTYPES[config.compute_dtype])
         self.buffers = BufferSync(model, lambda t: self.interp.broadcast(t), enabled=options.broadcast_buffers,
@@ -150,28 +151,18 @@ class Engine(DeepSpeedSurface):
 
     # ---- running events ---------------------------------------------------------------------
 
-    def _event(self, transition, *args, tree=None, **kwargs):
-        """Run a core event on the current state, then its effects, in order: the interpreter's,
-        and the hook effects here (they may rewrap `tree`, the call's inputs or outputs, which
-        is returned). `self._event(calls.enter, m, grad=True, ...)` is `calls.enter(self.state,
-        m, grad=True, ..., config=self.config)`. The one door every event goes through
-        (fz3.timeline times it)."""
+    def apply(self, event, tree=None):
+        """Run one core event (fz3/core/events.py) on the current state, then its effects, in
+        order: the interpreter's, and the hook effects here (they may rewrap `tree`, the call's
+        inputs or outputs, which is returned). Every event goes through this door: the hooks',
+        and fz3's features' (Hold, Unhold, ShardsReplaced, Resumed)."""
         if self.stopped is not None:  # the one check a hook pays for it
             self._refuse_if_stopped()
-        self.state, effects = transition(self.state, *args, config=self.config, **kwargs)
+        self.state, effects = self.update(self.state, event, config=self.config)
         tree = self._run(effects, tree)
         if self.options.debug_checks:
             checks.after_event(self.state, effects, self.config)
         return tree
-
-    def _params(self, transition, *args, **kwargs) -> None:
-        """A parameter-lifecycle transition alone (hold, unhold, end_of_step after a load)."""
-        self._refuse_if_stopped()
-        params, effects = transition(self.state.params, *args, config=self.config, **kwargs)
-        self.state = self.state._replace(params=params)
-        self._run(effects, None)
-        if self.options.debug_checks:
-            checks.after_event(self.state, effects, self.config)
 
     def _watch_divergence(self) -> None:
         """[Note: an engine stops at a DivergenceError] After one, the ranks are out of step for
@@ -208,14 +199,13 @@ class Engine(DeepSpeedSurface):
     def _run(self, effects, tree):
         batch = []
         for e in effects:
-            run = self.run_hook_effect.get(type(e))
-            if run is None:
+            if type(e) not in _HOOK_TYPES:  # a set lookup: most effects are the interpreter's
                 batch.append(e)
                 continue
             if batch:
                 self.interp.run(batch)
                 batch = []
-            tree = run(e, tree)
+            tree = self._hook_effect(e, tree)
         if batch:
             self.interp.run(batch)
         return tree
@@ -249,42 +239,37 @@ class Engine(DeepSpeedSurface):
 
     def _pre_forward(self, module, args, kwargs):
         grad = torch.is_grad_enabled()
-        return self._event(calls.enter, self.module_ids[id(module)], grad=grad,
-                           grad_inputs=grad and needs_grad(flatten((args, kwargs))[0]),
-                           recomputing=torch._C._current_graph_task_id() != -1,
-                           training=module.training, saved=self.saved.position(), tree=(args, kwargs))
+        return self.apply(Enter(self.module_ids[id(module)], grad, grad and needs_grad(flatten((args, kwargs))[0]),
+                                torch._C._current_graph_task_id() != -1, module.training, self.saved.position()),
+                          (args, kwargs))
 
     def _post_forward(self, module, args, kwargs, output):
         if output is None and sys.exc_info()[1] is not None:  # raised: [Note: a forward that raised]
             if self.stopped is not None:
                 return None  # the DivergenceError goes on out; refusing here would only be silenced
-            return self._event(calls.raised, self.module_ids[id(module)],
-                               recomputing=torch._C._current_graph_task_id() != -1)
+            return self.apply(Raised(self.module_ids[id(module)], torch._C._current_graph_task_id() != -1))
         leaves = flatten(output)[0]
-        return self._event(calls.leave, self.module_ids[id(module)],
-                           grad_outputs=torch.is_grad_enabled() and needs_grad(leaves),
-                           returned=tuple(self.param_ids[id(t)] for t in leaves if id(t) in self.param_ids),
-                           saved=self.saved.log, recomputing=torch._C._current_graph_task_id() != -1,
-                           tree=output)
+        return self.apply(Leave(self.module_ids[id(module)], torch.is_grad_enabled() and needs_grad(leaves),
+                                tuple(self.param_ids[id(t)] for t in leaves if id(t) in self.param_ids),
+                                self.saved.log, torch._C._current_graph_task_id() != -1), output)
 
     def _on_param_read(self, owner: int, param: nn.Parameter) -> None:
-        self._event(calls.read, owner, self.param_ids[id(param)], grad=torch.is_grad_enabled())
+        self.apply(Read(owner, self.param_ids[id(param)], torch.is_grad_enabled()))
 
     def _pre_backward(self, m: int) -> None:
-        self._event(calls.pre_backward, m)
+        self.apply(PreBackwardRan(m))
 
     def _post_backward(self, m: int) -> None:
         own = self.state.calls.tables.leaf_own_of[m]  # () unless m is a leaf
-        self._event(calls.post_backward, m, with_grad=self._with_grad(own) if own else frozenset())
+        self.apply(PostBackwardRan(m, self._with_grad(own) if own else frozenset()))
 
     def _make_grad_hook(self, p: int):
         def hook(param: nn.Parameter) -> None:
-            self._event(calls.grad_ready, p, dtype=str(param.grad.dtype).removeprefix("torch."),
-                        graph_task=torch._C._current_graph_task_id())
+            self.apply(GradReady(p, str(param.grad.dtype).removeprefix("torch."), torch._C._current_graph_task_id()))
         return hook
 
     def _end_of_backward(self) -> None:
-        self._event(calls.end_of_backward, with_grad=self._with_grad(self.state.calls.tables.leaf_own))
+        self.apply(BackwardEnded(self._with_grad(self.state.calls.tables.leaf_own)))
 
     def _with_grad(self, ps) -> frozenset[int]:
         """Of the leaf params `ps`, those autograd gave a grad (what the core cannot see: they
@@ -293,7 +278,42 @@ class Engine(DeepSpeedSurface):
 
     # ---- hook effects: what the core asks of torch ------------------------------------------------
 
-    def _begin_pass(self, e: BeginPass, tree):
+    def _hook_effect(self, e, tree):
+        """Run one hook effect (fz3/core/hook_effects.py); -> the call's tensors, rewrapped if
+        it wraps them."""
+        match e:
+            case GradIn(p):
+                self.store.grad_in(p)
+            case WrapInputs(m):
+                return wrap_tensors(tree, PostBackward, lambda: self._post_backward(m))[0]
+            case WrapOutputs(m):
+                return wrap_tensors(tree, PreBackward, lambda: self._pre_backward(m))[0]
+            case GradDue(params):
+                self.store.grad_due.update(params)
+            case ClearGradDue():
+                self.store.clear_grad_due()
+            case ZeroGrads(params):
+                for p in params:
+                    self.store.zero_grad(p)  # by its shape: it may be freed ([Note: leaf modules])
+            case QueueEndOfBackward():
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            case EndOfBackward():
+                self.interp.end_of_backward()
+                if self.options.debug_checks:
+                    checks.quiescent(self.state.params)
+            case BeginPass():
+                return self._begin_pass(tree)
+            case EndPass():
+                self.saved.end()
+            case StepOptimizer(no_grad):
+                self._step_optimizer(no_grad)
+            case SkipStep(step):
+                # [Note: a step skipped] (fz3/core/epilogue.py): say which param, on every rank alike
+                first = first_nonfinite(self.store, self.interp.any_rank)
+                log.skipped_step(self, step, None if first is None else self.tables.names[first])
+        return tree
+
+    def _begin_pass(self, tree):
         """[Note: saved views of gathered params] (saved.py) watch this pass's saves; rank 0's
         buffers are every rank's (buffers.py)."""
         self.buffers.sync()
@@ -303,58 +323,14 @@ class Engine(DeepSpeedSurface):
         self.step_log.new_pass(self)
         return _cast_floating(tree, self.store.dtype)
 
-    def _end_pass(self, e: EndPass, tree):
-        self.saved.end()
-        return tree
-
-    def _wrap_inputs(self, e: WrapInputs, tree):
-        return wrap_tensors(tree, PostBackward, lambda: self._post_backward(e.module))[0]
-
-    def _wrap_outputs(self, e: WrapOutputs, tree):
-        return wrap_tensors(tree, PreBackward, lambda: self._pre_backward(e.module))[0]
-
-    def _grad_due(self, e: GradDue, tree):
-        self.store.grad_due.update(e.params)
-        return tree
-
-    def _grad_in(self, e: GradIn, tree):
-        self.store.grad_in(e.param)
-        return tree
-
-    def _clear_grad_due(self, e: ClearGradDue, tree):
-        self.store.clear_grad_due()
-        return tree
-
-    def _zero_grads(self, e: ZeroGrads, tree):
-        for p in e.params:
-            self.store.zero_grad(p)  # by its shape: it may be freed ([Note: a leaf whose call needs no grad])
-        return tree
-
-    def _queue_end_of_backward(self, e: QueueEndOfBackward, tree):
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        return tree
-
-    def _backward_done(self, e: EndOfBackward, tree):
-        self.interp.end_of_backward()
-        if self.options.debug_checks:
-            checks.quiescent(self.state.params)
-        return tree
-
-    def _step_optimizer(self, e: StepOptimizer, tree):
+    def _step_optimizer(self, no_grad: tuple[int, ...]) -> None:
         """The optimizer steps on the fp32 master shards: each one's grad its averaged
         partition, clipped, or None where no grad reached it ([Note: no grad, no step])."""
-        self.store.bind_grads(e.no_grad)
+        self.store.bind_grads(no_grad)
         if self.config.gradient_clipping > 0:
             clip_grad_norm(self.store, self.config.gradient_clipping, self.grad_norm)
         self.optimizer.step()
         self.store.refresh_shards()
-        return tree
-
-    def _skip_step(self, e: SkipStep, tree):
-        """[Note: a step skipped] (fz3/core/epilogue.py): say which param, on every rank alike."""
-        first = first_nonfinite(self.store, self.interp.any_rank)
-        log.skipped_step(self, e.step, None if first is None else self.tables.names[first])
-        return tree
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -389,8 +365,7 @@ class Engine(DeepSpeedSurface):
         self.grad_norm = norm = global_grad_norm(self.store, self.interp.all_reduce_sum)
         leaf_own = self.state.calls.tables.leaf_own
         got = self.interp.any_rank(calls.leaf_grads_seen(self.state))  # () without leaf modules
-        self._event(calls.stepped, finite=self.interp.finite(norm),
-                    leaf_grads=frozenset(p for p, g in zip(leaf_own, got) if g))
+        self.apply(Stepped(self.interp.finite(norm), frozenset(p for p, g in zip(leaf_own, got) if g)))
         self.step_applied = self.grads_state.applied
         if self.step_applied and self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))

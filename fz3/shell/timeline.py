@@ -7,19 +7,20 @@
 One process per rank (pid = rank), three lanes each:
 
     compute        each module's forward (its pre-forward hook to its forward hook) and backward
-                   (the core's pre_backward to its post_backward), named by module
+                   (the core's PreBackwardRan to its PostBackwardRan), named by module
     communication  each all-gather from issue to the end of its wait; each reduce from issue to
                    completion (the interpreter's deferred completion, or the effect itself)
-    core           each core event (fz3/core/calls.py: enter, leave, pre_backward, grad_ready,
-                   end_of_backward, ...; a param read only when it borrows), its own time only
+    core           each core event (fz3/core/events.py: Enter, Leave, PreBackwardRan, GradReady,
+                   BackwardEnded, Stepped, ...; a Read only when it borrows), named by its type,
+                   its own time only
 
 and a counter track per rank, "live bytes": the core's live params (gathered or in flight) times
 the compute dtype's size, after each event. Times are microseconds from a barrier
 at the block's start, on each rank's monotonic clock (one host: the same clock).
 
-Off costs nothing: entering the block puts timing wrappers on this engine's instance (its
-transition entry points, its interpreter's run, its modules' hooks) and leaving removes them, so
-no code path asks whether a timeline is on. On: bench/timeline_overhead.py measures it.
+Off costs nothing: entering the block puts timing wrappers on this engine's instance (its core
+door `engine.update`, its interpreter's run, its modules' hooks) and leaving removes them, so no
+code path asks whether a timeline is on. On: bench/timeline_overhead.py measures it.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from fz3.core import calls
 from fz3.core.effects import AllGather, ReduceBucket, Wait
+from fz3.core.events import PostBackwardRan, PreBackwardRan, Read
 
 COMPUTE, COMM, CORE = 1, 2, 3
 LANES = {COMPUTE: "compute", COMM: "communication", CORE: "core"}
@@ -65,28 +66,25 @@ class Recorder:
             ev["args"] = args
         self.events.append(ev)
 
-    def live(self, ns: int) -> None:
+    def live(self, ns: int, numel: int) -> None:
         self.events.append({"ph": "C", "pid": self.rank, "name": "live bytes", "ts": self.us(ns),
-                            "args": {"live bytes": self.engine.params_state.live_numel * self.elem}})
+                            "args": {"live bytes": numel * self.elem}})
 
     # ---- installing and removing the wrappers ---------------------------------------------------
 
     def install(self) -> None:
         e = self.engine
         names = e.tables.module_names
-        self._wrap(e, "_event", self._transition(e._event, lambda: e.state))
-        self._wrap(e, "_params", self._transition(e._params, lambda: e.state.params))
+        self._wrap(e, "update", self._update(e.update))
         self._wrap(e.interp, "run", self._run(e.interp.run))
         if hasattr(e.interp, "_complete_oldest"):
             self._wrap(e.interp, "_complete_oldest", self._complete(e.interp))
-        self._wrap(e, "_pre_backward", self._backward_edge(e._pre_backward, begin=True))
-        self._wrap(e, "_post_backward", self._backward_edge(e._post_backward, begin=False))
         for m, module in enumerate(e.tables.modules):
             name = names[m] or "<root>"
             pre = module.register_forward_pre_hook(self._forward_begin(m))
             post = module.register_forward_hook(self._forward_end(m, name), always_call=True)
             self.undo += [pre.remove, post.remove]
-        self.live(time.perf_counter_ns())
+        self.live(time.perf_counter_ns(), e.params_state.live_numel)
 
     def remove(self) -> None:
         for undo in reversed(self.undo):
@@ -101,19 +99,25 @@ class Recorder:
 
     # ---- the wrappers -----------------------------------------------------------------------------
 
-    def _transition(self, inner, state):
-        e = self.engine
+    def _update(self, inner):
+        """The core's door, timed: each event's transition on the core lane (by its type), the
+        live bytes after it, and a module's backward from its PreBackwardRan to its
+        PostBackwardRan on the compute lane."""
+        names = self.engine.tables.module_names
 
-        def timed(transition, *args, **kwargs):
-            tree = kwargs.pop("tree", None)
+        def timed(state, event, *, config):
             start = time.perf_counter_ns()
-            result = transition(state(), *args, config=e.config, **kwargs)
-            if result[1] or transition is not calls.read:  # a param read that borrows nothing: no span
-                self.span(CORE, transition.__name__, start, time.perf_counter_ns())
-            out = inner(lambda *_a, **_k: result, tree=tree) if tree is not None else \
-                inner(lambda *_a, **_k: result)  # the effects, through the engine's own door
-            self.live(time.perf_counter_ns())
-            return out
+            if type(event) is PreBackwardRan:
+                self.backward_start.setdefault(event.module, []).append(start)
+            new, effects = inner(state, event, config=config)
+            end = time.perf_counter_ns()
+            if effects or type(event) is not Read:  # a param read that borrows nothing: no span
+                self.span(CORE, type(event).__name__, start, end)
+            if type(event) is PostBackwardRan and self.backward_start.get(event.module):
+                self.span(COMPUTE, f"{names[event.module] or '<root>'} backward",
+                          self.backward_start[event.module].pop(), end)
+            self.live(end, new.params.live_numel)
+            return new, effects
         return timed
 
     def _run(self, inner):
@@ -159,19 +163,6 @@ class Recorder:
             if starts:
                 self.span(COMPUTE, f"{name} forward", starts.pop(), time.perf_counter_ns())
         return hook
-
-    def _backward_edge(self, inner, *, begin: bool):
-        names = self.engine.tables.module_names
-
-        def edge(m: int) -> None:
-            now = time.perf_counter_ns()
-            if begin:
-                self.backward_start.setdefault(m, []).append(now)
-            inner(m)
-            if not begin and self.backward_start.get(m):
-                self.span(COMPUTE, f"{names[m] or '<root>'} backward", self.backward_start[m].pop(),
-                          time.perf_counter_ns())
-        return edge
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from fz3.core.step import end_of_step
+from fz3.core.events import ShardsReplaced
 from fz3.data import layout
 from fz3.shell.agree import failed_ranks
 
@@ -227,4 +227,4 @@ def _write(engine, targets: list[Target], parts: dict[int, torch.Tensor]) -> Non
         if i in parts:
             master[:parts[i].numel()].copy_(parts[i])
     store.refresh_shards()
-    engine._params(end_of_step)
+    engine.apply(ShardsReplaced())

@@ -1,11 +1,11 @@
 """A small simulation of torch autograd, as fz3's engine experiences it, for drawn programs.
 
-fz3/core/calls.py takes torch's events one per hook; this plays torch. It emits the events the
+fz3/core/events.py takes torch's events one per hook; this plays torch. It emits the events the
 engine's hooks would (fz3/shell/engine.py), runs the hook effects the core returns as the engine
 does, and fails where torch would: a backward that reads a freed param, an AccumulateGrad that
 finds no shape, an end of backward queued twice or never (SimError).
 
-    forward    enter / read / leave, nested as the program (fz3/testing/models.py) says. A call
+    forward    Enter / Read / Leave, nested as the program (fz3/testing/models.py) says. A call
                that `saves` logs what it computed with in the saved-param log, while a root
                forward has the saved-tensor hooks open (BeginPass .. EndPass). After each item
                of its body the caller computes with its unit, plus what the items gave it
@@ -14,20 +14,20 @@ finds no shape, an end of backward queued twice or never (SimError).
                WrapOutputs -> a PreBackward node (per call of this pass)
     backward   the forward calls in reverse, nested (as models.backward_events); for a call whose
                outputs get a grad:
-                   its PreBackward node, if any              -> pre_backward(m)
+                   its PreBackward node, if any              -> PreBackwardRan(m)
                    one compute per trainable param it used,  externals first, own params last;
-                     each accumulated into that param's grad -> grad_ready(p) after p's last
+                     each accumulated into that param's grad -> GradReady(p) after p's last
                                                                 contribution, if p has a hook
                    its children's backwards, last call first
                    one compute more for its input grads      (if its inputs need grad)
-                   its PostBackward node, if any             -> post_backward(m, with_grad:
+                   its PostBackward node, if any             -> PostBackwardRan(m, with_grad:
                                                                 the params with a grad so far)
                A compute of a call that saved params finds its unit, and all it used, AVAILABLE
                (I5 in backward)
     hooks      a trainable param outside leaf modules has a grad hook (the engine's _install);
                leaf modules' params have none: the core reduces them. A leaf's call computes
                with its unit less its `skips` (experts no token was routed to: no grad)
-    end        end_of_backward(with_grad), if the core queued it: exactly once in a backward
+    end        BackwardEnded(with_grad), if the core queued it: exactly once in a backward
                with any event
     store      GradDue / GradIn / ClearGradDue / BeginPass keep the store's placeholders: a param
                freed while its grad is due keeps its shape, which AccumulateGrad needs
@@ -39,7 +39,8 @@ params it borrowed reads those, which stay gathered (externals). The simulation 
 computes that way, so its I5 check holds the core to that claim and no stronger one.
 
 The driver (fz3/testing/calls_machine.py) runs each event on the core and checks it:
-`driver.fire(kind, *args, **kwargs) -> effects`, `driver.state` (the Lifecycle now) and
+`driver.fire(event) -> effects` (an event record of fz3/core/events.py), `driver.state` (the
+Lifecycle now) and
 `driver.saved(params)` (what the saved-tensor hooks just logged).
 """
 from __future__ import annotations
@@ -50,6 +51,8 @@ from typing import Callable, Protocol
 
 from fz3.core.calls import Lifecycle
 from fz3.core.effects import Free
+from fz3.core.events import (BackwardEnded, Enter, GradReady, Leave, PostBackwardRan, PreBackwardRan, Raised,
+                             Read)
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, WrapInputs, WrapOutputs)
 from fz3.core.ids import Status
@@ -68,7 +71,7 @@ class SimError(AssertionError):
 class Driver(Protocol):
     state: Lifecycle
 
-    def fire(self, kind: str, *args: object, **kwargs: object) -> tuple: ...
+    def fire(self, event) -> tuple: ...
 
     def saved(self, params: frozenset[int]) -> None: ...
 
@@ -111,18 +114,18 @@ class AutogradSim:
         self.queued = self.events = 0
 
     # ---- events and hook effects ----------------------------------------------------------------
-    def fire(self, kind: str, *args: object, node: Node | None = None, **kwargs: object) -> tuple:
-        effects = self.driver.fire(kind, *args, **kwargs)
+    def fire(self, event, node: Node | None = None) -> tuple:
+        effects = self.driver.fire(event)
         for e in effects:
-            self.hook(e, kind, node)
+            self.hook(e, event, node)
         return effects
 
-    def hook(self, e: object, kind: str, node: Node | None) -> None:
+    def hook(self, e: object, event, node: Node | None) -> None:
         """What the engine does with a hook effect (and the store with a Free)."""
         if isinstance(e, (WrapInputs, WrapOutputs)):
-            want = "enter" if isinstance(e, WrapInputs) else "leave"
-            if kind != want or node is None or node.call.module != e.module:
-                raise SimError(f"{e} during {kind}: the hook has no such tensors to wrap")
+            want = Enter if isinstance(e, WrapInputs) else Leave
+            if type(event) is not want or node is None or node.call.module != e.module:
+                raise SimError(f"{e} during {event}: the hook has no such tensors to wrap")
             if isinstance(e, WrapInputs):
                 node.inputs_node = True
             else:
@@ -155,14 +158,14 @@ class AutogradSim:
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, call: Call, *, grad: bool, stop: int | None = None) -> bool:
         """One root forward. `stop`: it raises before its stop-th enter or leave (the open calls
-        get `raised`, innermost first, as the post-forward hooks run while it unwinds).
+        get Raised, innermost first, as the post-forward hooks run while it unwinds).
         -> whether it ran to its end."""
         self.root, self.stack, self.ticks, self.stop, self.count = None, [], 0, stop, 0
         try:
             self._forward(call, grad, None)
         except _Raised:
             for node in reversed(self.stack):
-                self.fire("raised", node.call.module)
+                self.fire(Raised(node.call.module))
             self.stack = []
             return False
         return True
@@ -180,8 +183,8 @@ class AutogradSim:
         else:
             parent.children.append(node)
         self._tick()
-        self.fire("enter", m, node=node, grad=grad, grad_inputs=grad and call.grad_inputs == 1,
-                  training=grad, saved=len(self.log) if self.watching else -1)
+        self.fire(Enter(m, grad, grad and call.grad_inputs == 1, training=grad,
+                        saved=len(self.log) if self.watching else -1), node)
         self.stack.append(node)
         check_fetched(self.driver.state.params, m)  # I5 in forward: the call starts
         got: set[int] = set()
@@ -196,8 +199,7 @@ class AutogradSim:
             self.log = self.log.extend(sorted(node.used))
             self.driver.saved(node.used)
         self._tick()
-        self.fire("leave", m, node=node, grad_outputs=grad and self.outputs_grad(call),
-                  returned=call.returns, saved=self.log)
+        self.fire(Leave(m, grad and self.outputs_grad(call), call.returns, self.log), node)
         self.stack.pop()
         return call.returns
 
@@ -209,7 +211,7 @@ class AutogradSim:
             owner = next((m for m, ms in enumerate(self.spec.modules) if p in ms.params
                           and not ms.is_leaf), None)
             if owner is not None:
-                self.fire("read", owner, p)
+                self.fire(Read(owner, p))
                 read.append(p)
         return tuple(read)
 
@@ -246,7 +248,7 @@ class AutogradSim:
                                f"{sorted(self.contributed)} got grads")
             return False
         covered("call decisions", "end of backward queued once")
-        self.fire("end_of_backward", with_grad=frozenset(self.contributed))
+        self.fire(BackwardEnded(frozenset(self.contributed)))
         if self.due or self.placeholder:
             raise SimError(f"grad placeholders left after the end of backward: {sorted(self.due)}")
         return True
@@ -272,7 +274,7 @@ class AutogradSim:
     def _backward(self, node: Node) -> None:
         m, hit = node.call.module, self.hit(node)
         if hit and node.outputs_node:
-            self.event("pre_backward", m)
+            self.event(PreBackwardRan(m))
         for p in self.order(node):
             self.compute_backward(node)
             self.accumulate(p)
@@ -281,11 +283,11 @@ class AutogradSim:
         if hit and node.call.grad_inputs:
             self.compute_backward(node)
         if hit and node.inputs_node:
-            self.event("post_backward", m, with_grad=frozenset(self.contributed))
+            self.event(PostBackwardRan(m, frozenset(self.contributed)))
 
-    def event(self, kind: str, *args: object, **kwargs: object) -> None:
+    def event(self, event) -> None:
         self.events += 1
-        self.fire(kind, *args, **kwargs)
+        self.fire(event)
 
     def compute_backward(self, node: Node) -> None:
         """I5 in backward: a call that saved params reads them (and all it used) again."""
@@ -309,7 +311,7 @@ class AutogradSim:
         self.remaining[p] -= 1
         self.contributed.add(p)
         if self.remaining[p] == 0 and self.hooked[p]:
-            self.event("grad_ready", p, dtype="float32", graph_task=0)
+            self.event(GradReady(p, "float32"))
 
     # ---- names -----------------------------------------------------------------------------------
     def _m(self, m: int) -> str:

@@ -1,5 +1,6 @@
-"""The module-call decisions as a Hypothesis state machine: the real fz3/core/calls.py, driven by
-a simulation of torch autograd (autograd_sim.py), against a naive model (calls_naive.py).
+"""The module-call decisions as a Hypothesis state machine: the real fz3/core/events.py `update`
+(fz3/core/calls.py's decisions), driven by a simulation of torch autograd (autograd_sim.py) that
+sends it event records, against a naive model (calls_naive.py).
 
     initialize      draw a case (call_cases.py): a model with some params frozen, a
                     config (persistence on or off, so some modules are inert; 1 or 2
@@ -9,7 +10,7 @@ a simulation of torch autograd (autograd_sim.py), against a naive model (calls_n
                     partial backward, or none after it (abandoned); an eval forward (no grad);
                     or a forward that raises midway. A backward at the accumulation boundary
                     is preceded by the optimizer step
-    optimizer_step  `stepped`, at the accumulation boundary, the grad norm finite or not
+    optimizer_step  Stepped, at the accumulation boundary, the grad norm finite or not
 
 After every event:
     the core's structural checks (check_state, check_grad_state);
@@ -25,10 +26,14 @@ After every event:
                   backward of its window gave a grad without one (StepOptimizer)
     purity        the event left the state it was given unchanged, and replays from it the same
 and the simulation's own (what torch would fail at): I5 in forward and in backward, AccumulateGrad
-finding a shape, end of backward queued exactly once per backward. After end_of_backward: every
+finding a shape, end of backward queued exactly once per backward. After BackwardEnded: every
 trainable param that got a grad in it, and every trainable param of a leaf run with grad in the
 pass, was reported; I2 (check_quiescent: nothing gathered but persistent / external params,
 every counter 0); the calls state idle; no grad placeholder left.
+
+A failure prints, beside the log of its passes, its events from the start as a regression test
+to paste: `replay(case, [Enter(...), Leave(...), ...])` runs them through `update` with the
+core's checks and the naive model's, and returns each event's effects to assert on.
 
 Reuse:  from fz3.testing.calls_machine import CallsMachine
         TestCalls = CallsMachine.TestCase
@@ -39,10 +44,11 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from fz3.core import calls
+from fz3.core import events as core_events
 from fz3.core import invariants as inv
 from fz3.core.calls import Lifecycle, initial_calls
 from fz3.core.epilogue import at_boundary
+from fz3.core.events import BackwardEnded, Enter, GradReady, Leave, Read, Stepped
 from fz3.core.grads import GradState, init_grad_state
 from fz3.core.hook_effects import HOOK_EFFECTS, GradDue, SkipStep, StepOptimizer, ZeroGrads
 from fz3.core.invariants_grad import check_grad_state
@@ -92,6 +98,7 @@ class CallsMachine(RuleBasedStateMachine):
         self.sim = AutogradSim(spec, trainable, self, avoid=self.avoid)
         self.model = NaiveCalls(spec, trainable, case.config.param_persistence_threshold)
         self.passes, self.last, self.log = 0, None, []
+        self.events: list = []  # every event since the start, for the regression a failure prints
         self.reported: set[int] = set()
         homes: dict[int, list[bool]] = {}
         for ms in spec.modules:
@@ -101,44 +108,49 @@ class CallsMachine(RuleBasedStateMachine):
         self.leaf_own = {p for p, h in homes.items() if h == [True]}
 
     # ---- one event -------------------------------------------------------------------------------
-    def fire(self, kind: str, *args: object, **kwargs: object) -> tuple:
-        """Run one event on the core (looked up at call time: teeth tests monkeypatch it) and
-        check it; -> its effects."""
+    def fire(self, event) -> tuple:
+        """Run one event record on the core (`update`, looked up at call time: teeth tests
+        monkeypatch fz3.core.calls) and check it; -> its effects."""
         before = self.state
         seen = snapshot(before)
-        transition = getattr(calls, kind)
-        self.state, effects = transition(before, *args, config=self.config, **kwargs)
-        shown = {k: v for k, v in kwargs.items() if k != "saved"}
-        self.log.append(f"  {kind}{args} {shown} -> {list(effects)}")
+        self.events.append(event)
+        self.state, effects = core_events.update(before, event, config=self.config)
+        self.log.append(f"  {_shown(event)} -> {list(effects)}")
         inv.check_state(self.state.params)
         check_grad_state(self.state.grads, config=self.config)
-        self.agree(kind, args, kwargs, effects)
-        self.check_reports(kind, before, effects)
+        self.agree(event, effects)
+        self.check_reports(event, before, effects)
+        kind = type(event).__name__
         assert snapshot(before) == seen, f"{kind} changed the state it was given"
-        again, again_effects = transition(before, *args, config=self.config, **kwargs)
+        again, again_effects = core_events.update(before, event, config=self.config)
         assert again_effects == effects and snapshot(again) == snapshot(self.state), (
             f"{kind} replayed from the old state differently")
-        covered("purity", f"calls.{kind}")
-        self.cover(kind, kwargs, before, effects)
-        if kind == "end_of_backward":
+        covered("purity", kind)
+        self.cover(event, before, effects)
+        if type(event) is BackwardEnded:
             self.after_backward()
         return effects
+
+    def regression(self) -> str:
+        """The events so far as a regression test to paste (see the module docstring)."""
+        lines = ",\n".join(f"    {e!r}" for e in self.events)
+        return ("the events, as a regression test:\n"
+                "from fz3.config import Config\n"
+                "from fz3.core.events import *\n"
+                "from fz3.core.pvec import Log\n"
+                "from fz3.testing.calls_machine import replay\n"
+                "from fz3.testing.models import Call, Case, Model\n"
+                f"effects = replay({self.case!r}, [\n{lines}])")
 
     def saved(self, params: frozenset[int]) -> None:
         self.model.saved(params)
 
-    def agree(self, kind: str, args: tuple, kwargs: dict, effects: tuple) -> None:
+    def agree(self, event, effects: tuple) -> None:
         """The naive model follows every event; it is held against the core if `naive`."""
-        want = self.model.expect(kind, args, kwargs)
-        if not self.naive:
-            return
-        got = [e for e in effects if isinstance(e, HOOK_EFFECTS) and not isinstance(e, ZeroGrads)]
-        assert got == want, f"naive model: {kind}{args} emitted hook effects {got}, expected {want}"
-        for m, row in enumerate(self.state.params.module_rows):
-            assert set(row[EXTERNALS]) == self.model.externals[m], (
-                f"naive model: after {kind}{args} m{m} has externals {sorted(row[EXTERNALS])}, "
-                f"expected {sorted(self.model.externals[m])}")
-        covered("naive model", f"calls.{kind}")
+        if self.naive:
+            agree_with_naive(self.model, self.state, event, effects)
+        else:
+            self.model.expect(event)
 
     def leaf_grads(self) -> set[int]:
         """Trainable params of the leaves run with grad in this pass: reported even without a
@@ -147,9 +159,10 @@ class CallsMachine(RuleBasedStateMachine):
         return {p for m in self.model.grad_leaves for p in spec.modules[m].params
                 if self.trainable[p] and p in self.leaf_own}
 
-    def check_reports(self, kind: str, before: Lifecycle, effects: tuple) -> None:
+    def check_reports(self, event, before: Lifecycle, effects: tuple) -> None:
         """The params this event reported to the grad lifecycle had a grad to report, and all
         of it: no contribution still to come in this backward."""
+        kind = type(event).__name__
         b, old, new = before.grads.backward, before.grads.params, self.state.grads.params
         fresh = [p for p in range(len(new)) if new[p].reported == b and old[p].reported != b]
         for p in fresh:
@@ -181,15 +194,16 @@ class CallsMachine(RuleBasedStateMachine):
         assert not (c.waiting or c.leaves or c.backward or c.stack), f"calls state not idle: {c}"
         covered("I2", "end of backward (module calls)")
 
-    def cover(self, kind: str, kwargs: dict, before: Lifecycle, effects: tuple) -> None:
+    def cover(self, event, before: Lifecycle, effects: tuple) -> None:
         """Count the decisions this event took."""
+        kind = type(event).__name__
         rows, old = self.state.params.module_rows, before.params.module_rows
-        if kind == "enter" and kwargs["grad"] and self.state.calls.tables.inert[
+        if type(event) is Enter and event.grad and self.state.calls.tables.inert[
                 self.state.calls.stack[-1].module]:
             covered("call decisions", "inert call: no autograd nodes")
         if any(isinstance(e, GradDue) for e in effects):
             covered("call decisions", "call reading no param: over at its leave")
-        if kind == "grad_ready" and any(rows[m][GRADS_REMAINING] < old[m][GRADS_REMAINING]
+        if type(event) is GradReady and any(rows[m][GRADS_REMAINING] < old[m][GRADS_REMAINING]
                                         for m in range(len(rows))):
             covered("call decisions", "waiting call released by its grads")
         b, new = before.grads.backward, self.state.grads.params
@@ -203,9 +217,9 @@ class CallsMachine(RuleBasedStateMachine):
                 covered("call decisions", "step leaves a param without a grad" + (" (a leaf's)" if leaf else ""))
             if isinstance(e, SkipStep):
                 covered("call decisions", "step skipped: grad norm not finite")
-        if kind in ("leave", "read") and any(rows[m][EXTERNALS] != old[m][EXTERNALS]
-                                             for m in range(len(rows))):
-            covered("call decisions", "returned param external on the caller" if kind == "leave"
+        if type(event) in (Leave, Read) and any(rows[m][EXTERNALS] != old[m][EXTERNALS]
+                                                for m in range(len(rows))):
+            covered("call decisions", "returned param external on the caller" if type(event) is Leave
                     else "borrowed param external on the reader")
 
     # ---- rules -----------------------------------------------------------------------------------
@@ -229,6 +243,9 @@ class CallsMachine(RuleBasedStateMachine):
         try:
             for _ in range(times):
                 self.run_pass(which, kind, detail)
+        except BaseException:
+            note(self.regression())
+            raise
         finally:
             note("\n".join(self.log))
 
@@ -237,7 +254,10 @@ class CallsMachine(RuleBasedStateMachine):
     def optimizer_step(self, finite: bool) -> None:
         self.log = [f"optimizer step (grad norm {'finite' if finite else 'not finite'})"]
         try:
-            self.sim.fire("stepped", finite=finite)
+            self.sim.fire(Stepped(finite))
+        except BaseException:
+            note(self.regression())
+            raise
         finally:
             note("\n".join(self.log))
 
@@ -245,7 +265,7 @@ class CallsMachine(RuleBasedStateMachine):
         backward = kind in ("complete", "partial")
         if backward and at_boundary(self.state.grads, config=self.config):
             self.log.append("optimizer step")
-            self.sim.fire("stepped")
+            self.sim.fire(Stepped())
         self.log.append(f"pass {self.passes}: program {which}, {kind} ({detail})")
         self.passes += 1
         self.sim.forward(self.case.programs[which], grad=kind != "eval",
@@ -253,3 +273,43 @@ class CallsMachine(RuleBasedStateMachine):
         if backward:
             self.reported = set()
             self.sim.backward(detail if kind == "partial" else None)
+
+
+def _shown(event) -> str:
+    """An event for the log: the saved-param log (a Leave's) left out, it only grows."""
+    return repr(event._replace(saved=...)) if type(event) is Leave else repr(event)
+
+
+def agree_with_naive(model: NaiveCalls, state: Lifecycle, event, effects: tuple) -> None:
+    """The hook effects (ZeroGrads aside) are the naive model's, and so is every module's set
+    of externals after the event."""
+    want = model.expect(event)
+    got = [e for e in effects if isinstance(e, HOOK_EFFECTS) and not isinstance(e, ZeroGrads)]
+    assert got == want, f"naive model: {_shown(event)} emitted hook effects {got}, expected {want}"
+    for m, row in enumerate(state.params.module_rows):
+        assert set(row[EXTERNALS]) == model.externals[m], (
+            f"naive model: after {_shown(event)} m{m} has externals {sorted(row[EXTERNALS])}, "
+            f"expected {sorted(model.externals[m])}")
+    covered("naive model", type(event).__name__)
+
+
+def replay(case: Case, events: list) -> list[tuple]:
+    """Run `events` (records of fz3/core/events.py) from the start of `case` through `update`,
+    each checked as the machine checks it without the simulation: the core's structural
+    invariants, purity, and the naive model's hook effects and externals. -> each event's
+    effects. What a failing machine prints calls this (CallsMachine.regression)."""
+    spec = case.model.spec(case.config)
+    trainable = case.model.trainable or (True,) * len(case.model.params)
+    state = Lifecycle(initial_state(spec), init_grad_state(spec), initial_calls(spec, trainable))
+    model = NaiveCalls(spec, trainable, case.config.param_persistence_threshold)
+    out = []
+    for event in events:
+        seen = snapshot(state)
+        new, effects = core_events.update(state, event, config=case.config)
+        inv.check_state(new.params)
+        check_grad_state(new.grads, config=case.config)
+        assert snapshot(state) == seen, f"{type(event).__name__} changed the state it was given"
+        agree_with_naive(model, new, event, effects)
+        state = new
+        out.append(effects)
+    return out

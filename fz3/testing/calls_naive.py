@@ -19,8 +19,8 @@ have.
     raised       the root: EndPass
     externals    a param a call returns is its caller's, a param a call reads off another
                  module's _parameters is the reader's, unless they own it
-    backward     the first backward event of a backward: QueueEndOfBackward; grad_ready(p):
-                 GradIn(p); end_of_backward: ClearGradDue ... EndOfBackward
+    backward     the first backward event of a backward: QueueEndOfBackward; GradReady(p):
+                 GradIn(p); BackwardEnded: ClearGradDue ... EndOfBackward
     step         the norm finite: StepOptimizer naming every trainable param that got no grad in
                  the window (`got`: the machine adds each backward's contributions); else
                  SkipStep(the window's number, from 1)
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fz3.core.events import (BackwardEnded, Enter, GradReady, Leave, PostBackwardRan, PreBackwardRan, Raised,
+                             Read, Stepped)
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs)
 from fz3.core.spec import ModelSpec
@@ -56,9 +58,28 @@ class NaiveCalls:
         self.got: set[int] = set()  # params that got a grad in this window
         self.windows = 0  # windows closed
 
-    def expect(self, kind: str, args: tuple, kwargs: dict) -> list:
-        """The hook effects (less ZeroGrads) event `kind` must return; updates this model."""
-        return getattr(self, kind)(*args, **kwargs)
+    def expect(self, event) -> list:
+        """The hook effects (less ZeroGrads) `event` (fz3/core/events.py) must return; updates
+        this model."""
+        match event:
+            case Enter(m, grad, grad_inputs, _, _, saved):
+                return self.enter(m, grad=grad, grad_inputs=grad_inputs, saved=saved)
+            case Read(owner, p, _):
+                return self.read(owner, p)
+            case Leave(m, grad_outputs, returned, _, _):
+                return self.leave(m, grad_outputs=grad_outputs, returned=returned)
+            case Raised(m, _):
+                return self.raised(m)
+            case PreBackwardRan() | PostBackwardRan():
+                return self._backward_event()
+            case GradReady(p, _, _):
+                return self._backward_event() + [GradIn(p)]
+            case BackwardEnded():
+                self.in_backward = False
+                return [ClearGradDue(), EndOfBackward()]
+            case Stepped(finite, _):
+                return self.stepped(finite=finite)
+        raise TypeError(f"the naive model takes torch's events, not {event!r}")
 
     def grad_params(self, m: int) -> tuple[int, ...]:
         return tuple(sorted(p for p in self.own[m] if self.trainable[p]))
@@ -68,8 +89,7 @@ class NaiveCalls:
             c.saved |= params
 
     # ---- forward ---------------------------------------------------------------------------------
-    def enter(self, m: int, *, grad: bool, grad_inputs: bool, training: bool = True,
-              recomputing: bool = False, saved: int = -1) -> list:
+    def enter(self, m: int, *, grad: bool, grad_inputs: bool, saved: int = -1) -> list:
         out: list = []
         if m == 0:
             out.append(BeginPass())
@@ -89,8 +109,7 @@ class NaiveCalls:
             self.externals[self.open[-1].module].add(p)
         return []
 
-    def leave(self, m: int, *, grad_outputs: bool, returned: tuple[int, ...] = (),
-              saved: object = None, recomputing: bool = False) -> list:
+    def leave(self, m: int, *, grad_outputs: bool, returned: tuple[int, ...] = ()) -> list:
         call = self.open.pop()
         assert call.module == m, f"naive model: leave of m{m} while m{call.module} is open"
         if returned and self.open:
@@ -102,7 +121,7 @@ class NaiveCalls:
             out.append(WrapOutputs(m))
         return out + ([EndPass()] if m == 0 else [])
 
-    def raised(self, m: int, *, recomputing: bool = False) -> list:
+    def raised(self, m: int) -> list:
         if not self.open or self.open[-1].module != m:
             return []
         self.open.pop()
@@ -113,20 +132,7 @@ class NaiveCalls:
         first, self.in_backward = not self.in_backward, True
         return [QueueEndOfBackward()] if first else []
 
-    def pre_backward(self, m: int) -> list:
-        return self._backward_event()
-
-    def post_backward(self, m: int, *, with_grad: frozenset[int] = frozenset()) -> list:
-        return self._backward_event()
-
-    def grad_ready(self, p: int, *, dtype: str, graph_task: int = 0) -> list:
-        return self._backward_event() + [GradIn(p)]
-
-    def end_of_backward(self, *, with_grad: frozenset[int] = frozenset()) -> list:
-        self.in_backward = False
-        return [ClearGradDue(), EndOfBackward()]
-
-    def stepped(self, *, finite: bool = True, leaf_grads: frozenset[int] | None = None) -> list:
+    def stepped(self, *, finite: bool = True) -> list:
         got, self.got = self.got, set()
         self.windows += 1
         if not finite:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from fz3.core.backward import inputs_wrapped, outputs_wrapped
 from fz3.config.config import Config
 from fz3.core.fetch import fetch
 from fz3.core.ids import Status
@@ -41,23 +40,16 @@ class Driver:
         check_state(self.st)
         return list(effects)
 
-    def wrap(self, module: int, *, outputs: bool = True, inputs: int = 0) -> None:
-        """A forward call's grad wrapping (outputs_wrapped / inputs_wrapped)."""
-        if outputs:
-            self.st = outputs_wrapped(self.st, module)
-        if inputs:
-            self.st = inputs_wrapped(self.st, module, inputs)
-
     def forward(self, calls: Sequence, *, inputs: int = 1) -> list[list]:
-        """Run nested calls `[m, [child calls...]]` or `m` in forward, wrapping outputs and
-        `inputs` grad-requiring inputs per call; -> the effects of each fetch and release."""
+        """Run nested calls `[m, [child calls...]]` or `m` in forward, as the shell reports
+        them: each fetch with `inputs` (0 or 1) grad-requiring inputs wrapped, each release with
+        its outputs wrapped; -> the effects of each fetch and release."""
         out: list[list] = []
         for call in calls:
             m, children = (call, []) if isinstance(call, int) else call
-            out.append(self(fetch, m, forward=True))
-            self.wrap(m, inputs=inputs)
+            out.append(self(fetch, m, forward=True, grad_inputs=inputs))
             out += self.forward(children, inputs=inputs)
-            out.append(self(release, m))
+            out.append(self(release, m, grad_outputs=True))
         return out
 
     def statuses(self) -> str:

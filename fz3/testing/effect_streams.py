@@ -38,7 +38,7 @@ def digest(case) -> str:
     st_ = initial_state(case.model.spec(case.config))
     for which, kind in SCHEDULE:  # the events alone: no check may stop a planted bug's stream
         events = [("end_of_step",)] if kind == "step" else \
-            pass_events(case.programs[min(which, len(case.programs) - 1)], kind, merged=True)
+            pass_events(case.programs[min(which, len(case.programs) - 1)], kind)
         for ev in events:
             st_, effects = apply_event(st_, ev, case.config)
             h.update(repr((ev, effects)).encode())

@@ -19,15 +19,15 @@ class LiveWatch:
     max_live_parameters at every event, not only right after a prefetch."""
 
     def __init__(self, engine) -> None:
-        self.engine, self.run = engine, engine._event
+        self.engine, self.run = engine, engine.apply
         self.numel = [p.numel for p in engine.spec.params]
         self.persistent = [p.persistent for p in engine.spec.params]
         self.budget_max = self.pinned_max = self.peak = 0
         self.detail = ""
-        engine._event = self  # the hooks call self._event(transition, ...): the instance's comes first
+        engine.apply = self  # the hooks call self.apply(event, tree): the instance's comes first
 
-    def __call__(self, transition, *args, **kwargs):
-        out = self.run(transition, *args, **kwargs)
+    def __call__(self, event, tree=None):
+        out = self.run(event, tree)
         self.check()
         return out
 

@@ -195,36 +195,28 @@ def cases(draw, config: st.SearchStrategy[Config] | None = None, max_variants: i
 
 
 # ---- events ------------------------------------------------------------------------------------
-# An event is a plain tuple, tag first: ("fetch", m[, grad_inputs]), ("outputs", m),
-# ("inputs", m, k), ("compute", m), ("external", m, pids), ("release", m[, grad_outputs]),
-# ("pre_backward", m), ("post_backward", m), ("reset",), ("finish",), ("end_of_step",).
+# An event is a plain tuple, tag first: ("fetch", m, grad_inputs), ("compute", m),
+# ("external", m, pids), ("release", m, grad_outputs), ("pre_backward", m), ("post_backward", m),
+# ("reset",), ("finish",), ("end_of_step",).
 # "compute" is not a core transition: the module computes with its params (forward or backward).
 
-def forward_events(call: Call, *, grad: bool = True, merged: bool = False,
-                   caller: int | None = None) -> list[tuple]:
+def forward_events(call: Call, *, grad: bool = True, caller: int | None = None) -> list[tuple]:
     """The shell's events for one forward of `call`; grad=False: under no_grad (no wrapping).
-
-    merged=False reports the grad wrapping apart (outputs_wrapped / inputs_wrapped, right after
-    the fetch); merged=True folds it into the transitions, as fz3's shell does:
-    fetch(grad_inputs=k) in pre-forward, release(grad_outputs=...) in post-forward. A call's
-    `returns` are registered on its caller in its post-forward, before its own release."""
+    The grad wrapping goes with the transitions, as fz3's shell reports it: fetch(grad_inputs=k)
+    in pre-forward, release(grad_outputs=...) in post-forward. A call's `returns` are
+    registered on its caller in its post-forward, before its own release."""
     m = call.module
     inputs, outputs = (call.grad_inputs, call.outputs_grad) if grad else (0, False)
-    out: list[tuple] = [("fetch", m, inputs)] if merged else [("fetch", m)]
-    if outputs and not merged:
-        out.append(("outputs", m))
-    if inputs and not merged:
-        out.append(("inputs", m, inputs))
-    out.append(("compute", m))
+    out: list[tuple] = [("fetch", m, inputs), ("compute", m)]
     for item in call.body:
         if isinstance(item, Call):
-            out += forward_events(item, grad=grad, merged=merged, caller=m)
+            out += forward_events(item, grad=grad, caller=m)
         else:
             out.append(("external", m, item.params))
         out.append(("compute", m))
     if call.returns and caller is not None:
         out.append(("external", caller, call.returns))
-    out.append(("release", m, outputs) if merged else ("release", m))
+    out.append(("release", m, outputs))
     return out
 
 

@@ -144,9 +144,9 @@ class NaiveParams:
         fetching = kind == "fetch"
         self.rules.begin(ev, fetching=kind == "fetch" or (kind == "pre_backward" and self.pre[m] > 0),
                          releasing=kind in ("release", "post_backward"))
-        if kind == "outputs" or (kind == "release" and len(ev) > 2 and ev[2]):
-            self.pre[m] += 1  # grad wrapping, reported apart or folded into fetch / release
-        if kind == "inputs" or (kind == "fetch" and len(ev) > 2):
+        if kind == "release" and len(ev) > 2 and ev[2]:
+            self.pre[m] += 1  # grad wrapping, folded into fetch / release as the shell reports it
+        if kind == "fetch" and len(ev) > 2:
             self.grads[m] += ev[2]
         if kind == "pre_backward" and self.pre[m] > 0:
             self.pre[m] -= 1

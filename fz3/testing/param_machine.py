@@ -56,16 +56,12 @@ def apply_event(st: ParamState, ev: tuple, config: Config) -> tuple[ParamState, 
                             grad_inputs=ev[2] if len(ev) > 2 else 0)
     if kind == "release":
         return _release.release(st, ev[1], config=config, grad_outputs=len(ev) > 2 and ev[2])
-    if kind == "outputs":
-        return _backward.outputs_wrapped(st, ev[1]), ()
-    if kind == "inputs":
-        return _backward.inputs_wrapped(st, ev[1], ev[2]), ()
     if kind == "external":
         return _backward.register_external(st, ev[1], ev[2], config=config)
     if kind == "pre_backward":
-        return _backward.pre_backward(st, ev[1], config=config)
+        return _backward.fetch_for_backward(st, ev[1], config=config)
     if kind == "post_backward":
-        return _backward.post_backward(st, ev[1], config=config)
+        return _backward.release_after_backward(st, ev[1], config=config)
     if kind == "reset":  # ("reset",) or ("reset", grad_enabled, aborted)
         if len(ev) == 1:
             return _step.reset_step(st, config=config)
@@ -89,16 +85,14 @@ def snapshot(st: ParamState) -> tuple:
             st.next_handle, list(st.gathered), st.trace, st.held)
 
 
-def pass_events(program: Call, backward: str, detail: object = None, *,
-                merged: bool = False) -> list[tuple]:
+def pass_events(program: Call, backward: str, detail: object = None) -> list[tuple]:
     """The events of one pass: reset_step, the forward, then by `backward`:
         complete  every call's backward, finish_backward
         partial   the backward of the calls in `detail` (pre-order indices), finish_backward
         none      nothing (the forward ran under no_grad: eval)
         abandon   nothing (the forward ran with grad; no backward followed)
-        raise     the forward stops after `detail` events (an exception), modules left active
-    `merged`: grad wrapping folded into fetch / release, as fz3's shell reports it."""
-    forward = forward_events(program, grad=backward != "none", merged=merged)
+        raise     the forward stops after `detail` events (an exception), modules left active"""
+    forward = forward_events(program, grad=backward != "none")
     if backward == "raise":
         return [("reset",)] + forward[:detail]
     events = [("reset",)] + forward
@@ -168,15 +162,12 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
         return effects
 
     @rule(again=st.integers(0, 3), which=st.sampled_from([0, 0, 1, 2]),
-          backward=st.sampled_from(BACKWARDS), merged=st.booleans(), times=st.integers(1, 3),
-          data=st.data())
-    def one_pass(self, again: int, which: int, backward: str, merged: bool, times: int,
-                 data: st.DataObject) -> None:
+          backward=st.sampled_from(BACKWARDS), times=st.integers(1, 3), data=st.data())
+    def one_pass(self, again: int, which: int, backward: str, times: int, data: st.DataObject) -> None:
         """`times` identical passes; `again` > 0 repeats the previous pass exactly (repeats are
-        what lets the trace complete). `merged`: the grad wrapping is reported through
-        fetch / release, as fz3's shell does."""
+        what lets the trace complete)."""
         if again and self.last is not None:
-            which, backward, detail, merged = self.last
+            which, backward, detail = self.last
         else:
             which %= len(self.case.programs)
             detail = None
@@ -184,12 +175,12 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
                 calls = count_calls(self.case.programs[which])
                 detail = data.draw(st.frozensets(st.integers(0, calls - 1)), label="reached")
             elif backward == "raise":
-                n = len(forward_events(self.case.programs[which], merged=merged))
+                n = len(forward_events(self.case.programs[which]))
                 detail = data.draw(st.integers(1, n - 1), label="raised after")
         log: list[str] = []
         try:
             for _ in range(times):
-                self.run_pass(which, backward, detail, log, merged=merged)
+                self.run_pass(which, backward, detail, log)
         finally:
             note("\n".join(log))
 
@@ -222,17 +213,17 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
             note("\n".join(log))
 
     def run_pass(self, which: int, backward: str, detail: object = None,
-                 log: list[str] | None = None, *, merged: bool = False) -> list[tuple[tuple, tuple]]:
+                 log: list[str] | None = None) -> list[tuple[tuple, tuple]]:
         """One pass of program `which` (see pass_events); -> [(event, effects)]. Checks I2."""
         log = [] if log is None else log
-        self.last = which, backward, detail, merged
-        events = pass_events(self.case.programs[which], backward, detail, merged=merged)
+        self.last = which, backward, detail
+        events = pass_events(self.case.programs[which], backward, detail)
         # the shell's root pre-forward: a no_grad pass has its own trace; a pass after one that
         # raised (its stack left behind) is told so
         events[0] = ("reset", backward != "none", self.raised)
         self.raised = backward == "raise"
         log.append(f"pass {self.passes}: program {which}, {backward} backward ({detail}), "
-                   f"{'merged' if merged else 'split'} wrapping, trace {self.state.trace.mode.name}")
+                   f"trace {self.state.trace.mode.name}")
         self.passes += 1
         out = []
         for ev in events:
@@ -249,8 +240,7 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
         return out
 
 
-def run_passes(case: Case, schedule: list[tuple[int, str]], *,
-               merged: bool = False) -> tuple[ParamLifecycleMachine, list]:
+def run_passes(case: Case, schedule: list[tuple[int, str]]) -> tuple[ParamLifecycleMachine, list]:
     """Drive a machine outside Hypothesis, every check on: (program index, backward kind) per
     pass, or (_, "step") for an optimizer step. -> (machine, [[(event, effects)] per entry])."""
     machine = ParamLifecycleMachine()
@@ -260,5 +250,5 @@ def run_passes(case: Case, schedule: list[tuple[int, str]], *,
         if kind == "step":
             out.append([(("end_of_step",), machine.event(("end_of_step",), []))])
         else:
-            out.append(machine.run_pass(which, kind, merged=merged))
+            out.append(machine.run_pass(which, kind))
     return machine, out
