@@ -59,11 +59,30 @@ def test_plan_takes_models_that_make_tensors_or_read_their_data(target, guessed)
     (("verify", "--examples", "0"), "examples must be >= 1, got 0"),
     (("verify", "--machines", "params,nope"), "machines ['params', 'nope']: choose from"),
 ])
-def test_usage_errors_are_one_line_and_exit_2(args, message):
+def test_usage_errors_are_one_line_and_exit_2(args, message, capsys, monkeypatch):
+    """In this process, through fz3.__main__.main (what `python -m fz3` runs: the two runs below
+    show the real command's exit status and stderr agree)."""
+    from fz3.__main__ import main
+    monkeypatch.chdir(ROOT)
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (("frobnicate",), "invalid choice: 'frobnicate'"),  # argparse's
+    (("plan", TARGET, "--world-size", "0"), "--world-size must be >= 1, got 0"),  # fz3's
+])
+def test_the_command_exits_2_with_one_line(args, message):
     got = _run(*args)
     assert got.returncode == 2, (got.returncode, got.stdout, got.stderr)
-    assert message in got.stderr, got.stderr
-    assert "Traceback" not in got.stderr
+    assert message in got.stderr and "Traceback" not in got.stderr, got.stderr
+    assert len(got.stderr.strip().splitlines()) <= 3, got.stderr  # argparse adds its usage line
 
 
 def test_a_config_that_is_not_valid_is_named(tmp_path):

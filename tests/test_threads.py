@@ -107,8 +107,9 @@ def test_the_engine_on_thread_ranks_equals_the_engine_on_gloo_processes():
     """Same engine, same interpreter, same arithmetic (sums in rank order): every rank's loss at
     every micro-step and every consolidated param equal, bit for bit, under every named config."""
     from fz3.testing import parity
+    from test_parity import world  # the parity suite's own 2-process launch, run once per session
     on_threads = parity.run_world(2, MODELS, probes=False, threads=True)
-    on_processes = parity.run_world(2, MODELS, probes=False, timeout=300)
+    on_processes = world(2)
     keys = [k for k in on_processes if isinstance(k, tuple) and len(k) == 2 and k[0] in MODELS]
     assert len(keys) >= 3 * len(MODELS), keys
     for k in keys:
