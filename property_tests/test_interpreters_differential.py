@@ -85,7 +85,7 @@ def test_a_p2p_reduce_off_by_one_on_one_rank_is_caught(monkeypatch):
 
         def finish_wrong():
             out = finish()
-            if self.interp.rank == 1:
+            if self.ctx.rank == 1:
                 first = next(iter(out))
                 if out[first].numel():
                     out[first] = out[first].clone()
@@ -102,10 +102,10 @@ def test_an_all_reduce_gather_over_stale_rows_is_caught(monkeypatch):
     (not zeroed): whatever the buffer held is summed into the gathered params."""
 
     def gather(self, ps, shards):  # carriers.AllReduce.gather without its two zero_()
-        it, W = self.interp, self.interp.world_size
+        it, W = self.ctx, self.ctx.world_size
         self.check(carriers.agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
         S = sum(s.numel() for s in shards)
-        out = it.buffers_pool.take(S * W, shards[0].dtype)
+        out = it.take(S * W, shards[0].dtype)
         rows = out.view(W, S)
         inp = torch.cat(shards, out=rows[it.rank])  # rows[:rank], rows[rank + 1:] never zeroed
         work = it.comm.all_reduce(out, async_op=it.async_op)

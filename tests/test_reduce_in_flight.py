@@ -74,7 +74,7 @@ def _reduce_buffers(rank: int, world: int) -> list[int]:
         most = [0]
 
         def look(engine) -> None:  # the gathers' buffers (all_gather p2p) are one per param
-            sizes = {p.numel for p in engine.store.tables.spec.params}
+            sizes = {p.numel for p in engine.store.spec.params}
             pooled = [t for held in engine.interp.buffers_pool.buffers.values() for t in held]
             most[0] = max(most[0], sum(t.numel() not in sizes for t in pooled))
 
