@@ -22,7 +22,7 @@ import fz3.core.backward as backward
 import fz3.core.fetch as fetch
 import fz3.core.release as release
 import fz3.core.step as step
-from fz3.core.state import ACTIVE, AVAILABLE, EXTERNAL, INFLIGHT, STATUS, USERS, unit_params
+from fz3.core.state import AVAILABLE, INFLIGHT, unit_params
 from fz3.testing.models import HUGE
 from fz3.testing.param_machine import ParamLifecycleMachine
 
@@ -56,11 +56,11 @@ def test_release_ignoring_other_users_is_caught(monkeypatch):
     real = release.release_into
 
     def selfish(tx, module, *, config):
-        was_active, pids = tx.mods[module][ACTIVE], unit_params(tx, module)
+        was_active, pids = tx.active(module), unit_params(tx, module)
         real(tx, module, config=config)
         spec = tx.st.spec.params
-        still_used = tuple(p for p in pids if tx.slots[p][STATUS] == AVAILABLE and tx.slots[p][USERS]
-                           and not spec[p].persistent and not tx.slots[p][EXTERNAL])
+        still_used = tuple(p for p in pids if tx.status(p) == AVAILABLE and tx.users(p)
+                           and not spec[p].persistent and not tx.is_external(p))
         if was_active and still_used:
             release.free(tx, still_used)
 
@@ -87,7 +87,7 @@ def test_gather_of_inflight_param_is_caught(monkeypatch):
     real = fetch.fetch_into
 
     def impatient(tx, module, *, forward, config, grad_inputs=0):
-        pending = tuple(p for p in unit_params(tx, module) if tx.slots[p][STATUS] == INFLIGHT)
+        pending = tuple(p for p in unit_params(tx, module) if tx.status(p) == INFLIGHT)
         if pending:
             fetch.gather(tx, pending, prefetch=False, forward=forward, fetched_for=(-1,) * len(pending))
         real(tx, module, forward=forward, config=config, grad_inputs=grad_inputs)

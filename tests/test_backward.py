@@ -17,7 +17,7 @@ from fz3.core.ids import Status, TraceMode
 from fz3.core.invariants import check_fetched, check_quiescent
 from fz3.core.release import release
 from fz3.core.step import end_of_step, finish_backward, reset_step
-from fz3.core.trace import EXTERNALS
+from fz3.core.trace import UNIT_GREW
 from fz3.testing.driver import Driver
 
 CFG = Config(prefetch_bucket_size=0, param_persistence_threshold=0, max_reuse_distance=0)
@@ -145,7 +145,7 @@ def test_registering_on_an_inactive_module_adds_no_user():
 
 def test_new_external_param_departs_from_a_complete_plan_at_its_module():
     """On a COMPLETE trace, registering invalidates the plan and logs the departure as
-    (fetch index, the module that took the param, EXTERNALS), not as an order mismatch."""
+    (fetch index, the module that took the param, UNIT_GREW), not as an order mismatch."""
     d = Driver([("a.w", 4), ("b.w", 4)], [("", [], False), ("a", [0], False), ("b", [1], False)],
                config=CFG)
     for _ in range(2):  # RECORD, then COMPLETE with plan (root, a)
@@ -157,7 +157,7 @@ def test_new_external_param_departs_from_a_complete_plan_at_its_module():
     assert d(fetch, 1, forward=True) == [G(2, [0]), Wait(2)]
     assert d(register_external, 1, (1,)) == [G(3, [1]), Wait(3)]
     assert d.st.trace.mode is TraceMode.INVALID and d.st.trace.invalidations == 1
-    assert d.st.trace.departure == (1, 1, EXTERNALS)  # a, fetched second (index 1), took b.w
+    assert d.st.trace.departure == (1, 1, UNIT_GREW)  # a, fetched second (index 1), took b.w
     assert d.st.params[1].users == 1 and d.statuses() == "AA"
 
 

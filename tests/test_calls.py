@@ -123,7 +123,7 @@ def test_borrowing_a_leafs_own_param_with_grad_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"param 'e' belongs to the leaf module 'moe' only, and module 'lin' uses it \(reads it\)"):
         calls.read(st, 3, 2, config=CFG)
     same, eff = calls.read(st, 3, 2, config=CFG, grad=False)  # no grad: borrowed as any param
-    assert 2 in same.params.module_rows[4][-1]
+    assert 2 in same.params.externals(4)
 
 
 def test_a_leaf_whose_call_needs_no_grad_gets_zero_grads_of_its_params_shape():

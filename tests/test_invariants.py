@@ -1,8 +1,8 @@
 """fz3.core.invariants: each checker passes at its bound and fails on one planted defect.
 
-States are built by hand, row by row (fz3/core/state.py [Note: rows]): a param row is
-(status, handle, users, fetched_for, external), a module row (pre_backward, grads_remaining,
-fetch_step, active, externals). Each failing state holds exactly the defect its check guards
+States are built by hand, slot by slot (`ParamState.with_slots`): a param slot is a
+ParamSlot(status, handle, users, fetched_for, external), a module slot a ModuleSlot(pre_backward,
+grads_remaining, fetch_step, active, externals). Each failing state holds exactly the defect its check guards
 against, and the match names the offending param, module or handle.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.invariants import (InvariantError, check_fetched, check_live_budget,
                                  check_quiescent, check_state)
 from fz3.core.spec import build_spec
-from fz3.core.state import (AVAILABLE, INFLIGHT, NOT_AVAILABLE, Inflight, ParamState,
-                            initial_state)
+from fz3.core.state import (AVAILABLE, INFLIGHT, NOT_AVAILABLE, Inflight, ModuleSlot, ParamSlot,
+                            ParamState, initial_state)
 
 # a (3) is persistent (threshold 3), b (4) and c (5) are not; blk owns a and b.
 SPEC = build_spec([("a", 3), ("b", 4), ("c", 5)],
@@ -27,24 +27,23 @@ NUMEL = (3, 4, 5)
 
 
 def P(status, handle=None, users=0, external=False):
-    """A param row."""
-    return (status, handle, users, -1, external)
+    """A param slot."""
+    return ParamSlot(status, handle, users, -1, external)
 
 
 def M(pre_backward=0, grads_remaining=0, active=0, externals=()):
-    """A module row."""
-    return (pre_backward, grads_remaining, -1, active, externals)
+    """A module slot."""
+    return ModuleSlot(pre_backward, grads_remaining, -1, active, externals)
 
 
 def state(params=None, modules=None, inflight=(), live=None, held=()) -> ParamState:
     """initial_state with `params` / `modules` ({id: row}) replaced; live_numel defaults to the
     numel of the params not NOT_AVAILABLE (so it is right unless a test says otherwise)."""
     st = initial_state(SPEC)
-    st = st._replace(param_rows=st.param_rows.set_many(params or {}),
-                     module_rows=st.module_rows.set_many(modules or {}),
-                     inflight=tuple(Inflight(h, tuple(ps)) for h, ps in inflight), held=held)
+    st = st.with_slots(params, modules)._replace(
+        inflight=tuple(Inflight(h, tuple(ps)) for h, ps in inflight), held=held)
     if live is None:
-        live = sum(NUMEL[p] for p, s in enumerate(st.param_rows) if s[0] != NOT_AVAILABLE)
+        live = sum(NUMEL[p] for p in range(len(NUMEL)) if st.status(p) != NOT_AVAILABLE)
     return st._replace(live_numel=live)
 
 

@@ -10,7 +10,7 @@ from fz3.core.ids import TraceMode
 from fz3.core.invariants import check_quiescent
 from fz3.core.release import release
 from fz3.core.step import end_of_step, finish_backward, reset_step
-from fz3.core.trace import EXTERNALS
+from fz3.core.trace import UNIT_GREW
 from fz3.testing.driver import Driver
 
 HUGE = 10**9
@@ -136,7 +136,7 @@ def complete_trace() -> Driver:
 
 def test_fetch_departure_records_module_and_expected():
     """A fetch off the plan invalidates the trace with the module fetched and the one the plan
-    expected at that fetch index (not EXTERNALS: the fetch units did not change)."""
+    expected at that fetch index (not UNIT_GREW: the fetch units did not change)."""
     d = complete_trace()
     d(fetch, 0, forward=True)
     d(fetch, 2, forward=True)  # the plan expected a at index 1
@@ -146,12 +146,12 @@ def test_fetch_departure_records_module_and_expected():
 
 def test_register_external_departure_expects_externals():
     """On a COMPLETE trace, a module taking params it does not own invalidates the trace with
-    departure (its fetch index, it, EXTERNALS), whatever module the plan has there."""
+    departure (its fetch index, it, UNIT_GREW), whatever module the plan has there."""
     d = complete_trace()
     d(fetch, 0, forward=True)
     d(register_external, 0, (1,))
     assert d.st.trace.mode is TraceMode.INVALID and d.st.trace.invalidations == 1
-    assert d.st.trace.departure == (0, 0, EXTERNALS)
+    assert d.st.trace.departure == (0, 0, UNIT_GREW)
 
 
 def test_reset_step_defaults_to_a_grad_enabled_training_pass():

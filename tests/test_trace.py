@@ -12,7 +12,7 @@ from fz3.config.config import Config
 from fz3.core.fetch import fetch
 from fz3.core.ids import TraceMode
 from fz3.core.step import reset_step
-from fz3.core.trace import EXTERNALS, build_plan, initial_trace, invalidated, on_fetch, pass_kind, reset
+from fz3.core.trace import UNIT_GREW, build_plan, initial_trace, invalidated, on_fetch, pass_kind, reset
 from fz3.testing.driver import Driver
 
 UNITS = {0: (), 1: (0,), 2: (1, 2), 3: (0,)}  # root, emb, l1, head (tied emb.w)
@@ -222,10 +222,10 @@ def test_departure_names_fetch_index_module_and_expected(why, order, departure):
 
 
 def test_departure_of_external_params_expects_externals():
-    """A module that took params it does not own: its own fetch index, the module, EXTERNALS."""
+    """A module that took params it does not own: its own fetch index, the module, UNIT_GREW."""
     tr, _ = run(complete(), [0, 1])
     tr = invalidated(tr, 1, externals=True)
-    assert (tr.mode, tr.invalidations, tr.departure) == (TraceMode.INVALID, 1, (1, 1, EXTERNALS))
+    assert (tr.mode, tr.invalidations, tr.departure) == (TraceMode.INVALID, 1, (1, 1, UNIT_GREW))
 
 
 def test_pass_ended_early_records_where_it_ended():

@@ -36,20 +36,17 @@ from fz3.config.config import Config
 from fz3.core.fetch import fetch_into
 from fz3.core.ids import ModuleId, ParamId, TraceMode
 from fz3.core.release import release_into
-from fz3.core.state import (ACTIVE, EXTERNALS, FETCH_STEP, FETCHED_FOR, GRADS_REMAINING, HANDLE,
-                            NOT_AVAILABLE, PRE_BACKWARD, STATUS, USERS, Effects, ParamState, Txn,
-                            gather, wait_for)
+from fz3.core.state import Effects, ParamState, Txn, gather, wait_for
 from fz3.core.step import invalidate
 
 
 def fetch_for_backward(st: ParamState, module: ModuleId, *, config: Config) -> tuple[ParamState, Effects]:
     """Gradient reached `module`'s outputs: fetch its params, once per forward call.
     DeepSpeed: _run_before_backward_function."""
-    m = st.module_rows[module]
-    if m[PRE_BACKWARD] == 0:
+    if st.pre_backward(module) == 0:
         return st, ()
     tx = Txn(st)
-    tx.put_module(module, (m[PRE_BACKWARD] - 1,) + m[1:])
+    tx.take_backward_fetch(module)
     fetch_into(tx, module, forward=False, config=config)
     return tx.commit()
 
@@ -57,11 +54,10 @@ def fetch_for_backward(st: ParamState, module: ModuleId, *, config: Config) -> t
 def release_after_backward(st: ParamState, module: ModuleId, *, config: Config) -> tuple[ParamState, Effects]:
     """A call's grad-requiring inputs got their grads: its backward is done, release what it
     fetched (see [Note: release per call]). DeepSpeed: PostBackwardFunctionModule.backward."""
-    m = st.module_rows[module]
-    if m[GRADS_REMAINING] == 0:
+    if st.grads_remaining(module) == 0:
         return st, ()
     tx = Txn(st)
-    tx.put_module(module, (m[PRE_BACKWARD], m[GRADS_REMAINING] - 1) + m[2:])
+    tx.take_backward_release(module)
     release_into(tx, module, config=config)
     return tx.commit()
 
@@ -70,22 +66,15 @@ def register_external(st: ParamState, module: ModuleId, pids: tuple[ParamId, ...
                       config: Config) -> tuple[ParamState, Effects]:
     """`module` uses params it does not own; make them AVAILABLE now and part of its fetch unit.
     DeepSpeed: register_external_parameter / the post-forward dangling-param scan."""
-    m = st.module_rows[module]
-    new = tuple(sorted(set(pids) - set(m[EXTERNALS]) - set(st.spec.modules[module].params)))
+    new = tuple(sorted(set(pids) - set(st.externals(module)) - set(st.spec.modules[module].params)))
     if not new:
         return st, ()
     tx = Txn(st)
     if tx.trace.mode is TraceMode.COMPLETE:
         invalidate(tx, module, externals=True)  # the plan's fetch units changed
-    missing = []
-    for p in new:
-        s = tx.slots[p]
-        tx.put(p, (s[STATUS], s[HANDLE], s[USERS] + (m[ACTIVE] > 0), s[FETCHED_FOR], True))
-        if s[STATUS] == NOT_AVAILABLE:
-            missing.append(p)
-    tx.put_module(module, m[:EXTERNALS] + (tuple(sorted(m[EXTERNALS] + new)),))
+    missing = tx.add_externals(module, new)
     if missing:
         gather(tx, tuple(missing), prefetch=False, forward=True,
-               fetched_for=(m[FETCH_STEP],) * len(missing))
+               fetched_for=(tx.fetch_step(module),) * len(missing))
     wait_for(tx, new)
     return tx.commit()

@@ -81,7 +81,7 @@ from fz3.core.ids import ModuleId, ParamId
 from fz3.core.pvec import Log
 from fz3.core.release import release
 from fz3.core.spec import ModelSpec, ModuleSpec
-from fz3.core.state import EXTERNALS, GRADS_REMAINING, PRE_BACKWARD, ParamState
+from fz3.core.state import ParamState
 from fz3.core.step import end_of_step, finish_backward, reset_step
 
 
@@ -205,7 +205,7 @@ def read(st: Lifecycle, owner: ModuleId, p: ParamId, *, config: Config, grad: bo
         return st, ()
     if grad:  # also when already borrowed (under no_grad, or returned to m without grad): as leave does
         _check_not_leaf_own(st, m, (p,), "reads it")
-    if p in st.params.module_rows[m][EXTERNALS]:
+    if p in st.params.externals(m):
         return st, ()
     params, effects = core_bwd.register_external(st.params, m, (p,), config=config)
     return st._replace(params=params), effects
@@ -225,7 +225,7 @@ def leave(st: Lifecycle, m: ModuleId, *, config: Config, grad_outputs: bool,
         params, eff = core_bwd.register_external(params, stack[-1].module, tuple(returned), config=config)
         effects += eff
     t = calls.tables
-    unit = st.params.spec.modules[m].params + params.module_rows[m][EXTERNALS]
+    unit = st.params.spec.modules[m].params + params.externals(m)
     reads_none = frame.saved_at >= 0 and saved is not None and \
         set(unit).isdisjoint(saved.since(frame.saved_at))
     if reads_none:
@@ -277,8 +277,8 @@ def post_backward(st: Lifecycle, m: ModuleId, *, config: Config, with_grad: froz
     module's last open call reduces its params first ([Note: leaf modules]); `with_grad`: its
     own params (`CallTables.leaf_own_of`) whose .grad is set."""
     calls, effects = _in_backward(st.calls)
-    grads, row = st.grads, st.params.module_rows[m]
-    if m in calls.leaves and row[GRADS_REMAINING] <= 1 and row[PRE_BACKWARD] == 0:
+    grads, ps = st.grads, st.params
+    if m in calls.leaves and ps.grads_remaining(m) <= 1 and ps.pre_backward(m) == 0:
         calls, grads, eff = _reduce_leaf(calls, grads, m, config, with_grad)
         effects += eff
     params, eff = core_bwd.release_after_backward(st.params, m, config=config)
@@ -414,7 +414,7 @@ def _end_waiting(calls: CallState, params: ParamState, m: ModuleId, config: Conf
     other call of `m` has ended its backward ([Note: modules without grad inputs])."""
     for i, w in enumerate(calls.waiting):
         if w.module == m:
-            if w.due or params.module_rows[m][GRADS_REMAINING] != w.calls:
+            if w.due or params.grads_remaining(m) != w.calls:
                 return calls, params, ()
             effects: tuple = ()
             for _ in range(w.calls):

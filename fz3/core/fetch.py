@@ -19,11 +19,9 @@ from __future__ import annotations
 
 from fz3.config.config import Config
 from fz3.core.ids import ModuleId, ParamId, TraceMode
-from fz3.core.state import (ACTIVE, EXTERNAL, EXTERNALS, FETCHED_FOR, GRADS_REMAINING, HANDLE,
-                            NOT_AVAILABLE, PRE_BACKWARD, STATUS, USERS, Effects, ParamState, Txn,
-                            gather, unit_params, wait_for)
+from fz3.core.state import NOT_AVAILABLE, Effects, ParamState, Txn, gather, unit_params, wait_for
 from fz3.core.step import invalidate
-from fz3.core.trace import TraceState, on_fetch
+from fz3.core.trace import advanced, on_fetch
 
 
 def fetch(st: ParamState, module: ModuleId, *, forward: bool, config: Config,
@@ -45,19 +43,8 @@ def fetch_into(tx: Txn, module: ModuleId, *, forward: bool, config: Config, grad
     tx.trace, departed = on_fetch(tx.trace, module)
     step = tx.trace.step_id - 1
     pids = unit_params(tx, module)
-    ms = tx.mods[module]
-    users = 0 if ms[ACTIVE] else 1  # a module counts once among its params' users
-    tx.put_module(module, (ms[PRE_BACKWARD], ms[GRADS_REMAINING] + grad_inputs, step,
-                           ms[ACTIVE] + 1, ms[EXTERNALS]))
-    slots, olds, missing = tx.slots, tx.olds, []
-    for p in pids:
-        s = slots[p]
-        if p not in olds:
-            olds[p] = s
-        ff = s[FETCHED_FOR]
-        slots[p] = (s[STATUS], s[HANDLE], s[USERS] + users, step if step > ff else ff, s[EXTERNAL])
-        if s[STATUS] == NOT_AVAILABLE:
-            missing.append(p)
+    was_open = tx.open_call(module, step, grad_inputs)
+    missing = tx.use(pids, 0 if was_open else 1, step)  # a module counts once among its users
     if departed:  # after counting this module in: its own prefetched params stay
         invalidate(tx, module)
     if missing:
@@ -74,7 +61,7 @@ def prefetch(tx: Txn, step: int, *, forward: bool, config: Config) -> None:
     per fetch). Params already AVAILABLE or INFLIGHT are stepped over; the walk stops at the
     first param that does not fit, which the next fetch looks at again.
     """
-    tr, spec, slots = tx.trace, tx.st.spec.params, tx.slots
+    tr, spec, status = tx.trace, tx.st.spec.params, tx.status
     queue = tr.plan.queue
     i = max(tr.cursor, tr.plan.step_start[step + 1])
     room, bucket, end = config.max_live_parameters - tx.live, config.prefetch_bucket_size, len(queue)
@@ -82,15 +69,14 @@ def prefetch(tx: Txn, step: int, *, forward: bool, config: Config) -> None:
     numel = 0
     while i < end and numel < bucket:
         t, p = queue[i]
-        if slots[p][STATUS] == NOT_AVAILABLE and p not in chosen:
+        if status(p) == NOT_AVAILABLE and p not in chosen:
             n = spec[p].numel
             if numel + n > room:
                 break
             chosen[p] = t
             numel += n
         i += 1
-    tx.trace = TraceState(tr.mode, tr.step_id, tr.recording, tr.plan, i, tr.invalidations, tr.kind,
-                          tr.parked, tr.departure)
+    tx.trace = advanced(tr, i)
     if chosen:
         pids = tuple(sorted(chosen))
         gather(tx, pids, prefetch=True, forward=forward, fetched_for=tuple(chosen[p] for p in pids))

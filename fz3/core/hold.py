@@ -11,20 +11,14 @@ DeepSpeed: GatheredParameters.__enter__ / __exit__.
 from __future__ import annotations
 
 from fz3.config.config import Config
-from fz3.core.state import (AVAILABLE, FETCHED_FOR, HANDLE, NOT_AVAILABLE, STATUS, USERS, EXTERNAL,
-                            Effects, ParamState, Txn, free, gather, wait_for)
+from fz3.core.state import AVAILABLE, Effects, ParamState, Txn, free, gather, wait_for
 from fz3.core.ids import ParamId
 
 
 def hold(st: ParamState, pids: tuple[ParamId, ...], *, config: Config) -> tuple[ParamState, Effects]:
     pids = tuple(sorted(set(pids)))
     tx = Txn(st)
-    missing = []
-    for p in pids:
-        s = tx.slots[p]
-        tx.put(p, (s[STATUS], s[HANDLE], s[USERS] + 1, s[FETCHED_FOR], s[EXTERNAL]))
-        if s[STATUS] == NOT_AVAILABLE:
-            missing.append(p)
+    missing = tx.add_user(pids)
     if missing:
         gather(tx, tuple(missing), prefetch=False, forward=True, fetched_for=(-1,) * len(missing))
     wait_for(tx, pids)
@@ -43,11 +37,10 @@ def unhold(st: ParamState, pids: tuple[ParamId, ...], *, config: Config,
     tx = Txn(st)
     to_free = []
     for p in pids:
-        s = tx.slots[p]
-        users = s[USERS] - 1
-        tx.put(p, (s[STATUS], s[HANDLE], users, s[FETCHED_FOR], s[EXTERNAL]))
-        keep = st.spec.params[p].persistent or s[EXTERNAL]
-        if not users and s[STATUS] == AVAILABLE and (stale or not keep):
+        users = tx.users(p) - 1
+        tx.set_users(p, users)
+        keep = st.spec.params[p].persistent or tx.is_external(p)
+        if not users and tx.status(p) == AVAILABLE and (stale or not keep):
             to_free.append(p)
     free(tx, tuple(to_free))
     new, effects = tx.commit()

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from fz3.config.config import Config
 from fz3.core.ids import ModuleId, ParamId, TraceMode
-from fz3.core.state import (ACTIVE, AVAILABLE, EXTERNAL, EXTERNALS, FETCH_STEP, FETCHED_FOR,
-                            GRADS_REMAINING, HANDLE, PRE_BACKWARD, STATUS, USERS, Effects,
-                            ParamState, Txn, free, unit_params)
+from fz3.core.state import Effects, ParamState, Txn, free, unit_params
 
 
 def release(st: ParamState, module: ModuleId, *, config: Config,
@@ -32,47 +30,35 @@ def release(st: ParamState, module: ModuleId, *, config: Config,
     counts one more backward fetch (the output half of DeepSpeed's post-forward hooks)."""
     tx = Txn(st)
     if grad_outputs:
-        ms = tx.mods[module]
-        tx.put_module(module, (ms[PRE_BACKWARD] + 1,) + ms[1:])
+        tx.count_backward_fetch(module)
     release_into(tx, module, config=config)
     return tx.commit()
 
 
 def release_into(tx: Txn, module: ModuleId, *, config: Config) -> None:
-    ms = tx.mods[module]
-    if not ms[ACTIVE]:
+    was_open = tx.close_call(module)
+    if not was_open:
         return  # not fetched since its last release (e.g. after a forced sweep)
-    tx.put_module(module, (ms[PRE_BACKWARD], ms[GRADS_REMAINING], ms[FETCH_STEP], ms[ACTIVE] - 1,
-                           ms[EXTERNALS]))
-    if ms[ACTIVE] > 1:
+    if was_open > 1:
         return  # another call of it is still open (backward of calls that interleave)
-    spec, slots, olds = tx.st.spec.params, tx.slots, tx.olds
-    candidates = []
-    for p in unit_params(tx, module):
-        s = slots[p]
-        if p not in olds:
-            olds[p] = s
-        users = s[USERS] - 1
-        slots[p] = (s[STATUS], s[HANDLE], users, s[FETCHED_FOR], s[EXTERNAL])
-        if not users and s[STATUS] == AVAILABLE and not s[EXTERNAL] and not spec[p].persistent:
-            candidates.append(p)
+    candidates = tx.unuse(unit_params(tx, module))
     keep = _keep_for_reuse(tx, module, candidates, config) if candidates else ()
     free(tx, tuple(p for p in candidates if p not in keep) if keep else tuple(candidates),
-         refetch=tx.mods[module][PRE_BACKWARD] > 0)  # its backward gathers them again
+         refetch=tx.pre_backward(module) > 0)  # its backward gathers them again
 
 
 def _keep_for_reuse(tx: Txn, module: ModuleId, candidates: list[ParamId],
                     config: Config) -> list[ParamId]:
     """The candidates a COMPLETE plan says to keep: reused soon, or prefetched for later."""
     tr = tx.trace
-    step = tx.mods[module][FETCH_STEP]
+    step = tx.fetch_step(module)
     if tr.mode is not TraceMode.COMPLETE or not (
             0 <= step < len(tr.plan.order) and tr.plan.order[step] == module):
         return []
-    reused, slots, now = tr.plan.reused[step], tx.slots, tr.step_id - 1
+    reused, fetched_for, now = tr.plan.reused[step], tx.fetched_for, tr.step_id - 1
     # prefetched for a step still to come (a later fetch that already ran, a child sharing the
     # param, marks it too, and keeps nothing: DeepSpeed compares with __step_id at the release)
-    keep = [p for p in candidates if p in reused or slots[p][FETCHED_FOR] > now]
+    keep = [p for p in candidates if p in reused or fetched_for(p) > now]
     if not keep:
         return keep
     spec = tx.st.spec.params

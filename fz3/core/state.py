@@ -52,11 +52,15 @@ class ModuleSlot(NamedTuple):
 # that survive a pass never reach the old generation; NamedTuple rows holding enum members
 # made full collections, and so the cost per visit, grow with the model (bench/RESULTS.md).
 # `ParamState.params[p]` / `.modules[m]` give the readable records.
-STATUS, HANDLE, USERS, FETCHED_FOR, EXTERNAL = range(5)
-PRE_BACKWARD, GRADS_REMAINING, FETCH_STEP, ACTIVE, EXTERNALS = range(5)
+#
+# The encoding is this file's alone: the column numbers are private, and every other file reads
+# a row by a named accessor (`ParamState.status(p)`, `Txn.users(p)`, ...) and changes it by a
+# named move on `Txn` (`use`, `unuse`, `open_call`, ...). tests/test_rows_are_private.py checks it.
+_STATUS, _HANDLE, _USERS, _FETCHED_FOR, _EXTERNAL = range(5)
+_PRE_BACKWARD, _GRADS_REMAINING, _FETCH_STEP, _ACTIVE, _EXTERNALS = range(5)
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = int(Status.NOT_AVAILABLE), int(Status.INFLIGHT), int(Status.AVAILABLE)
-NA_ROW = (NOT_AVAILABLE, None, 0, -1, False)
-IDLE_ROW = (0, 0, -1, 0, ())
+_NA_ROW = (NOT_AVAILABLE, None, 0, -1, False)
+_IDLE_ROW = (0, 0, -1, 0, ())
 
 
 class Inflight(NamedTuple):
@@ -108,10 +112,38 @@ class ParamState(NamedTuple):
         """modules[m] -> ModuleSlot"""
         return _Records(self.module_rows, ModuleSlot._make)
 
+    # named reads of one field (the hot path's way in: no record is built)
+    def status(self, p: ParamId) -> int:
+        """int(Status) of param `p`; compare with NOT_AVAILABLE / INFLIGHT / AVAILABLE."""
+        return self.param_rows[p][_STATUS]
+
+    def is_external(self, p: ParamId) -> bool:
+        return self.param_rows[p][_EXTERNAL]
+
+    def externals(self, m: ModuleId) -> tuple[ParamId, ...]:
+        """The external params registered on module `m`, sorted."""
+        return self.module_rows[m][_EXTERNALS]
+
+    def grads_remaining(self, m: ModuleId) -> int:
+        return self.module_rows[m][_GRADS_REMAINING]
+
+    def pre_backward(self, m: ModuleId) -> int:
+        return self.module_rows[m][_PRE_BACKWARD]
+
+    def active(self, m: ModuleId) -> int:
+        return self.module_rows[m][_ACTIVE]
+
+    def with_slots(self, params: Optional[dict] = None, modules: Optional[dict] = None) -> "ParamState":
+        """This state with some slots replaced: `params` maps ParamId -> ParamSlot, `modules`
+        ModuleId -> ModuleSlot (for tests that build a state by hand; no transition uses it)."""
+        rows = {p: (int(r.status),) + tuple(r)[1:] for p, r in (params or {}).items()}
+        return self._replace(param_rows=self.param_rows.set_many(rows),
+                             module_rows=self.module_rows.set_many({m: tuple(r) for m, r in (modules or {}).items()}))
+
 
 def initial_state(spec: ModelSpec) -> ParamState:
     """Every param NOT_AVAILABLE, no trace yet."""
-    return ParamState(spec, PVec([NA_ROW] * len(spec.params)), PVec([IDLE_ROW] * len(spec.modules)),
+    return ParamState(spec, PVec([_NA_ROW] * len(spec.params)), PVec([_IDLE_ROW] * len(spec.modules)),
                       0, 0, (), 0, Log(), initial_trace())
 
 
@@ -126,29 +158,154 @@ class Txn:
     (state, event).
     """
 
-    __slots__ = ("st", "param_rows", "slots", "olds", "module_rows", "mods", "mod_olds", "live",
+    __slots__ = ("st", "_param_rows", "_slots", "_olds", "_module_rows", "_mods", "_mod_olds", "live",
                  "peak", "inflight", "next_handle", "gathered", "trace", "effects")
 
     def __init__(self, st: ParamState) -> None:
         self.st = st
-        self.param_rows, self.slots, self.olds = st.param_rows.begin()
-        self.module_rows, self.mods, self.mod_olds = st.module_rows.begin()
+        self._param_rows, self._slots, self._olds = st.param_rows.begin()
+        self._module_rows, self._mods, self._mod_olds = st.module_rows.begin()
         self.live, self.peak, self.inflight = st.live_numel, st.peak_live_numel, list(st.inflight)
         self.next_handle, self.gathered, self.trace = st.next_handle, st.gathered, st.trace
         self.effects: list = []
 
-    def put(self, p: ParamId, row: tuple) -> None:
-        if p not in self.olds:
-            self.olds[p] = self.slots[p]
-        self.slots[p] = row
+    def _put(self, p: ParamId, row: tuple) -> None:
+        if p not in self._olds:
+            self._olds[p] = self._slots[p]
+        self._slots[p] = row
 
-    def put_module(self, m: ModuleId, row: tuple) -> None:
-        if m not in self.mod_olds:
-            self.mod_olds[m] = self.mods[m]
-        self.mods[m] = row
+    def _put_module(self, m: ModuleId, row: tuple) -> None:
+        if m not in self._mod_olds:
+            self._mod_olds[m] = self._mods[m]
+        self._mods[m] = row
+
+    # -- named reads of the working copy --
+    def status(self, p: ParamId) -> int:
+        return self._slots[p][_STATUS]
+
+    def handle(self, p: ParamId) -> Optional[Handle]:
+        return self._slots[p][_HANDLE]
+
+    def users(self, p: ParamId) -> int:
+        return self._slots[p][_USERS]
+
+    def fetched_for(self, p: ParamId) -> int:
+        return self._slots[p][_FETCHED_FOR]
+
+    def is_external(self, p: ParamId) -> bool:
+        return self._slots[p][_EXTERNAL]
+
+    def externals(self, m: ModuleId) -> tuple[ParamId, ...]:
+        return self._mods[m][_EXTERNALS]
+
+    def active(self, m: ModuleId) -> int:
+        return self._mods[m][_ACTIVE]
+
+    def pre_backward(self, m: ModuleId) -> int:
+        return self._mods[m][_PRE_BACKWARD]
+
+    def grads_remaining(self, m: ModuleId) -> int:
+        return self._mods[m][_GRADS_REMAINING]
+
+    def fetch_step(self, m: ModuleId) -> int:
+        return self._mods[m][_FETCH_STEP]
+
+    # -- named moves on params --
+    def use(self, pids: tuple[ParamId, ...], users: int, step: int) -> list[ParamId]:
+        """A fetch for trace step `step`: each of `pids` gains `users` users (1, or 0 when its
+        module is already active) and is marked fetched for `step` unless it already is for a
+        later one. -> the NOT_AVAILABLE ones, in order (to gather)."""
+        slots, olds, missing = self._slots, self._olds, []
+        for p in pids:
+            s = slots[p]
+            if p not in olds:
+                olds[p] = s
+            ff = s[_FETCHED_FOR]
+            slots[p] = (s[_STATUS], s[_HANDLE], s[_USERS] + users, step if step > ff else ff, s[_EXTERNAL])
+            if s[_STATUS] == NOT_AVAILABLE:
+                missing.append(p)
+        return missing
+
+    def unuse(self, pids: tuple[ParamId, ...]) -> list[ParamId]:
+        """A module counted out of `pids`' users. -> the ones that may be freed: AVAILABLE, no
+        user left, not persistent, not external."""
+        spec, slots, olds, candidates = self.st.spec.params, self._slots, self._olds, []
+        for p in pids:
+            s = slots[p]
+            if p not in olds:
+                olds[p] = s
+            users = s[_USERS] - 1
+            slots[p] = (s[_STATUS], s[_HANDLE], users, s[_FETCHED_FOR], s[_EXTERNAL])
+            if not users and s[_STATUS] == AVAILABLE and not s[_EXTERNAL] and not spec[p].persistent:
+                candidates.append(p)
+        return candidates
+
+    def add_user(self, pids: tuple[ParamId, ...]) -> list[ParamId]:
+        """Each of `pids` gains one user (a hold). -> the NOT_AVAILABLE ones, in order."""
+        missing = []
+        for p in pids:
+            s = self._slots[p]
+            self._put(p, (s[_STATUS], s[_HANDLE], s[_USERS] + 1, s[_FETCHED_FOR], s[_EXTERNAL]))
+            if s[_STATUS] == NOT_AVAILABLE:
+                missing.append(p)
+        return missing
+
+    def set_users(self, p: ParamId, users: int) -> None:
+        s = self._slots[p]
+        if s[_USERS] != users:
+            self._put(p, (s[_STATUS], s[_HANDLE], users, s[_FETCHED_FOR], s[_EXTERNAL]))
+
+    # -- named moves on modules --
+    def open_call(self, m: ModuleId, step: int, grad_inputs: int) -> int:
+        """A call of `m` fetched at trace step `step` opens; `grad_inputs` (0 or 1) more
+        post-backwards are due. -> the calls that were open before it."""
+        ms = self._mods[m]
+        self._put_module(m, (ms[_PRE_BACKWARD], ms[_GRADS_REMAINING] + grad_inputs, step,
+                             ms[_ACTIVE] + 1, ms[_EXTERNALS]))
+        return ms[_ACTIVE]
+
+    def close_call(self, m: ModuleId) -> int:
+        """One open call of `m` closes (none open: nothing changes). -> the calls open before."""
+        ms = self._mods[m]
+        if ms[_ACTIVE]:
+            self._put_module(m, (ms[_PRE_BACKWARD], ms[_GRADS_REMAINING], ms[_FETCH_STEP],
+                                 ms[_ACTIVE] - 1, ms[_EXTERNALS]))
+        return ms[_ACTIVE]
+
+    def count_backward_fetch(self, m: ModuleId) -> None:
+        """A forward call of `m` wrapped its outputs: its backward fetches it once more."""
+        ms = self._mods[m]
+        self._put_module(m, (ms[_PRE_BACKWARD] + 1,) + ms[1:])
+
+    def take_backward_fetch(self, m: ModuleId) -> None:
+        ms = self._mods[m]
+        self._put_module(m, (ms[_PRE_BACKWARD] - 1,) + ms[1:])
+
+    def take_backward_release(self, m: ModuleId) -> None:
+        ms = self._mods[m]
+        self._put_module(m, (ms[_PRE_BACKWARD], ms[_GRADS_REMAINING] - 1) + ms[2:])
+
+    def add_externals(self, m: ModuleId, new: tuple[ParamId, ...]) -> list[ParamId]:
+        """Register `new` (sorted, none already on `m`) on module `m` as external params: each
+        is marked external and, if `m` is active, gains it as a user. -> the NOT_AVAILABLE ones."""
+        ms = self._mods[m]
+        users, missing = 1 if ms[_ACTIVE] > 0 else 0, []
+        for p in new:
+            s = self._slots[p]
+            self._put(p, (s[_STATUS], s[_HANDLE], s[_USERS] + users, s[_FETCHED_FOR], True))
+            if s[_STATUS] == NOT_AVAILABLE:
+                missing.append(p)
+        self._put_module(m, ms[:_EXTERNALS] + (tuple(sorted(ms[_EXTERNALS] + new)),))
+        return missing
+
+    def idle(self, m: ModuleId) -> None:
+        """Zero `m`'s backward counters and open calls; its externals stay."""
+        ms = self._mods[m]
+        if ms[:_EXTERNALS] != _IDLE_ROW[:_EXTERNALS]:
+            self._put_module(m, _IDLE_ROW[:_EXTERNALS] + (ms[_EXTERNALS],))
 
     def commit(self) -> tuple[ParamState, Effects]:
-        return ParamState(self.st.spec, self.param_rows, self.module_rows, self.live, self.peak,
+        return ParamState(self.st.spec, self._param_rows, self._module_rows, self.live, self.peak,
                           tuple(self.inflight), self.next_handle, self.gathered,
                           self.trace, self.st.held), tuple(self.effects)
 
@@ -161,12 +318,12 @@ def gather(tx: Txn, pids: tuple[ParamId, ...], *, prefetch: bool, forward: bool,
     if len(tx.inflight) >= MAX_INFLIGHT:
         wait(tx, tx.inflight[0].handle)
     h = tx.next_handle
-    spec, slots, olds, numel = tx.st.spec.params, tx.slots, tx.olds, 0
+    spec, slots, olds, numel = tx.st.spec.params, tx._slots, tx._olds, 0
     for p, step in zip(pids, fetched_for):
         s = slots[p]
         if p not in olds:
             olds[p] = s
-        slots[p] = (INFLIGHT, h, s[USERS], step, s[EXTERNAL])
+        slots[p] = (INFLIGHT, h, s[_USERS], step, s[_EXTERNAL])
         numel += spec[p].numel
     tx.live += numel
     if tx.live > tx.peak:
@@ -178,7 +335,7 @@ def gather(tx: Txn, pids: tuple[ParamId, ...], *, prefetch: bool, forward: bool,
 
 def wait(tx: Txn, handle: Handle) -> None:
     """Wait the in-flight gather `handle`: its params become AVAILABLE."""
-    inflight, slots, olds = tx.inflight, tx.slots, tx.olds
+    inflight, slots, olds = tx.inflight, tx._slots, tx._olds
     i = 0
     while inflight[i].handle != handle:
         i += 1
@@ -186,7 +343,7 @@ def wait(tx: Txn, handle: Handle) -> None:
         s = slots[p]
         if p not in olds:
             olds[p] = s
-        slots[p] = (AVAILABLE, None, s[USERS], s[FETCHED_FOR], s[EXTERNAL])
+        slots[p] = (AVAILABLE, None, s[_USERS], s[_FETCHED_FOR], s[_EXTERNAL])
     tx.effects.append(Wait(handle))
 
 
@@ -194,8 +351,8 @@ def wait_for(tx: Txn, pids: tuple[ParamId, ...]) -> None:
     """Wait every in-flight gather that carries one of `pids`, oldest first."""
     if not tx.inflight:
         return
-    slots = tx.slots
-    needed = {slots[p][HANDLE] for p in pids if slots[p][STATUS] == INFLIGHT}
+    slots = tx._slots
+    needed = {slots[p][_HANDLE] for p in pids if slots[p][_STATUS] == INFLIGHT}
     if needed:
         for f in [f for f in tx.inflight if f.handle in needed]:
             wait(tx, f.handle)
@@ -212,12 +369,12 @@ def free(tx: Txn, pids: tuple[ParamId, ...], refetch: bool = False) -> None:
     `refetch`: the releasing module fetches them again in this pass (see effects.Free)."""
     if not pids:
         return
-    spec, slots, olds, numel = tx.st.spec.params, tx.slots, tx.olds, 0
+    spec, slots, olds, numel = tx.st.spec.params, tx._slots, tx._olds, 0
     for p in pids:
         s = slots[p]
         if p not in olds:
             olds[p] = s
-        slots[p] = (NOT_AVAILABLE, None, 0, s[FETCHED_FOR], s[EXTERNAL])
+        slots[p] = (NOT_AVAILABLE, None, 0, s[_FETCHED_FOR], s[_EXTERNAL])
         numel += spec[p].numel
     tx.live -= numel
     tx.effects.append(Free(pids, refetch))
@@ -226,12 +383,12 @@ def free(tx: Txn, pids: tuple[ParamId, ...], refetch: bool = False) -> None:
 def unit_params(tx: Txn, module: ModuleId) -> tuple[ParamId, ...]:
     """The params a fetch of `module` needs: its own plus the external ones registered on it."""
     own = tx.st.spec.modules[module].params
-    ext = tx.mods[module][EXTERNALS]
+    ext = tx._mods[module][_EXTERNALS]
     return own if not ext else tuple(sorted(set(own).union(ext)))
 
 
 def unit_of(st: ParamState, module: ModuleId) -> tuple[ParamId, ...]:
     """`unit_params` read off a state (for checks and tests; starts no edit)."""
     own = st.spec.modules[module].params
-    ext = st.module_rows[module][EXTERNALS]
+    ext = st.module_rows[module][_EXTERNALS]
     return own if not ext else tuple(sorted(set(own).union(ext)))

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from fz3.config.config import Config
 from fz3.core.ids import ModuleId, ParamId
-from fz3.core.state import (AVAILABLE, EXTERNAL, EXTERNALS, FETCHED_FOR, HANDLE, IDLE_ROW, STATUS,
-                            USERS, Effects, ParamState, Txn, drain, free, gather, unit_params, wait)
+from fz3.core.state import AVAILABLE, Effects, ParamState, Txn, drain, free, gather, unit_params, wait
 from fz3.core.pvec import Log
 from fz3.core.trace import invalidated, pass_kind, reset
 
@@ -33,14 +32,13 @@ def sweep(tx: Txn, *, force: bool) -> None:
         if p in seen:
             continue
         seen.add(p)
-        s = tx.slots[p]
-        if s[STATUS] != AVAILABLE:
+        if tx.status(p) != AVAILABLE:
             continue
         holds = held.count(p) if held else 0
-        if spec[p].persistent or s[EXTERNAL] or holds or (s[USERS] and not force):
+        if spec[p].persistent or tx.is_external(p) or holds or (tx.users(p) and not force):
             survivors.append(p)
-            if force and s[USERS] != holds:
-                tx.put(p, (s[STATUS], s[HANDLE], holds, s[FETCHED_FOR], s[EXTERNAL]))
+            if force:
+                tx.set_users(p, holds)
         else:
             to_free.append(p)
     tx.gathered = Log(survivors)
@@ -57,9 +55,7 @@ def invalidate(tx: Txn, module: ModuleId = -1, *, externals: bool = False) -> No
 def _idle_modules(tx: Txn) -> None:
     """Zero the backward counters of the modules fetched in this pass; none is active now."""
     for m in set(tx.trace.recording):
-        ms = tx.mods[m]
-        if ms[:EXTERNALS] != IDLE_ROW[:EXTERNALS]:
-            tx.put_module(m, IDLE_ROW[:EXTERNALS] + (ms[EXTERNALS],))
+        tx.idle(m)
 
 
 def reset_step(st: ParamState, *, config: Config, grad_enabled: bool = True, training: bool = True,
@@ -92,7 +88,7 @@ def end_of_step(st: ParamState, *, config: Config) -> tuple[ParamState, Effects]
     (their holds stay counted), in one gather. DeepSpeed: _pre_step / _post_step."""
     tx = Txn(st)
     drain(tx)
-    live = sorted({p for p in tx.gathered if tx.slots[p][STATUS] == AVAILABLE})
+    live = sorted({p for p in tx.gathered if tx.status(p) == AVAILABLE})
     tx.gathered = Log()
     free(tx, tuple(live))
     held = set(st.held)
@@ -101,6 +97,5 @@ def end_of_step(st: ParamState, *, config: Config) -> tuple[ParamState, Effects]
         gather(tx, again, prefetch=False, forward=True, fetched_for=(-1,) * len(again))
         wait(tx, tx.inflight[-1].handle)
     for p in held:  # free() dropped every user; a hold is one
-        s = tx.slots[p]
-        tx.put(p, (s[STATUS], s[HANDLE], st.held.count(p), s[FETCHED_FOR], s[EXTERNAL]))
+        tx.set_users(p, st.held.count(p))
     return tx.commit()

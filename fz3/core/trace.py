@@ -58,7 +58,7 @@ class TraceState(NamedTuple):
 
 
 TRAIN = "train"
-EXTERNALS = -2  # departure's "expected" when a module took params it does not own
+UNIT_GREW = -2  # departure's "expected" when a module took params it does not own
 
 
 def pass_kind(grad_enabled: bool, training: bool) -> str:
@@ -77,18 +77,23 @@ def on_fetch(tr: TraceState, module: ModuleId) -> tuple[TraceState, bool]:
     expected another module here (or none). DeepSpeed: trace_prologue + record_module."""
     departed = tr.mode is TraceMode.COMPLETE and (
         tr.step_id >= len(tr.plan.order) or tr.plan.order[tr.step_id] != module)
-    return TraceState(tr.mode, tr.step_id + 1, tr.recording.extend((module,)), tr.plan, tr.cursor,
-                      tr.invalidations, tr.kind, tr.parked, tr.departure), departed
+    # positional for speed (one per fetch); the fields after `recording` pass through as they are
+    return TraceState(tr.mode, tr.step_id + 1, tr.recording.extend((module,)), *tr[3:]), departed
+
+
+def advanced(tr: TraceState, cursor: int) -> TraceState:
+    """The trace with prefetch's queue cursor moved to `cursor` (it only moves forward)."""
+    return TraceState(*tr[:4], cursor, *tr[5:])  # cursor is field 4; the rest pass through
 
 
 def invalidated(tr: TraceState, module: ModuleId = -1, *, externals: bool = False) -> TraceState:
     """Drop the plan: no prefetch, no reuse-keeping, for the rest of this pass. `module` is the
     one fetched where the order departed (-1: none, the pass ended early), recorded with what the
     plan expected there in `departure` (the log names both); with `externals`, the module whose
-    fetch unit grew (expected EXTERNALS). DeepSpeed: _invalidate_trace."""
+    fetch unit grew (expected UNIT_GREW). DeepSpeed: _invalidate_trace."""
     step = tr.step_id - 1 if module >= 0 else tr.step_id  # on_fetch has counted the fetch already
     if externals:
-        expected = EXTERNALS
+        expected = UNIT_GREW
     else:
         expected = tr.plan.order[step] if tr.plan is not None and 0 <= step < len(tr.plan.order) else -1
     return tr._replace(mode=TraceMode.INVALID, plan=None, cursor=0,
@@ -120,8 +125,8 @@ def _close(tr: TraceState, unit: Callable[[ModuleId], tuple[ParamId, ...]],
     pass is already closed (step 0, nothing logged) changes only INVALID to RECORD."""
     mode, plan, invalidations = tr.mode, tr.plan, tr.invalidations
     if aborted:
-        return TraceState(TraceMode.RECORD if mode is TraceMode.INVALID else mode, 0, Log(), plan, 0,
-                          invalidations, tr.kind, tr.parked, tr.departure)
+        return tr._replace(mode=TraceMode.RECORD if mode is TraceMode.INVALID else mode, step_id=0,
+                           recording=Log(), cursor=0)
     departure = tr.departure
     if mode is TraceMode.COMPLETE and tr.step_id not in (0, len(plan.order)):
         departure = invalidated(tr).departure  # ended early
@@ -130,7 +135,8 @@ def _close(tr: TraceState, unit: Callable[[ModuleId], tuple[ParamId, ...]],
         mode = TraceMode.RECORD
     elif mode is TraceMode.RECORD and len(tr.recording):
         mode, plan = TraceMode.COMPLETE, build_plan(tuple(tr.recording), unit, numel, max_reuse_distance)
-    return TraceState(mode, 0, Log(), plan, 0, invalidations, tr.kind, tr.parked, departure)
+    return tr._replace(mode=mode, step_id=0, recording=Log(), plan=plan, cursor=0,
+                       invalidations=invalidations, departure=departure)
 
 
 def build_plan(order: tuple[ModuleId, ...], unit: Callable[[ModuleId], tuple[ParamId, ...]],

@@ -39,7 +39,7 @@ from fz3.core.hook_effects import (HOOK_EFFECTS, BeginPass, ClearGradDue, EndOfB
                                    QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
                                    ZeroGrads)
 from fz3.core.ids import Status, TraceMode
-from fz3.core.state import STATUS, initial_state
+from fz3.core.state import initial_state
 from fz3.interpreters.agreement import DivergenceError
 from fz3.interpreters.leaf_hint import leaf_hint
 from fz3.interpreters.protocol import Interpreter
@@ -418,7 +418,7 @@ class Engine(DeepSpeedSurface):
         return out
 
     def param_status(self, param: nn.Parameter) -> str:
-        return Status(self.params_state.param_rows[self.param_ids[id(param)]][STATUS]).name
+        return Status(self.params_state.status(self.param_ids[id(param)])).name
 
 
 def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:

@@ -23,7 +23,7 @@ import weakref
 
 from fz3.config.config import differences
 from fz3.core.ids import TraceMode
-from fz3.core.trace import EXTERNALS
+from fz3.core.trace import UNIT_GREW
 from fz3.interpreters import accounting
 from fz3.shell.memory import human_bytes
 
@@ -144,7 +144,7 @@ def departure(engine, where: tuple[int, int, int]) -> str:
         return "where is not known"
     step, got, expected = where
     name = lambda m: repr(engine.tables.module_names[m] or "<root>")  # noqa: E731
-    if expected == EXTERNALS:
+    if expected == UNIT_GREW:
         return f"{name(got)} took params it does not own (external params), so the plan's fetch units changed"
     if got < 0:
         return f"the pass ended after {step} fetches, where the plan expected {name(expected)} next"

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fz3.core.state import AVAILABLE, STATUS
+from fz3.core.state import AVAILABLE
 
 
 def install(engine) -> list:
@@ -48,9 +48,9 @@ class _Check:
     def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if keep_vars:
             return
-        rows = self.engine.params_state.param_rows
+        params = self.engine.params_state
         for name, p in self.own:
-            if rows[p][STATUS] != AVAILABLE:
+            if params.status(p) != AVAILABLE:
                 raise RuntimeError(
                     f"fz3: state_dict() of a sharded model: param {prefix + name!r} is not gathered, so "
                     f"this rank holds only its 1/{self.engine.world_size} shard and the tensor is empty. "

@@ -59,7 +59,7 @@ from fz3.core.ids import Status
 from fz3.core.invariants import check_fetched
 from fz3.core.pvec import Log
 from fz3.core.spec import ModelSpec
-from fz3.core.state import AVAILABLE, STATUS, unit_of
+from fz3.core.state import AVAILABLE, unit_of
 from fz3.testing.coverage import covered
 from fz3.testing.models import Call, External
 
@@ -219,7 +219,7 @@ class AutogradSim:
         """After an item of its body, the caller computes with its unit and what it got."""
         params = self.driver.state.params
         for p in sorted(set(unit_of(params, m)) | got):
-            if params.param_rows[p][STATUS] != AVAILABLE:
+            if params.status(p) != AVAILABLE:
                 raise SimError(f"I5 in forward: {self._m(m)} computes with {self._p(p)} (of its "
                                f"unit, returned to it or read by it), which is {self._status(p)}")
         covered("I5", "forward compute after a child call" if isinstance(item, Call)
@@ -295,7 +295,7 @@ class AutogradSim:
             return
         m, params = node.call.module, self.driver.state.params
         for p in sorted(set(unit_of(params, m)) | node.used):
-            if params.param_rows[p][STATUS] != AVAILABLE:
+            if params.status(p) != AVAILABLE:
                 raise SimError(f"I5 in backward: {self._m(m)} computes with {self._p(p)}, which "
                                f"is {self._status(p)}")
         covered("I5", "backward compute, " + ("with a PreBackward node" if node.outputs_node
@@ -303,7 +303,7 @@ class AutogradSim:
 
     def accumulate(self, p: int) -> None:
         """AccumulateGrad for p (it needs p's shape), then p's grad hook at its last one."""
-        if self.driver.state.params.param_rows[p][STATUS] != AVAILABLE:
+        if self.driver.state.params.status(p) != AVAILABLE:
             if p not in self.placeholder:
                 raise SimError(f"AccumulateGrad of {self._p(p)}: it is {self._status(p)} with no "
                                "GradDue placeholder keeping its shape")
@@ -321,4 +321,4 @@ class AutogradSim:
         return f"p{p} ({self.spec.params[p].name})"
 
     def _status(self, p: int) -> str:
-        return Status(self.driver.state.params.param_rows[p][STATUS]).name
+        return Status(self.driver.state.params.status(p)).name

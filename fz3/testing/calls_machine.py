@@ -52,7 +52,7 @@ from fz3.core.events import BackwardEnded, Enter, GradReady, Leave, Read, Steppe
 from fz3.core.grads import GradState, init_grad_state
 from fz3.core.hook_effects import HOOK_EFFECTS, GradDue, SkipStep, StepOptimizer, ZeroGrads
 from fz3.core.invariants_grad import check_grad_state
-from fz3.core.state import EXTERNALS, GRADS_REMAINING, initial_state
+from fz3.core.state import initial_state
 from fz3.testing.autograd_sim import AutogradSim
 from fz3.testing.call_cases import KNOWN_GAPS, call_cases, forward_ticks
 from fz3.testing.calls_naive import NaiveCalls
@@ -197,14 +197,14 @@ class CallsMachine(RuleBasedStateMachine):
     def cover(self, event, before: Lifecycle, effects: tuple) -> None:
         """Count the decisions this event took."""
         kind = type(event).__name__
-        rows, old = self.state.params.module_rows, before.params.module_rows
+        now, old, modules = self.state.params, before.params, range(len(self.state.params.spec.modules))
         if type(event) is Enter and event.grad and self.state.calls.tables.inert[
                 self.state.calls.stack[-1].module]:
             covered("call decisions", "inert call: no autograd nodes")
         if any(isinstance(e, GradDue) for e in effects):
             covered("call decisions", "call reading no param: over at its leave")
-        if type(event) is GradReady and any(rows[m][GRADS_REMAINING] < old[m][GRADS_REMAINING]
-                                        for m in range(len(rows))):
+        if type(event) is GradReady and any(now.grads_remaining(m) < old.grads_remaining(m)
+                                        for m in modules):
             covered("call decisions", "waiting call released by its grads")
         b, new = before.grads.backward, self.state.grads.params
         if any(new[p].reported == b and before.grads.params[p].reported != b for p in self.leaf_own):
@@ -217,8 +217,8 @@ class CallsMachine(RuleBasedStateMachine):
                 covered("call decisions", "step leaves a param without a grad" + (" (a leaf's)" if leaf else ""))
             if isinstance(e, SkipStep):
                 covered("call decisions", "step skipped: grad norm not finite")
-        if type(event) in (Leave, Read) and any(rows[m][EXTERNALS] != old[m][EXTERNALS]
-                                                for m in range(len(rows))):
+        if type(event) in (Leave, Read) and any(now.externals(m) != old.externals(m)
+                                                for m in modules):
             covered("call decisions", "returned param external on the caller" if type(event) is Leave
                     else "borrowed param external on the reader")
 
@@ -286,9 +286,10 @@ def agree_with_naive(model: NaiveCalls, state: Lifecycle, event, effects: tuple)
     want = model.expect(event)
     got = [e for e in effects if isinstance(e, HOOK_EFFECTS) and not isinstance(e, ZeroGrads)]
     assert got == want, f"naive model: {_shown(event)} emitted hook effects {got}, expected {want}"
-    for m, row in enumerate(state.params.module_rows):
-        assert set(row[EXTERNALS]) == model.externals[m], (
-            f"naive model: after {_shown(event)} m{m} has externals {sorted(row[EXTERNALS])}, "
+    for m in range(len(state.params.spec.modules)):
+        ext = state.params.externals(m)
+        assert set(ext) == model.externals[m], (
+            f"naive model: after {_shown(event)} m{m} has externals {sorted(ext)}, "
             f"expected {sorted(model.externals[m])}")
     covered("naive model", type(event).__name__)
 

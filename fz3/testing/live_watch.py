@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from fz3.core.state import ACTIVE, EXTERNAL, NOT_AVAILABLE, STATUS, unit_of
+from fz3.core.state import NOT_AVAILABLE, unit_of
 
 
 class LiveWatch:
@@ -33,12 +33,12 @@ class LiveWatch:
 
     def check(self) -> None:
         st, numel = self.engine.params_state, self.numel
-        live = [p for p, row in enumerate(st.param_rows) if row[STATUS] != NOT_AVAILABLE]
-        active = [m for m, row in enumerate(st.module_rows) if row[ACTIVE]]
+        live = [p for p in range(len(st.spec.params)) if st.status(p) != NOT_AVAILABLE]
+        active = [m for m in range(len(st.spec.modules)) if st.active(m)]
         pinned = set(st.held)
         for m in active:
             pinned.update(unit_of(st, m))
-        pinned.update(p for p in live if self.persistent[p] or st.param_rows[p][EXTERNAL])
+        pinned.update(p for p in live if self.persistent[p] or st.is_external(p))
         total = sum(numel[p] for p in live)
         pinned_n = sum(numel[p] for p in live if p in pinned)
         self.budget_max = max(self.budget_max, total - pinned_n)
