@@ -29,15 +29,15 @@ import time
 
 from fz3.core import calls
 from fz3.core import events as ev
-from fz3.core.backward import fetch_for_backward, release_after_backward
+from fz3.core.param.backward import fetch_for_backward, release_after_backward
 from fz3.config.config import Config
-from fz3.core.fetch import fetch
-from fz3.core.release import release
+from fz3.core.param.fetch import fetch
+from fz3.core.param.release import release
 from fz3.core.spec import build_spec
-from fz3.core.epilogue import epilogue
-from fz3.core.grads import bucket_add, init_grad_state
-from fz3.core.state import initial_state
-from fz3.core.step import finish_backward, reset_step
+from fz3.core.grad.epilogue import epilogue
+from fz3.core.grad.grads import bucket_add, init_grad_state
+from fz3.core.param.state import initial_state
+from fz3.core.param.step import finish_backward, reset_step
 
 CONFIGS = {
     "defaults": Config(),

@@ -14,10 +14,10 @@ from fz3.core.calls import Lifecycle, initial_calls
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.events import (BackwardEnded, Enter, GradReady, Leave, PostBackwardRan, PreBackwardRan, Stepped,
                              update)
-from fz3.core.grads import init_grad_state
-from fz3.core.invariants import check_fetched, check_quiescent, check_state
+from fz3.core.grad.grads import init_grad_state
+from fz3.core.param.invariants import check_fetched, check_quiescent, check_state
 from fz3.core.spec import build_spec
-from fz3.core.state import initial_state
+from fz3.core.param.state import initial_state
 from fz3.interpreters.recorder import Recorder
 
 D, V, T = 64, 512, 32  # width, vocab, context

@@ -1,6 +1,6 @@
 """Step 3: the gradient lifecycle, from grads to averaged partitions, on a simulated world.
 
-No processes: the pure gradient core (fz3.core.grads, fz3.core.epilogue) decides, and a
+No processes: the pure gradient core (fz3.core.grad.grads, fz3.core.grad.epilogue) decides, and a
 simulated world of 2 ranks in this process carries out its effects on real tensors. Four
 params' grads arrive in backward order, two micro-steps per optimizer step (gradient
 accumulation), once with each reduce path. Watch:
@@ -18,8 +18,8 @@ accumulation), once with each reduce path. Watch:
 import torch
 
 from fz3 import Config
-from fz3.core import epilogue as ep
-from fz3.core.grads import bucket_add, init_grad_state
+from fz3.core.grad import epilogue as ep
+from fz3.core.grad.grads import bucket_add, init_grad_state
 from fz3.core.spec import build_spec
 from fz3.interpreters.simulated import SimulatedWorld
 

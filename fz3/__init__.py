@@ -10,14 +10,17 @@
 
 The shell's names load on first use, so `import fz3.core` stays free of torch.
 """
+from fz3 import moved
 from fz3.config import Config, Options
+
+moved.install()  # the old import paths of modules that moved (fz3/moved.py)
 
 __all__ = ["Config", "Options", "Init", "initialize", "gathered_parameters", "set_leaf_modules", "load_weights", "plan",
            "timeline", "DivergenceError"]
 
-_LAZY = {"Init": "fz3.shell.init", "initialize": "fz3.shell.api", "gathered_parameters": "fz3.shell.consolidate",
-         "set_leaf_modules": "fz3.shell.tables", "load_weights": "fz3.shell.weights",
-         "plan": "fz3.shell.plan", "timeline": "fz3.shell.timeline",
+_LAZY = {"Init": "fz3.build.init", "initialize": "fz3.api", "gathered_parameters": "fz3.io.consolidate",
+         "set_leaf_modules": "fz3.shell.tables", "load_weights": "fz3.io.weights",
+         "plan": "fz3.observe.plan", "timeline": "fz3.observe.timeline",
          "DivergenceError": "fz3.interpreters.agreement"}
 
 

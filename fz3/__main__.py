@@ -103,7 +103,7 @@ def _verify(args) -> int:
 
 
 def _timeline(args) -> int:
-    from fz3.shell.timeline_draw import DrawError, draw
+    from fz3.observe.timeline_draw import DrawError, draw
     try:
         got = draw(args.json, args.png)
     except DrawError as e:

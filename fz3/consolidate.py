@@ -26,8 +26,8 @@ import sys
 import torch
 
 from fz3.data import layout
-from fz3.shell.checkpoint import CheckpointError
-from fz3.shell.checkpoint_load import load_rank, read_meta, tag_folder
+from fz3.io.checkpoint import CheckpointError
+from fz3.io.checkpoint_load import load_rank, read_meta, tag_folder
 
 
 def fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:

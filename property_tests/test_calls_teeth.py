@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import fz3.core.calls as calls
-from fz3.core.grads import GradError
+from fz3.core.grad.grads import GradError
 from fz3.core.calls import Lifecycle
 from fz3.core.hook_effects import QueueEndOfBackward
 from fz3.core.pvec import Log

@@ -1,4 +1,4 @@
-"""I7 drawn and bitwise: the real engine and interpreter train drawn models (fz3/testing/drawn_nets.py:
+"""I7 drawn and bitwise: the real engine and interpreter train drawn models (tests/support/drawn_nets.py:
 chains, branches, shared and tied params, modules called twice, frozen params, a leaf module
 of experts, a token embedding, odd sizes) under drawn configs and carriers on exact data, and
 equal plain single-process PyTorch bit for bit: every loss of the window, the parameters after
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hypothesis import given, note, settings
 
-from fz3.testing import drawn_nets as dn
+from tests.support import drawn_nets as dn
 
 
 @settings(deadline=None)

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
 import fz3.core.calls as calls
-import fz3.core.epilogue as epilogue
-import fz3.core.grads as grads
+import fz3.core.grad.epilogue as epilogue
+import fz3.core.grad.grads as grads
 from fz3.core.effects import COPY
-from fz3.testing import drawn_nets as dn
+from tests.support import drawn_nets as dn
 
 HUNT = settings(max_examples=100, derandomize=True, database=None, deadline=None,
                 phases=(Phase.generate,), report_multiple_bugs=False,

@@ -7,7 +7,7 @@ tied to the first (one Parameter in two modules). Configs: every size that decid
 (persistence threshold, prefetch bucket, live budget, reuse distance, reduce bucket), overlap_comm,
 gradient accumulation of 1-2 micro-steps. The reference: single-process SGD on the same data,
 each rank's slice of the batch, grads averaged over ranks and micro-steps ([Note: the reference],
-fz3/testing/parity.py). Tolerance: fp32, rtol 1e-5 and atol 1e-6 (sums over ranks in another
+tests/support/parity.py). Tolerance: fp32, rtol 1e-5 and atol 1e-6 (sums over ranks in another
 order than one process adds them; tests/test_parity.py says why).
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import Phase, example, given, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from fz3.core import epilogue, grads
+from fz3.core.grad import epilogue, grads
 from fz3.core.effects import CopyToBucket, HoldGrad
 from fz3.core.spec import shard_numel
 from fz3.data import collectives, layout
@@ -77,7 +77,7 @@ BUGS = {  # name: (module, attribute, replacement, error types, message)
         "capacity|reduce_bucket_size"),
     "reduce-scatter not interleaved": (
         collectives, "pack_reduce_scatter", pack_param_major, AssertionError, "I3"),
-    # the route (fz3.core.grads.grad_route): the numbers stay right, the effects do not
+    # the route (fz3.core.grad.grads.grad_route): the numbers stay right, the effects do not
     "grads always copied": (grads, "grad_route", always_copy, AssertionError, "placement"),
     "grads held on the all-reduce path": (
         grads, "grad_route", hold_on_any_path, AssertionError, "placement|HoldGrad"),

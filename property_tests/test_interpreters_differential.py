@@ -1,7 +1,7 @@
 """Differential testing of the interpreters (issue #14, point 1): the real DistInterpreter on
 thread ranks against the simulated world, effect by effect, bit for bit.
 
-The real core, driven by the real engine, trains drawn models (fz3/testing/drawn_nets.py) under
+The real core, driven by the real engine, trains drawn models (tests/support/drawn_nets.py) under
 drawn configs on 2 or 3 thread ranks: every carrier for the gathers and for the reduces, overlap
 on and off, contiguous grads on and off, both reduce paths, 1 or 2 micro-steps per window, small
 and large buckets, fp32 and bf16 compute. A Shadow (fz3/testing/shadow.py) hands each effect
@@ -21,8 +21,9 @@ import torch
 from hypothesis import HealthCheck, Phase, example, given, note, settings
 
 import fz3.interpreters.carriers as carriers
-from fz3.testing import drawn_nets as dn
+from tests.support import drawn_nets as dn
 from fz3.testing import shadow as sh
+from tests.support import shadowed
 
 
 # [Note: a leaf whose call needs no grad] What this test found: a leaf of experts is the first
@@ -45,7 +46,7 @@ P2P = dict(gloo_all_gather="p2p", gloo_reduce_scatter="p2p")
 
 
 @settings(deadline=None)
-@given(dn.nets(), sh.setups())
+@given(dn.nets(), shadowed.setups())
 @example(dn.NetSpec(width=3, **LEAF), (2, NOT_PERSISTENT, P2P)).xfail(
     raises=sh.Mismatch, reason="[Note: a leaf whose call needs no grad]: the ranks' effects differ")
 @example(dn.NetSpec(width=1, **LEAF), (2, NOT_PERSISTENT, P2P)).xfail(
@@ -53,7 +54,7 @@ P2P = dict(gloo_all_gather="p2p", gloo_reduce_scatter="p2p")
 def test_real_interpreter_equals_the_simulated_world(spec, setup):
     world, config, options = setup
     note(f"world {world}, config {config}, options {options}")
-    checked = sh.run_differential(spec, world, config, options)
+    checked = shadowed.run_differential(spec, world, config, options)
     note(f"checked {checked}")
 
 
@@ -67,10 +68,10 @@ HUNT = settings(max_examples=100, derandomize=True, database=None, deadline=None
 def assert_caught(pattern: str) -> None:
     """The differential property fails with a Mismatch whose message matches `pattern`."""
     @HUNT
-    @given(dn.nets(), sh.setups())
+    @given(dn.nets(), shadowed.setups())
     def hunt(spec, setup):
         world, config, options = setup
-        sh.run_differential(spec, world, config, options)
+        shadowed.run_differential(spec, world, config, options)
 
     with pytest.raises(sh.Mismatch, match=pattern):
         hunt()

@@ -1,7 +1,7 @@
 """Teeth: the parameter machine must catch deliberately broken cores.
 
 Each test monkeypatches one function of fz3.core at its use site (the core's modules import
-names directly: `fetch_into` finds `prefetch` in fz3.core.fetch's globals) and asserts that the
+names directly: `fetch_into` finds `prefetch` in fz3.core.param.fetch's globals) and asserts that the
 machine fails, deterministically (derandomized, no database, generate phase only; each is
 caught within the first ~55 examples of the 100 allowed, the liveness ones within ~125 of
 300), and that the check meant for the bug is the one that fires. A machine that passes a broken core proves nothing; these keep it
@@ -18,11 +18,11 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-import fz3.core.backward as backward
-import fz3.core.fetch as fetch
-import fz3.core.release as release
-import fz3.core.step as step
-from fz3.core.state import AVAILABLE, INFLIGHT, unit_params
+import fz3.core.param.backward as backward
+import fz3.core.param.fetch as fetch
+import fz3.core.param.release as release
+import fz3.core.param.step as step
+from fz3.core.param.state import AVAILABLE, INFLIGHT, unit_params
 from fz3.testing.models import HUGE
 from fz3.testing.param_machine import ParamLifecycleMachine
 

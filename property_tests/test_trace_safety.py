@@ -19,7 +19,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from fz3.config.config import Config
-from fz3.core.state import initial_state, unit_of
+from fz3.core.param.state import initial_state, unit_of
 from fz3.data import layout
 from fz3.interpreters.simulated import SimulatedWorld
 from fz3.testing.models import HUGE, Case, cases, count_calls, forward_events
@@ -116,7 +116,7 @@ def test_every_compute_reads_current_values_under_any_config(data):
 
 def test_a_stale_persistent_value_is_caught(monkeypatch):
     """Planted: end_of_step frees nothing (persistent params stay gathered with the old values)."""
-    import fz3.core.step as step
+    import fz3.core.param.step as step
     from hypothesis import HealthCheck, Phase, settings
 
     monkeypatch.setattr(step, "end_of_step", lambda st_, *, config: (st_, ()))

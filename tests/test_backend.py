@@ -126,7 +126,7 @@ def _worker(rank: int, world: int) -> dict:
     """The group's backend; fz3.initialize refusing it for a (pretend) CUDA rank, then accepting
     it for the CPU rank and training a step."""
     import fz3
-    from fz3.shell import api
+    from fz3 import api
     from fz3.shell.device import AcceleratorDevice
 
     net = nn.Linear(4, 2)

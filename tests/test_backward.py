@@ -1,4 +1,4 @@
-"""Backward bookkeeping and external params (fz3/core/backward.py).
+"""Backward bookkeeping and external params (fz3/core/param/backward.py).
 
 fetch_for_backward fetches once per forward call whose outputs were wrapped;
 release_after_backward ends one call's backward and releases what it fetched (the params go once no call of the module is open);
@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from fz3.core.backward import fetch_for_backward, register_external, release_after_backward
+from fz3.core.param.backward import fetch_for_backward, register_external, release_after_backward
 from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
-from fz3.core.fetch import fetch
+from fz3.core.param.fetch import fetch
 from fz3.core.ids import Status, TraceMode
-from fz3.core.invariants import check_fetched, check_quiescent
-from fz3.core.release import release
-from fz3.core.step import end_of_step, finish_backward, reset_step
-from fz3.core.trace import UNIT_GREW
+from fz3.core.param.invariants import check_fetched, check_quiescent
+from fz3.core.param.release import release
+from fz3.core.param.step import end_of_step, finish_backward, reset_step
+from fz3.core.param.trace import UNIT_GREW
 from fz3.testing.driver import Driver
 
 CFG = Config(prefetch_bucket_size=0, param_persistence_threshold=0, max_reuse_distance=0)

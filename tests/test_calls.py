@@ -8,14 +8,14 @@ import pytest
 from fz3.core import calls
 from fz3.config.config import Config
 from fz3.core.effects import AllGather, CopyToBucket, Free, FreePartitions
-from fz3.core.grads import init_grad_state
+from fz3.core.grad.grads import init_grad_state
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
                                    ZeroGrads)
 from fz3.core.ids import Status, TraceMode
 from fz3.core.pvec import Log
 from fz3.core.spec import build_spec
-from fz3.core.state import initial_state
+from fz3.core.param.state import initial_state
 
 CFG = Config(param_persistence_threshold=2)
 
@@ -135,7 +135,7 @@ def test_a_leaf_whose_call_needs_no_grad_gets_zero_grads_of_its_params_shape():
 
     import fz3
     from fz3 import launch
-    from fz3.testing.drawn_nets import Experts
+    from tests.support.drawn_nets import Experts
 
     class Net(nn.Module):
         def __init__(self):

@@ -4,7 +4,7 @@ the ranks' grads, for odd sizes (padded shards, empty ones at W=3) and batches o
 
 The carrier is taken from a real engine's interpreter (its pool, transport and divergence check)
 and called directly, on the engine's own shards and on drawn small-integer grads. Then the
-interpreter follows the core's route for each grad (fz3.core.grads.grad_route): told that its
+interpreter follows the core's route for each grad (fz3.core.grad.grads.grad_route): told that its
 carrier reads grads in place (p2p), the core holds them (HoldGrad) and no bucket buffer is made;
 with the native carrier it copies them (CopyToBucket); the partitions are the same bit for bit.
 """
@@ -70,7 +70,7 @@ def _route(rank: int, world: int, carrier: str) -> dict:
     """A backward's grads (reverse param order, buckets of 12 elements) through the core with the
     interpreter's `in_place_reduce_scatter`, run by that interpreter; -> what it did."""
     import fz3
-    from fz3.core import epilogue, grads
+    from fz3.core.grad import epilogue, grads
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(i, o) for i, o in SIZES))
     config = fz3.Config(param_persistence_threshold=0, reduce_bucket_size=12)

@@ -26,8 +26,8 @@ import torch
 
 from fz3.config.config import Config
 from fz3.launch import run
-from fz3.testing.parity import make_optimizer, make_scheduler
-from fz3.testing.parity_models import MODELS, rank_slice
+from tests.support.parity import make_optimizer, make_scheduler
+from tests.support.parity_models import MODELS, rank_slice
 
 NAMES = ("gpt", "odd")
 GAS, BEFORE, AFTER = 2, 2, 2  # windows before the save, after it
@@ -152,8 +152,8 @@ def _into_trained(rank: int, world: int, load_dir: str) -> list[float]:
 
 def _atomicity(rank: int, world: int, save_dir: str) -> dict:
     """A save that fails on rank 1 after writing half its file leaves tag "a" current."""
-    from fz3.shell import checkpoint
-    from fz3.shell.checkpoint import CheckpointError
+    from fz3.io import checkpoint
+    from fz3.io.checkpoint import CheckpointError
     engine = _engine("odd")
     _train("odd", engine, rank, world, range(1))
     engine.save_checkpoint(save_dir, tag="a")
@@ -192,7 +192,7 @@ def _atomicity(rank: int, world: int, save_dir: str) -> dict:
 def _killed_mid_save(rank: int, world: int, save_dir: str) -> None:
     """Saves tag "a" (its params kept in a-params.pt), then dies (os._exit) halfway through
     writing its file of tag "b": a rank killed mid-save."""
-    from fz3.shell import checkpoint
+    from fz3.io import checkpoint
     engine = _engine("odd")
     _train("odd", engine, rank, world, range(1))
     engine.save_checkpoint(save_dir, tag="a")
@@ -246,7 +246,7 @@ def _write(path: str, text: str) -> None:
 def _errors(rank: int, world: int, root: str) -> dict:
     """Each bad input: the message on this rank, and whether the engine stayed as it was."""
     from torch import nn
-    from fz3.shell.checkpoint import CheckpointError
+    from fz3.io.checkpoint import CheckpointError
     step = "global_step2"
     cases = {
         "missing_rank": lambda d: os.remove(f"{d}/{step}/rank_00001.pt"),

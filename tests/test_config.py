@@ -495,7 +495,7 @@ def test_unused_keys_warning_points_at_the_caller(monkeypatch):
 
 
 def test_differences_are_the_fields_off_deepspeeds_defaults():
-    """config.differences (printed by fz3.shell.log and fz3.shell.plan), in field order."""
+    """config.differences (printed by fz3.shell.log and fz3.observe.plan), in field order."""
     from fz3.config.config import differences
     assert differences(Config()) == {}
     got = differences(Config(compute_dtype="bf16", prefetch_bucket_size=0, leaf_module_names=["h.0"]))

@@ -18,11 +18,11 @@ CORE = Path(fz3.core.__file__).parent
 
 
 def core_modules() -> list[str]:
-    return sorted(f"fz3.core.{m.name}" for m in pkgutil.iter_modules([str(CORE)]))
+    return sorted(m.name for m in pkgutil.walk_packages([str(CORE)], prefix="fz3.core."))
 
 
 def test_there_is_a_core_to_check():
-    assert {"fz3.core.fetch", "fz3.core.release", "fz3.core.state"} <= set(core_modules())
+    assert {"fz3.core.param.fetch", "fz3.core.param.release", "fz3.core.param.state"} <= set(core_modules())
 
 
 ISOLATED = """

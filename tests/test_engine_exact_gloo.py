@@ -1,6 +1,6 @@
 """I7 drawn and bitwise on real gloo processes: a few drawn models, configs and carriers
 (property_tests/test_engine_exact.py runs many on thread ranks) train under fz3 on 2 spawned
-ranks exactly as plain single-process PyTorch does (fz3/testing/drawn_nets.py says why the
+ranks exactly as plain single-process PyTorch does (tests/support/drawn_nets.py says why the
 comparison can be exact)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from fz3 import launch
-from fz3.testing import drawn_nets as dn
+from tests.support import drawn_nets as dn
 
 SIZES = st.sampled_from([0, 7, 10**9])
 

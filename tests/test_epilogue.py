@@ -1,11 +1,11 @@
-"""fz3.core.epilogue: end of a backward, accumulation boundary, optimizer_step reset."""
+"""fz3.core.grad.epilogue: end of a backward, accumulation boundary, optimizer_step reset."""
 import pytest
 
 from fz3.config.config import Config
 from fz3.core.effects import AverageGrads, FreePartitions, ReduceBucket, WaitReduce, ZeroPartitions
-from fz3.core.epilogue import at_boundary, epilogue, grad_divisor, never_written, optimizer_step, without_grad
-from fz3.core.grads import GradError, bucket_add, init_grad_state
-from fz3.core.invariants_grad import check_drained
+from fz3.core.grad.epilogue import at_boundary, epilogue, grad_divisor, never_written, optimizer_step, without_grad
+from fz3.core.grad.grads import GradError, bucket_add, init_grad_state
+from fz3.core.grad.invariants import check_drained
 from fz3.core.spec import build_spec
 
 

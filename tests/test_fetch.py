@@ -1,4 +1,4 @@
-"""fetch: gather on demand, wait, prefetch from a COMPLETE trace (fz3/core/fetch.py).
+"""fetch: gather on demand, wait, prefetch from a COMPLETE trace (fz3/core/param/fetch.py).
 
 Exact effect sequences for small hand-written models. Handles count up from 0 over the run; a
 "pass" here is reset_step plus a forward of root[children] (no backward, so the trace records
@@ -10,11 +10,11 @@ import pytest
 
 from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
-from fz3.core.fetch import fetch
+from fz3.core.param.fetch import fetch
 from fz3.core.ids import TraceMode
-from fz3.core.invariants import check_fetched, check_live_budget
-from fz3.core.release import release
-from fz3.core.step import reset_step
+from fz3.core.param.invariants import check_fetched, check_live_budget
+from fz3.core.param.release import release
+from fz3.core.param.step import reset_step
 from fz3.testing.driver import Driver
 
 HUGE = 10**9

@@ -6,7 +6,7 @@ was lost on every alternation (DeepSpeed #5662). Here, on 2 gloo ranks: after a 
 10 alternations of a training step and an evaluation (model.eval() + no_grad, or
 inference_mode) keep `trace_invalidations` constant and prefetch in both kinds of pass, and no
 inference tensor is left in the buffer pool or in any stored tensor. That the numbers do not
-change is the parity suite's job (fz3/testing/parity.py runs forward-only passes in every model).
+change is the parity suite's job (tests/support/parity.py runs forward-only passes in every model).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _inference_tensors(engine) -> list[str]:
 
 def _alternate(rank: int, world_size: int) -> dict:
     import fz3
-    from fz3.testing.parity_models import MODELS, rank_slice
+    from tests.support.parity_models import MODELS, rank_slice
 
     spec = MODELS["gpt"]
     torch.manual_seed(0)

@@ -13,8 +13,8 @@ from torch import nn
 
 from fz3 import func
 from fz3.config.config import Config
-from fz3.core.epilogue import epilogue
-from fz3.core.grads import bucket_add, init_grad_state
+from fz3.core.grad.epilogue import epilogue
+from fz3.core.grad.grads import bucket_add, init_grad_state
 from fz3.core.spec import build_spec
 from fz3.interpreters.simulated import SimulatedWorld
 

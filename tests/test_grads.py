@@ -1,13 +1,13 @@
-"""fz3.core.grads: bucket_add and flush, table-driven."""
+"""fz3.core.grad.grads: bucket_add and flush, table-driven."""
 import pytest
 
 from fz3.config.config import Config
 from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, HoldGrad, ReduceBucket, Slot,
                               WritePartition)
-from fz3.core.epilogue import epilogue, optimizer_step
-from fz3.core.grads import (NEVER, GradError, ParamGrad, bucket_add, flush, grad_route,
+from fz3.core.grad.epilogue import epilogue, optimizer_step
+from fz3.core.grad.grads import (NEVER, GradError, ParamGrad, bucket_add, flush, grad_route,
                             init_grad_state)
-from fz3.core.invariants_grad import check_grad_state
+from fz3.core.grad.invariants import check_grad_state
 from fz3.core.spec import build_spec
 
 AR = dict(reduce_scatter=False)  # contiguous all-reduce path
@@ -202,7 +202,7 @@ def test_transitions_do_not_touch_their_input():
     assert (state.buckets, list(state.params), state.next_bucket) == before
 
 
-# ---- the comm dtype and the pre-division (fz3/core/grads.py, [Note: pre-division]) ---------
+# ---- the comm dtype and the pre-division (fz3/core/grad/grads.py, [Note: pre-division]) ---------
 
 @pytest.mark.parametrize("comm, grad_dtypes, buckets", [
     (None, ["bfloat16", "float32"], ["bfloat16", "float32"]),  # each grad's own dtype

@@ -22,7 +22,7 @@ once: seconds per process); the first test of a world size pays for its launch.
 Per case: 4 optimizer steps with gradient_accumulation_steps=2 and param_persistence_threshold=0
 (every param sharded), then every rank's loss at every micro-step and every entry of
 engine.full_state_dict() against single-process training (`reference` below), with the arithmetic of
-fz3/testing/parity.py ([Note: the reference]): per micro-step the loss of each rank's slice,
+tests/support/parity.py ([Note: the reference]): per micro-step the loss of each rank's slice,
 backward of loss / (W * gas), one optimizer step per window, zero grads (not None) before it.
 
 Tolerances: fp32, rtol 1e-5 and atol 1e-6, as tests/test_parity.py (whose docstring says why an
@@ -58,7 +58,7 @@ from transformers.utils import ModelOutput  # noqa: E402
 
 from fz3.config.config import Config  # noqa: E402
 from fz3.config.options import Options  # noqa: E402
-from fz3.testing.parity_data import GLOBAL_BATCH, rank_slice  # noqa: E402
+from tests.support.parity_data import GLOBAL_BATCH, rank_slice  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,15 +1,15 @@
-"""gathered_parameters' core half (fz3/core/hold.py): a hold is a user like an active module."""
+"""gathered_parameters' core half (fz3/core/param/hold.py): a hold is a user like an active module."""
 from __future__ import annotations
 
 import pytest
 
 from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
-from fz3.core.fetch import fetch
-from fz3.core.hold import hold, unhold
-from fz3.core.invariants import check_quiescent
-from fz3.core.release import release
-from fz3.core.step import end_of_step, finish_backward, reset_step
+from fz3.core.param.fetch import fetch
+from fz3.core.param.hold import hold, unhold
+from fz3.core.param.invariants import check_quiescent
+from fz3.core.param.release import release
+from fz3.core.param.step import end_of_step, finish_backward, reset_step
 from fz3.testing.driver import Driver
 
 CFG = Config(prefetch_bucket_size=0, max_reuse_distance=0, param_persistence_threshold=1)

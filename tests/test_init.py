@@ -78,7 +78,7 @@ def _closes_building_tied_head() -> int:
     """How many params fz3.Init shards while TiedHead is built: 1 (the dropped head weight,
     closed only late, dies full: [Note: the last module built is closed late])."""
     import fz3
-    import fz3.shell.init as init_mod
+    import fz3.build.init as init_mod
     count, close = [0], init_mod.Init.close
 
     def counting(self, p):
@@ -133,7 +133,7 @@ def _full_bytes(params: list[nn.Parameter]) -> int:
 
 def _memory_case() -> dict:
     import fz3
-    import fz3.shell.init as init_mod
+    import fz3.build.init as init_mod
     params: list[nn.Parameter] = []
     peak = [0]
 

@@ -24,6 +24,6 @@ def test_numpy_is_installed_with_fz3():
 
 
 def test_importing_fz3s_engine_warns_nothing():
-    out = subprocess.run([sys.executable, "-W", "error", "-c", "import fz3.shell.api, fz3.launch"],
+    out = subprocess.run([sys.executable, "-W", "error", "-c", "import fz3.api, fz3.launch"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]

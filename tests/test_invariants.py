@@ -1,4 +1,4 @@
-"""fz3.core.invariants: each checker passes at its bound and fails on one planted defect.
+"""fz3.core.param.invariants: each checker passes at its bound and fails on one planted defect.
 
 States are built by hand, slot by slot (`ParamState.with_slots`): a param slot is a
 ParamSlot(status, handle, users, fetched_for, external), a module slot a ModuleSlot(pre_backward,
@@ -11,10 +11,10 @@ import pytest
 
 from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
-from fz3.core.invariants import (InvariantError, check_fetched, check_live_budget,
+from fz3.core.param.invariants import (InvariantError, check_fetched, check_live_budget,
                                  check_quiescent, check_state)
 from fz3.core.spec import build_spec
-from fz3.core.state import (AVAILABLE, INFLIGHT, NOT_AVAILABLE, Inflight, ModuleSlot, ParamSlot,
+from fz3.core.param.state import (AVAILABLE, INFLIGHT, NOT_AVAILABLE, Inflight, ModuleSlot, ParamSlot,
                             ParamState, initial_state)
 
 # a (3) is persistent (threshold 3), b (4) and c (5) are not; blk owns a and b.

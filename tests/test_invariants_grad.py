@@ -1,14 +1,14 @@
-"""fz3.core.invariants_grad: each check passes on real runs and fails on a planted violation."""
+"""fz3.core.grad.invariants: each check passes on real runs and fails on a planted violation."""
 import pytest
 
 from fz3.config.config import Config
 from fz3.core.effects import (CopyToBucket, DropGrads, HoldGrad, ReduceBucket, Slot, WaitReduce,
                               WritePartition)
-from fz3.core.grads import IPGBucket, Link, bucket_add, init_grad_state
-from fz3.core.invariants import InvariantError, check_state
-from fz3.core.invariants_grad import check_drained, check_grad_state, check_reduce_log
+from fz3.core.grad.grads import IPGBucket, Link, bucket_add, init_grad_state
+from fz3.core.param.invariants import InvariantError, check_state
+from fz3.core.grad.invariants import check_drained, check_grad_state, check_reduce_log
 from fz3.core.spec import build_spec
-from fz3.core.state import initial_state
+from fz3.core.param.state import initial_state
 
 SPEC = build_spec([("a", 3), ("b", 4)], [("root", [0, 1], False)], world_size=2,
                   persistence_threshold=0)
@@ -167,6 +167,6 @@ def test_check_drained_wants_a_wait_after_the_last_reduce(log, waited):
 
 
 def test_param_checkers_raise_invariant_error_naming_what_broke():
-    """fz3.core.invariants fails the same way: an InvariantError with the message."""
+    """fz3.core.param.invariants fails the same way: an InvariantError with the message."""
     with pytest.raises(InvariantError, match="live numel is 5 but the gathered params add up to 0"):
         check_state(initial_state(SPEC)._replace(live_numel=5))

@@ -60,7 +60,7 @@ def test_vmap_over_rank_axis():
 
 @pytest.mark.parametrize("n,world", [(10, 4), (7, 3), (2, 4), (0, 2), (9, 1)])
 def test_rank_slice_into_writes_what_rank_slice_returns(n, world):
-    """fz3.Init writes each rank's slice into its preallocated shard (fz3/shell/init.py)."""
+    """fz3.Init writes each rank's slice into its preallocated shard (fz3/build/init.py)."""
     flat = torch.arange(1, n + 1, dtype=torch.float32)
     for r in range(world):
         out = torch.full((shard_numel(n, world),), float("nan"))
@@ -70,7 +70,7 @@ def test_rank_slice_into_writes_what_rank_slice_returns(n, world):
 
 def test_unshard_of_stacked_shards_copies_nothing():
     """(W, s) in one tensor (fz3.Init gathers every rank's shard into one such buffer,
-    fz3/shell/init.py): the full value is a view of it, no second full-size copy."""
+    fz3/build/init.py): the full value is a view of it, no second full-size copy."""
     rows = layout.shard(torch.arange(1.0, 8), 3)
     full = layout.unshard(rows, (7,))
     assert full.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()

@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fz3.config.config import Config
-from fz3.testing.parity_data import GLOBAL_BATCH, rank_slice
+from tests.support.parity_data import GLOBAL_BATCH, rank_slice
 
 pytestmark = pytest.mark.timeout(240)
 

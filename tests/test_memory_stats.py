@@ -17,7 +17,7 @@ KEYS = {"param_shards", "grad_partitions", "gathered_param_bytes", "peak_gathere
 
 def _stats(rank: int, world_size: int) -> dict:
     import fz3
-    from fz3.testing.parity_models import MODELS, rank_slice
+    from tests.support.parity_models import MODELS, rank_slice
 
     spec = MODELS["gpt"]
     net = spec.build()

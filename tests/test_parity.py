@@ -2,7 +2,7 @@
 
 Run: python -m pytest tests/test_parity.py -rA     (-rA shows each model's deviation summary)
 
-One launch per world size runs every model under every named config (fz3/testing/parity.py);
+One launch per world size runs every model under every named config (tests/support/parity.py);
 the first test that needs a world size pays for its launch, the rest read the cached results.
 Per (model, config), 5 optimizer steps with gradient accumulation 2 (10 micro-steps), each checks:
 
@@ -36,8 +36,8 @@ import functools
 import pytest
 import torch
 
-from fz3.testing import parity
-from fz3.testing.parity_models import MODELS
+from tests.support import parity
+from tests.support.parity_models import MODELS
 
 pytestmark = pytest.mark.timeout(600)  # the first test per world size launches its ranks
 

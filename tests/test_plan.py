@@ -1,8 +1,8 @@
 """fz3.plan against real runs: for a model whose call order does not depend on its data, every
 figure the plan shares with engine.stats() equals it after the same steps on 1-3 gloo ranks
-(fz3/shell/plan.py); and the plan itself: any world size in one process, the user's model left
+(fz3/observe/plan.py); and the plan itself: any world size in one process, the user's model left
 alone, bad input named; models that make tensors without a device and read their data, known
-values read exactly and the rest guessed and listed (fz3/shell/fake.py); Hugging Face models as
+values read exactly and the rest guessed and listed (fz3/observe/fake.py); Hugging Face models as
 they come (default attention, no mask) when transformers is installed."""
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def _case(name: str):
 CASES = ([(name, options, steps) for name in ("gpt", "frozen") for options in CONFIGS for steps in (1, 2)]
          + [(name, CONFIGS[i], 2) for name in ("arange", "routed") for i in (1, 3)])
 """Static models under every config; those that make tensors without a device or read their
-data (the fake-tensor cases, fz3/shell/fake.py) under two."""
+data (the fake-tensor cases, fz3/observe/fake.py) under two."""
 
 
 def _cases(world: int) -> list:
@@ -239,7 +239,7 @@ def test_a_read_in_fz3s_own_code_is_answered_and_not_listed():
     """The engine reading a grad norm (fz3/shell/engine.py) is fz3's, not the model's."""
     from types import SimpleNamespace
     from fz3.shell.engine import Engine
-    from fz3.shell.fake import Fakes
+    from fz3.observe.fake import Fakes
     fakes, ones = Fakes(nn.Linear(4, 1)), torch.ones(2, 4)
     with fakes:
         (x,), _ = fakes.inputs((ones,), {})

@@ -1,4 +1,4 @@
-"""release: free what nobody needs, keep what is reused soon (fz3/core/release.py).
+"""release: free what nobody needs, keep what is reused soon (fz3/core/param/release.py).
 
 The tied embedding / lm_head case: `emb` and `head` share emb.w; between them `l1` holds 55
 elements. On a COMPLETE trace, release(emb) keeps emb.w iff 55 < max_reuse_distance and the
@@ -10,10 +10,10 @@ import pytest
 
 from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
-from fz3.core.fetch import fetch
+from fz3.core.param.fetch import fetch
 from fz3.core.ids import TraceMode
-from fz3.core.release import release
-from fz3.core.step import reset_step
+from fz3.core.param.release import release
+from fz3.core.param.step import reset_step
 from fz3.testing.driver import Driver
 
 HUGE = 10**9
@@ -120,7 +120,7 @@ def test_param_prefetched_for_a_later_step_is_kept():
 def test_free_says_whether_the_module_fetches_again_in_this_pass():
     """Free.refetch: a forward release of a module whose backward will fetch it (outputs wrapped)
     lets an interpreter keep the memory for that gather; any other release gives it back."""
-    from fz3.core.backward import fetch_for_backward, release_after_backward
+    from fz3.core.param.backward import fetch_for_backward, release_after_backward
     d = Driver(*TIED, config=cfg(reuse=0))
     d(reset_step)
     d(fetch, 2, forward=True, grad_inputs=1)

@@ -1,5 +1,5 @@
-"""Only fz3/core/state.py knows that a param or module slot is a tuple, and only
-fz3/core/trace.py builds a TraceState (issue #26, point 2).
+"""Only fz3/core/param/state.py knows that a param or module slot is a tuple, and only
+fz3/core/param/trace.py builds a TraceState (issue #26, point 2).
 
 Every other file reads a slot by a named accessor (`ParamState.status(p)`, `Txn.users(p)`, ...)
 and changes it by a named move (`Txn.use`, `Txn.open_call`, ...), so a column added to a row, or
@@ -12,15 +12,15 @@ import ast
 from pathlib import Path
 
 from fz3.config.config import Config
-from fz3.core.fetch import fetch
+from fz3.core.param.fetch import fetch
 from fz3.core.ids import TraceMode
-from fz3.core.release import release
+from fz3.core.param.release import release
 from fz3.core.spec import build_spec
-from fz3.core.state import initial_state
-from fz3.core.step import reset_step
+from fz3.core.param.state import initial_state
+from fz3.core.param.step import reset_step
 
 ROOT = Path(__file__).resolve().parents[1]
-STATE, TRACE = "fz3/core/state.py", "fz3/core/trace.py"
+STATE, TRACE = "fz3/core/param/state.py", "fz3/core/param/trace.py"
 ROW_VECTORS = {"param_rows", "module_rows"}  # ParamState's fields holding the rows
 
 
@@ -34,7 +34,7 @@ def offences(rel: str, tree: ast.AST) -> list[str]:
     found = []
     for node in ast.walk(tree):
         where = f"{rel}:{getattr(node, 'lineno', '?')}"
-        if isinstance(node, ast.ImportFrom) and node.module == "fz3.core.state":
+        if isinstance(node, ast.ImportFrom) and node.module == "fz3.core.param.state":
             found += [f"{where} imports {a.name}, private to {STATE}"
                       for a in node.names if a.name.startswith("_")]
         if rel != STATE and isinstance(node, ast.Attribute):
@@ -56,11 +56,11 @@ def test_no_file_but_state_py_knows_the_row_encoding():
 
 def test_the_check_sees_each_kind_of_offence():
     """The scanner is not vacuous: each pattern it forbids, planted in a file, is reported."""
-    planted = ast.parse("from fz3.core.state import _USERS\n"
+    planted = ast.parse("from fz3.core.param.state import _USERS\n"
                         "n = st.param_rows[0][_USERS]\n"
                         "m = tx._mods[1]\n"
                         "t = TraceState(0, 0, (), None, 0, 0)\n")
-    found = offences("fz3/core/fetch.py", planted)
+    found = offences("fz3/core/param/fetch.py", planted)
     assert len(found) == 4, found
     assert any("_USERS" in o for o in found) and any(".param_rows" in o for o in found)
     assert any("tx._mods" in o for o in found) and any("builds a TraceState" in o for o in found)

@@ -5,8 +5,8 @@ import torch
 from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, HoldGrad,
                               ReduceBucket, Slot, Wait, WaitReduce, WritePartition, ZeroPartitions)
-from fz3.core import grads as grads_core
-from fz3.core.epilogue import epilogue
+from fz3.core.grad import grads as grads_core
+from fz3.core.grad.epilogue import epilogue
 from fz3.core.spec import build_spec
 from fz3.interpreters.simulated import SimulatedWorld, SimulationError
 from fz3.testing.grad_naive import PATHS, grad_spec

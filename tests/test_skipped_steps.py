@@ -1,4 +1,4 @@
-"""A non-finite gradient never reaches the weights ([Note: a step skipped], fz3/core/epilogue.py).
+"""A non-finite gradient never reaches the weights ([Note: a step skipped], fz3/core/grad/epilogue.py).
 
 One rank's loss is NaN (or inf) at the second of four steps: after that step every rank's
 params, optimizer state and learning rate are what they were before it, was_step_applied() is

@@ -1,12 +1,12 @@
-"""The parameter state and its primitive moves (fz3/core/state.py)."""
+"""The parameter state and its primitive moves (fz3/core/param/state.py)."""
 from __future__ import annotations
 
 from fz3.config.config import Config
 from fz3.core.effects import AllGather, Wait
-from fz3.core.fetch import fetch
+from fz3.core.param.fetch import fetch
 from fz3.core.spec import build_spec
-from fz3.core.state import initial_state
-from fz3.core.step import reset_step
+from fz3.core.param.state import initial_state
+from fz3.core.param.step import reset_step
 from fz3.testing.driver import Driver
 
 

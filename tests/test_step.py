@@ -1,16 +1,16 @@
-"""Pass- and step-level transitions (fz3/core/step.py): reset_step, finish_backward, end_of_step."""
+"""Pass- and step-level transitions (fz3/core/param/step.py): reset_step, finish_backward, end_of_step."""
 from __future__ import annotations
 
-from fz3.core.backward import fetch_for_backward, register_external, release_after_backward
+from fz3.core.param.backward import fetch_for_backward, register_external, release_after_backward
 from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
-from fz3.core.fetch import fetch
-from fz3.core.hold import hold, unhold
+from fz3.core.param.fetch import fetch
+from fz3.core.param.hold import hold, unhold
 from fz3.core.ids import TraceMode
-from fz3.core.invariants import check_quiescent
-from fz3.core.release import release
-from fz3.core.step import end_of_step, finish_backward, reset_step
-from fz3.core.trace import UNIT_GREW
+from fz3.core.param.invariants import check_quiescent
+from fz3.core.param.release import release
+from fz3.core.param.step import end_of_step, finish_backward, reset_step
+from fz3.core.param.trace import UNIT_GREW
 from fz3.testing.driver import Driver
 
 HUGE = 10**9

@@ -4,7 +4,7 @@ semantics, and the real engine and interpreter run on it exactly as on gloo proc
     transport   point-to-point messages match per tag in posting order; collectives sum in rank
                 order; ranks calling different collectives fail; a world where no rank can go on
                 is reported at once, naming what each waits for; a rank that raises is named
-    engine      the parity models (fz3/testing/parity.py) trained on 2 thread ranks give the same
+    engine      the parity models (tests/support/parity.py) trained on 2 thread ranks give the same
                 losses and params, bit for bit, as on 2 gloo processes; divergence is
                 caught there too
 """
@@ -106,7 +106,7 @@ MODELS = ("gpt", "albert", "branch", "checkpoint")  # shared params, a branch, a
 def test_the_engine_on_thread_ranks_equals_the_engine_on_gloo_processes():
     """Same engine, same interpreter, same arithmetic (sums in rank order): every rank's loss at
     every micro-step and every consolidated param equal, bit for bit, under every named config."""
-    from fz3.testing import parity
+    from tests.support import parity
     from test_parity import world  # the parity suite's own 2-process launch, run once per session
     on_threads = parity.run_world(2, MODELS, probes=False, threads=True)
     on_processes = world(2)

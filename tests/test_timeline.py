@@ -1,4 +1,4 @@
-"""fz3.timeline (fz3/shell/timeline.py): one Chrome trace-event file for every rank, with lanes
+"""fz3.timeline (fz3/observe/timeline.py): one Chrome trace-event file for every rank, with lanes
 for compute, communication and the core and a live-bytes counter, whose spans agree with
 engine.stats(); nothing left on the engine afterwards; bad paths named; the PNG drawn by
 python -m fz3 timeline."""
@@ -78,7 +78,7 @@ def test_one_file_with_every_rank_and_lane_agreeing_with_stats(tmp_path):
 ])
 def test_a_path_that_cannot_be_written_is_named(tmp_path, where, message):
     import fz3
-    from fz3.shell.timeline import TimelineError
+    from fz3.observe.timeline import TimelineError
     path = str(tmp_path / where) if where != "." else str(tmp_path)
     with pytest.raises(TimelineError, match=message):
         with fz3.timeline(object(), path):

@@ -1,4 +1,4 @@
-"""The trace machine and its plan (fz3/core/trace.py), alone and through fetch.
+"""The trace machine and its plan (fz3/core/param/trace.py), alone and through fetch.
 
     INVALID --reset--> RECORD --reset--> COMPLETE --(pass matched)--> COMPLETE
        ^-------------- departure / pass ended early ---------------------+
@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from fz3.core.backward import register_external
+from fz3.core.param.backward import register_external
 from fz3.config.config import Config
-from fz3.core.fetch import fetch
+from fz3.core.param.fetch import fetch
 from fz3.core.ids import TraceMode
-from fz3.core.step import reset_step
-from fz3.core.trace import UNIT_GREW, build_plan, initial_trace, invalidated, on_fetch, pass_kind, reset
+from fz3.core.param.step import reset_step
+from fz3.core.param.trace import UNIT_GREW, build_plan, initial_trace, invalidated, on_fetch, pass_kind, reset
 from fz3.testing.driver import Driver
 
 UNITS = {0: (), 1: (0,), 2: (1, 2), 3: (0,)}  # root, emb, l1, head (tied emb.w)

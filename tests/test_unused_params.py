@@ -1,6 +1,6 @@
 """A trainable param that got no gradient in a whole accumulation window is not stepped: its
 optimizer grad is None, as in plain PyTorch and FSDP2 ([Note: no grad, no step],
-fz3/core/epilogue.py).
+fz3/core/grad/epilogue.py).
 
 The model: an auxiliary head that is never called (a branch not taken), and a leaf module of
 three experts (fz3.set_leaf_modules) where expert 0 sees rows on every rank, expert 1 on the

@@ -65,7 +65,7 @@ class Config:
     # Partitions accumulate in fp32 whatever it is.
     communication_data_type: Optional[str] = None
     # divide each grad by the world size before the reduce (instead of after): the sum stays
-    # in the range of a narrow comm dtype. The mean gradient is the same (fz3/core/grads.py)
+    # in the range of a narrow comm dtype. The mean gradient is the same (fz3/core/grad/grads.py)
     prescale_gradients: bool = False
     # without prescale_gradients: divide each grad by this before the reduce, undone after
     gradient_predivide_factor: float = 1.0

@@ -69,20 +69,20 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from fz3.core import backward as core_bwd
+from fz3.core.param import backward as core_bwd
 from fz3.config.config import COMM_DTYPES, Config
-from fz3.core.epilogue import epilogue, optimizer_step, without_grad
-from fz3.core.fetch import fetch
-from fz3.core.grads import GradState, bucket_add
+from fz3.core.grad.epilogue import epilogue, optimizer_step, without_grad
+from fz3.core.param.fetch import fetch
+from fz3.core.grad.grads import GradState, bucket_add
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
                                    ZeroGrads)
 from fz3.core.ids import ModuleId, ParamId
 from fz3.core.pvec import Log
-from fz3.core.release import release
+from fz3.core.param.release import release
 from fz3.core.spec import ModelSpec, ModuleSpec
-from fz3.core.state import ParamState
-from fz3.core.step import end_of_step, finish_backward, reset_step
+from fz3.core.param.state import ParamState
+from fz3.core.param.step import end_of_step, finish_backward, reset_step
 
 
 class CallTables(NamedTuple):

@@ -64,7 +64,7 @@ class Free(NamedTuple):
 
 
 # ---- gradient lifecycle --------------------------------------------------------------------
-# The IPG bucket's life, per comm dtype (see fz3/core/grads.py for the diagram):
+# The IPG bucket's life, per comm dtype (see fz3/core/grad/grads.py for the diagram):
 #   (CopyToBucket | HoldGrad)* -> ReduceBucket -> WritePartition (copy | add) per slot -> DropGrads
 # and per backward: WaitReduce; at the accumulation boundary: ZeroPartitions, AverageGrads.
 
@@ -86,7 +86,7 @@ class Slot(NamedTuple):
 @record
 class CopyToBucket(NamedTuple):
     """Copy `param`'s full grad into the flat IPG bucket of `dtype` at [offset, offset + numel),
-    cast to `dtype` (the comm dtype, fz3.core.grads.bucket_dtype) if it is another.
+    cast to `dtype` (the comm dtype, fz3.core.grad.grads.bucket_dtype) if it is another.
 
     Only with contiguous_gradients; the bucket holds the grad until `DropGrads(bucket)`, and
     param.grad is released (None) after the copy, so a later accumulation into it (a new graph
@@ -108,7 +108,7 @@ class HoldGrad(NamedTuple):
     [offset, offset + numel) of `bucket`: the reduce reads it in place, no bucket buffer is filled.
 
     Emitted instead of CopyToBucket when the reduce-scatter carrier sends each grad from where it
-    lies (fz3.core.grads.grad_route): a copy would only stage what it sends. As with CopyToBucket,
+    lies (fz3.core.grad.grads.grad_route): a copy would only stage what it sends. As with CopyToBucket,
     param.grad is released (None) and the held grad is the interpreter's until `DropGrads(bucket)`.
     DeepSpeed: none; stage 3 always copies into its contiguous IPG buffer
     (`__add_grad_to_ipg_bucket`).
@@ -133,17 +133,17 @@ class ReduceBucket(NamedTuple):
     (HoldGrad); False: read from each param's own grad, cast to `dtype` (contiguous_gradients
     off, or one grad bigger than the whole bucket). Each grad is divided by `predivide` first
     (1.0: nothing to do); AverageGrads' divisor accounts for it (see [Note: pre-division] in
-    fz3/core/grads.py). Runs on the reduce stream with overlap_comm.
+    fz3/core/grad/grads.py). Runs on the reduce stream with overlap_comm.
     DeepSpeed: `__reduce_and_partition_ipg_grads` -> `__avg_scatter_grads` /
     `__avg_scatter_contiguous_grads`.
     """
 
     bucket: BucketId
-    dtype: str  # the comm dtype (fz3.core.grads.bucket_dtype)
+    dtype: str  # the comm dtype (fz3.core.grad.grads.bucket_dtype)
     path: ReducePath
     slots: tuple[Slot, ...]  # in bucket (offset) order
     contiguous: bool
-    predivide: float = 1.0  # each grad / this before the SUM (fz3.core.grads.grad_predivide)
+    predivide: float = 1.0  # each grad / this before the SUM (fz3.core.grad.grads.grad_predivide)
 
 
 @record
@@ -201,7 +201,7 @@ class FreePartitions(NamedTuple):
 @record
 class AverageGrads(NamedTuple):
     """Divide every grad partition by `divisor` (= world size x gradient_accumulation_steps /
-    the reduces' predivide: fz3.core.epilogue.grad_divisor).
+    the reduces' predivide: fz3.core.grad.epilogue.grad_divisor).
 
     Partitions then hold the mean gradient; the optimizer reads them in place (views, no copy).
     One division of the exact sum, never the backend's AVG (gloo's is wrong, HCCL emulates it).

@@ -36,7 +36,9 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 from fz3.config.config import Config
-from fz3.core import calls, grads, hold, step
+from fz3.core import calls
+from fz3.core.grad import grads
+from fz3.core.param import hold, step
 from fz3.core.calls import Lifecycle
 from fz3.core.effects import record
 from fz3.core.ids import ModuleId, ParamId

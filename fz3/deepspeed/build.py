@@ -29,7 +29,7 @@ from fz3.deepspeed.settings import Settings, read_settings
 def build_engine(model: nn.Module, ds: Mapping[str, object], *, optimizer=None, model_parameters=None,
                  training_data=None, lr_scheduler=None, collate_fn: Optional[Callable] = None):
     """-> (engine, optimizer, dataloader or None, lr_scheduler or None)."""
-    from fz3.shell.api import initialize
+    from fz3.api import initialize
     if not isinstance(model, nn.Module):
         raise TypeError(f"deepspeed.initialize expects an nn.Module as model, got {type(model).__name__}")
     settings = read_settings(ds, world_size=_world_size())

@@ -9,8 +9,8 @@ import contextlib
 
 import torch
 
-from fz3.shell.consolidate import gathered_parameters
-from fz3.shell.init import Init as _Init
+from fz3.io.consolidate import gathered_parameters
+from fz3.build.init import Init as _Init
 
 # zero.Init's arguments that fz3 reads, or that change nothing in fz3 (DeepSpeed 0.19.8
 # runtime/zero/partition_parameters.py Init.__init__)

@@ -19,7 +19,7 @@ work fails with a DivergenceError naming what happened when a peer leaves mid-co
 
 `reads_grads_in_place`: the reduce sends each grad from where it lies (P2P only), so a bucket
 would only stage a copy. The interpreter reports it as its `in_place_reduce_scatter`, and the
-core then holds grads (HoldGrad) instead of copying them (fz3.core.grads.grad_route).
+core then holds grads (HoldGrad) instead of copying them (fz3.core.grad.grads.grad_route).
 """
 from __future__ import annotations
 

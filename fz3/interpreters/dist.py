@@ -37,7 +37,7 @@ scratch) comes from a `BufferPool` (fz3/data/pool.py): the same sizes come back 
 
 How an AllGather or a ReduceBucket moves its bytes is its carrier's business (carriers.py: P2P,
 Native, AllReduce), chosen once here from the options and the backend (accounting.carriers);
-whether grads are copied or held is the core's (fz3.core.grads.grad_route), told what the
+whether grads are copied or held is the core's (fz3.core.grad.grads.grad_route), told what the
 reduce-scatter carrier does by `in_place_reduce_scatter`;
 this file keeps what every carrier shares: the effect dispatch, the grads a reduce reads, the
 reduces in flight and the writes that wait for them.
@@ -120,7 +120,7 @@ class DistInterpreter:
         self.agreement = agreement.Agreement.for_transport(transport, agreement.describe_with(store.names, owner))
         # CPU: room for what the live budget can need at once, and no more than the model could:
         # the live full params (within max_live_parameters plus the unit fetched on demand past
-        # it, fz3/core/fetch.py), the gathers' packed inputs (not for p2p, which sends from the
+        # it, fz3/core/param/fetch.py), the gathers' packed inputs (not for p2p, which sends from the
         # shards) and one reduce's buffers (p2p: the peers' partitions it receives; otherwise
         # the packed input and the output). An accelerator's caching allocator reuses memory
         # already; a pool there would only keep buffers from activations, so it holds nothing.
@@ -220,7 +220,7 @@ class DistInterpreter:
     @property
     def in_place_reduce_scatter(self) -> bool:
         """Whether the reduce-scatter carrier sends each grad from where it lies (p2p): the core
-        then holds grads instead of copying them (fz3.core.grads.init_grad_state, grad_route)."""
+        then holds grads instead of copying them (fz3.core.grad.grads.init_grad_state, grad_route)."""
         return self.reduce_scatter.reads_grads_in_place
 
     def _copy_to_bucket(self, e: CopyToBucket) -> None:

@@ -1,7 +1,7 @@
 """The planning interpreter: runs the core's effects on a store of fake tensors, moving no data
 and needing no process group, and counts what the real interpreter (dist.py) would count.
 
-fz3.plan builds the real engine on a fake copy of the model (fz3/shell/fake.py), as rank 0 of
+fz3.plan builds the real engine on a fake copy of the model (fz3/observe/fake.py), as rank 0 of
 any world size, with this interpreter: every decision is the core's, so the gathers, prefetches,
 buckets and reduces are the run's own, and fz3/interpreters/accounting.py counts them as
 DistInterpreter does. A gathered param gets a fake full value (shape, no memory; made inside

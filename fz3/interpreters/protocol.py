@@ -32,7 +32,7 @@ class Interpreter(Protocol):
     @property
     def in_place_reduce_scatter(self) -> bool:
         """Whether its reduce-scatter sends each grad from where it lies (gloo's p2p carrier).
-        The engine passes it to fz3.core.grads.init_grad_state, and the core then holds grads
+        The engine passes it to fz3.core.grad.grads.init_grad_state, and the core then holds grads
         (HoldGrad) on the reduce_scatter path instead of copying them into a bucket
         (CopyToBucket). An interpreter without it is taken to say False."""
 

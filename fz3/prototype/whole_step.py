@@ -38,8 +38,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fz3.core.ids import TraceMode
-from fz3.core.state import unit_of
-from fz3.core.trace import TRAIN, TraceState, reset
+from fz3.core.param.state import unit_of
+from fz3.core.param.trace import TRAIN, TraceState, reset
 from fz3.data.layout import shard_of
 from fz3.testing.gpt import loss_fn
 

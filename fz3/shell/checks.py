@@ -7,7 +7,8 @@ they walk the whole model, so this is for debugging and the parity tests, not fo
 """
 from __future__ import annotations
 
-from fz3.core import invariants, invariants_grad
+from fz3.core.param import invariants
+from fz3.core.grad import invariants as invariants_grad
 from fz3.config.config import Config
 
 

@@ -56,7 +56,7 @@ _PLANNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # fz3.plan's copies 
 
 class PlannedWrapper(nn.Module):
     """fz3.plan's copy of a torch.compile wrapper: the same `_orig_mod` (so the same names),
-    run as it is, nothing compiled (fz3/shell/fake.py)."""
+    run as it is, nothing compiled (fz3/observe/fake.py)."""
 
     def __init__(self, orig: nn.Module) -> None:
         super().__init__()

@@ -193,7 +193,7 @@ class CpuDevice:
 
 class MetaDevice(CpuDevice):
     """Shapes without memory, for fz3.plan: tensors are fake cpu tensors over meta storage
-    (fz3/shell/fake.py; the plan runs inside its FakeTensorMode, so every tensor made on
+    (fz3/observe/fake.py; the plan runs inside its FakeTensorMode, so every tensor made on
     `torch_device` is fake) and no work runs. cpu, so they meet the tensors a forward makes
     without a device. `backend` is the one being planned for (it picks the carriers counted)."""
 

@@ -33,17 +33,18 @@ from fz3.core.calls import Lifecycle, initial_calls
 from fz3.core.events import (BackwardEnded, Enter, GradReady, Leave, PostBackwardRan, PreBackwardRan, Raised, Read,
                              Stepped)
 from fz3.config.config import Config
-from fz3.core.epilogue import at_boundary
-from fz3.core.grads import init_grad_state
+from fz3.core.grad.epilogue import at_boundary
+from fz3.core.grad.grads import init_grad_state
 from fz3.core.hook_effects import (HOOK_EFFECTS, BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
                                    ZeroGrads)
 from fz3.core.ids import Status, TraceMode
-from fz3.core.state import initial_state
+from fz3.core.param.state import initial_state
 from fz3.interpreters.agreement import DivergenceError
 from fz3.interpreters.leaf_hint import leaf_hint
 from fz3.interpreters.protocol import Interpreter
-from fz3.shell import checks, init, log, pytree, state_dict
+from fz3.data import shards
+from fz3.shell import checks, log, pytree, state_dict
 from fz3.shell.buffers import BufferSync
 from fz3.shell.compiled import compile_stats, outside_graph, refuse_compiled_engine
 from fz3.shell.log import StepLog
@@ -84,7 +85,7 @@ class Engine(DeepSpeedSurface):
         self.tables = read_tables(model, world_size=self.world_size, config=config)
         self.spec = self.tables.spec
         self.store = TensorStore(self.tables.params, tuple(self.tables.names),
-                                 init.initial_shards(self.tables.params, self.tables.names, rank=rank,
+                                 shards.initial_shards(self.tables.params, self.tables.names, rank=rank,
                                                      world_size=world_size, device=device.torch_device),
                                  rank=self.rank, world_size=self.world_size,
                                  compute_dtype=config.compute_dtype, device=device.torch_device)
@@ -308,7 +309,7 @@ class Engine(DeepSpeedSurface):
             case StepOptimizer(no_grad):
                 self._step_optimizer(no_grad)
             case SkipStep(step):
-                # [Note: a step skipped] (fz3/core/epilogue.py): say which param, on every rank alike
+                # [Note: a step skipped] (fz3/core/grad/epilogue.py): say which param, on every rank alike
                 first = first_nonfinite(self.store, self.interp.any_rank)
                 log.skipped_step(self, step, None if first is None else self.tables.names[first])
         return tree
@@ -342,7 +343,7 @@ class Engine(DeepSpeedSurface):
     def backward(self, loss: torch.Tensor, **kwargs) -> torch.Tensor:
         """loss.backward(); the grads are summed over ranks and micro-steps and divided once at
         the boundary, by world_size * gradient_accumulation_steps over what each was divided by
-        before its reduce (fz3/core/epilogue.py; no loss scaling here). -> loss divided by
+        before its reduce (fz3/core/grad/epilogue.py; no loss scaling here). -> loss divided by
         gradient_accumulation_steps, detached: what DeepSpeed's backward returns (its scaled loss)."""
         self._refuse_if_stopped()
         loss.backward(**kwargs)
@@ -385,27 +386,6 @@ class Engine(DeepSpeedSurface):
     def get_lr(self) -> list[float]:
         """Each param group's current learning rate. DeepSpeed: get_lr."""
         return [group["lr"] for group in self.optimizer.param_groups]
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 params (and buffers), keys as the model's state_dict."""
-        self._refuse_if_stopped()
-        from fz3.shell.consolidate import full_state_dict
-        return full_state_dict(self)
-
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> bool:
-        """Sharded, atomic checkpoint under save_dir/<tag> (fz3/shell/checkpoint.py).
-        DeepSpeed: save_checkpoint."""
-        self._refuse_if_stopped()
-        from fz3.shell.checkpoint import save_checkpoint
-        return save_checkpoint(self, save_dir, tag, client_state)
-
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, **options) -> tuple[str, dict]:
-        """-> (path, client_state); any saved world size; DeepSpeed's load_optimizer_states,
-        load_lr_scheduler_states, load_module_only (fz3/shell/checkpoint_load.py).
-        DeepSpeed: load_checkpoint."""
-        self._refuse_if_stopped()
-        from fz3.shell.checkpoint_load import load_checkpoint
-        return load_checkpoint(self, load_dir, tag, **options)
 
     def stats(self) -> dict[str, object]:
         st = self.params_state

@@ -23,7 +23,7 @@ import weakref
 
 from fz3.config.config import differences
 from fz3.core.ids import TraceMode
-from fz3.core.trace import UNIT_GREW
+from fz3.core.param.trace import UNIT_GREW
 from fz3.interpreters import accounting
 from fz3.shell.memory import human_bytes
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fz3.core.state import AVAILABLE
+from fz3.core.param.state import AVAILABLE
 
 
 def install(engine) -> list:

@@ -5,7 +5,7 @@
     engine.global_steps, global_samples, micro_steps, skipped_steps
     engine.is_gradient_accumulation_boundary()      DeepSpeed's answer, call for call
     engine.gradient_accumulation_steps(), train_micro_batch_size_per_gpu(), train_batch_size()
-    engine.save_16bit_model(save_dir, save_filename="pytorch_model.bin")
+    (engine.save_16bit_model: fz3/io/engine_methods.py, with the other methods that move values)
 
 [Note: DeepSpeed's counters] DeepSpeed counts `engine.step()` calls, not backwards:
 micro_steps += 1 at the end of every step(); at a boundary step global_steps += 1 and
@@ -14,7 +14,7 @@ many). `is_gradient_accumulation_boundary()` answers whether the NEXT step() wil
 (micro_steps + 1) % gradient_accumulation_steps == 0. So with 2 accumulation steps, asked before
 forward / after backward / after step over two micro-steps, it says (F, F, T), (T, T, F).
 fz3's own step decides the boundary from the backwards the core has counted
-(fz3/core/epilogue.py at_boundary); in a loop that calls step() once per backward, as DeepSpeed
+(fz3/core/grad/epilogue.py at_boundary); in a loop that calls step() once per backward, as DeepSpeed
 requires, the two agree. `was_step_applied()` is False after every step() that did not step the
 optimizer: between boundaries, and at a skipped one. After load_checkpoint, global_steps,
 global_samples and skipped_steps are the saved ones and micro_steps is this engine's (0 for a
@@ -192,34 +192,3 @@ class DeepSpeedSurface:
                              "batch size; build it with fz3.deepspeed.initialize and a config that sets "
                              "train_batch_size or train_micro_batch_size_per_gpu")
         return value
-
-    # ---- 16-bit weights ---------------------------------------------------------------------------
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
-        """Rank 0: the whole model's state dict in the compute dtype on the CPU (what
-        save_16bit_model writes); other ranks: None. Every rank must call it. DeepSpeed's name,
-        which Accelerate's get_state_dict calls: _zero3_consolidated_16bit_state_dict."""
-        self._refuse_if_stopped()
-        from fz3.shell.consolidate import compute_dtype_state_dict
-        return compute_dtype_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """Rank 0 writes the whole model's weights in the compute dtype (torch.save of a state
-        dict keyed as model.state_dict(), persistent buffers included, tied params one tensor)
-        to save_dir/save_filename; -> True. Every rank must call it (it gathers). Without
-        zero_optimization.stage3_gather_16bit_weights_on_model_save it writes nothing and
-        returns False, as DeepSpeed (whose default that is). DeepSpeed: save_16bit_model,
-        _zero3_consolidated_16bit_state_dict."""
-        self._refuse_if_stopped()
-        path = os.path.join(save_dir, save_filename)
-        if not self.gather_16bit_weights_on_model_save:
-            from fz3.shell import log
-            log.not_saved_16bit(self, path)
-            return False
-        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
-        if self.rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            torch.save(state, path)
-        self.transport.all_reduce(torch.zeros(1, device=self.device))  # written before any rank returns
-        return True

@@ -56,10 +56,10 @@ from fz3.core.events import (BackwardEnded, Enter, GradReady, Leave, PostBackwar
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, WrapInputs, WrapOutputs)
 from fz3.core.ids import Status
-from fz3.core.invariants import check_fetched
+from fz3.core.param.invariants import check_fetched
 from fz3.core.pvec import Log
 from fz3.core.spec import ModelSpec
-from fz3.core.state import AVAILABLE, unit_of
+from fz3.core.param.state import AVAILABLE, unit_of
 from fz3.testing.coverage import covered
 from fz3.testing.models import Call, External
 

@@ -45,14 +45,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from fz3.core import events as core_events
-from fz3.core import invariants as inv
+from fz3.core.param import invariants as inv
 from fz3.core.calls import Lifecycle, initial_calls
-from fz3.core.epilogue import at_boundary
+from fz3.core.grad.epilogue import at_boundary
 from fz3.core.events import BackwardEnded, Enter, GradReady, Leave, Read, Stepped
-from fz3.core.grads import GradState, init_grad_state
+from fz3.core.grad.grads import GradState, init_grad_state
 from fz3.core.hook_effects import HOOK_EFFECTS, GradDue, SkipStep, StepOptimizer, ZeroGrads
-from fz3.core.invariants_grad import check_grad_state
-from fz3.core.state import initial_state
+from fz3.core.grad.invariants import check_grad_state
+from fz3.core.param.state import initial_state
 from fz3.testing.autograd_sim import AutogradSim
 from fz3.testing.call_cases import KNOWN_GAPS, call_cases, forward_ticks
 from fz3.testing.calls_naive import NaiveCalls

@@ -16,12 +16,12 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from fz3.config.config import Config
-from fz3.core.fetch import fetch
+from fz3.core.param.fetch import fetch
 from fz3.core.ids import Status
-from fz3.core.invariants import check_state
-from fz3.core.release import release
+from fz3.core.param.invariants import check_state
+from fz3.core.param.release import release
 from fz3.core.spec import build_spec
-from fz3.core.state import initial_state
+from fz3.core.param.state import initial_state
 
 LETTER = {Status.NOT_AVAILABLE: "N", Status.INFLIGHT: "I", Status.AVAILABLE: "A"}
 

@@ -22,11 +22,11 @@ import sys
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from fz3.core import state as core_state
-from fz3.core.epilogue import epilogue, optimizer_step
-from fz3.core.grads import bucket_add, init_grad_state
+from fz3.core.param import state as core_state
+from fz3.core.grad.epilogue import epilogue, optimizer_step
+from fz3.core.grad.grads import bucket_add, init_grad_state
 from fz3.testing.models import cases
-from fz3.core.state import initial_state
+from fz3.core.param.state import initial_state
 from fz3.testing.param_machine import apply_event, pass_events
 
 SCHEDULE = [(0, "complete"), (0, "complete"), (0, "complete"), (1, "partial"), (0, "step"),
@@ -79,7 +79,7 @@ def plant_names() -> None:
         steps = dict(zip(pids, fetched_for))
         real(tx, tuple(order), prefetch=prefetch, forward=forward, fetched_for=tuple(steps[p] for p in order))
 
-    for module in ("fz3.core.fetch", "fz3.core.backward", "fz3.core.step", "fz3.core.hold"):
+    for module in ("fz3.core.param.fetch", "fz3.core.param.backward", "fz3.core.param.step", "fz3.core.param.hold"):
         mod = sys.modules.get(module) or __import__(module, fromlist=["gather"])
         if hasattr(mod, "gather"):
             mod.gather = gather

@@ -25,13 +25,13 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from fz3.core import epilogue as ep
-from fz3.core import grads
+from fz3.core.grad import epilogue as ep
+from fz3.core.grad import grads
 from fz3.config.config import Config
 from fz3.core.effects import HoldGrad
-from fz3.core.grads import GradError
+from fz3.core.grad.grads import GradError
 from fz3.core.ids import ParamId
-from fz3.core.invariants_grad import check_drained, check_grad_state, check_reduce_log
+from fz3.core.grad.invariants import check_drained, check_grad_state, check_reduce_log
 from fz3.interpreters.simulated import SimulatedWorld
 from fz3.testing.coverage import covered
 from fz3.testing.grad_naive import (COMMS, DTYPES, PATHS, PREDIVIDES, NaiveGrads, bucket_sizes,

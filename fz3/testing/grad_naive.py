@@ -7,7 +7,7 @@
     real:   bucket_add / flush / epilogue (fz3.core) -> effects -> SimulatedWorld
 
 The naive side slices with its own index arithmetic, never with fz3.data, so a bug in the data
-plane cannot hide by being on both sides; its route is a table, never fz3.core.grads. Grads are
+plane cannot hide by being on both sides; its route is a table, never fz3.core.grad.grads. Grads are
 small integers, so every sum is exact in fp32 and results are compared with torch.equal. The
 naive model knows nothing of the comm dtype or the pre-division: whatever they are, the
 partitions must end as the plain mean. To keep that exact, grads are multiples of W under
@@ -21,12 +21,12 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from hypothesis import strategies as st
 
-from fz3.core import epilogue as ep
-from fz3.core import grads
+from fz3.core.grad import epilogue as ep
+from fz3.core.grad import grads
 from fz3.config.config import Config
-from fz3.core.grads import GradState
+from fz3.core.grad.grads import GradState
 from fz3.core.ids import ParamId
-from fz3.core.invariants_grad import check_drained, check_grad_state, check_reduce_log
+from fz3.core.grad.invariants import check_drained, check_grad_state, check_reduce_log
 from fz3.core.spec import ModelSpec, build_spec
 from fz3.interpreters.simulated import SimulatedWorld
 

@@ -18,7 +18,7 @@ The core marks each resident param with the latest step it was fetched *or* pref
 tied weight), lifts the mark past the parent's step. The core once compared the mark with the
 releasing module's fetch step, so the parent's release kept the param although that later use
 was over, whatever max_reuse_distance said (found by this check; fixed in
-fz3/core/release.py). DeepSpeed and now the core compare it with the step of the latest fetch
+fz3/core/param/release.py). DeepSpeed and now the core compare it with the step of the latest fetch
 (__step_id at the release), as this model does; it marks prefetches only, which gives the same
 keeps.
 """
@@ -31,7 +31,7 @@ from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free
 
 if TYPE_CHECKING:
-    from fz3.core.state import ParamState
+    from fz3.core.param.state import ParamState
 
 Queue = deque  # deque[tuple[int, int]]: (step, param), plan order
 
@@ -49,7 +49,7 @@ def prefetch(queue: Queue, step: int, *, not_available: set[int], numel: Sequenc
 
     The walk stops *before* a param that would lift live numel past max_live_parameters (it
     stays at the head for the next fetch): fz3's documented departure, [Note: prefetch bounds]
-    in fz3/core/fetch.py; DeepSpeed bounds the batch by min(bucket, budget - live) and may
+    in fz3/core/param/fetch.py; DeepSpeed bounds the batch by min(bucket, budget - live) and may
     overshoot the budget by one param. The batch bound is DeepSpeed's: take while the batch is
     below prefetch_bucket_size, so the last param may overshoot it."""
     while queue and queue[0][0] <= step:
@@ -88,7 +88,7 @@ def keep(candidates: set[int], step: int, *, now: int, units: Sequence[frozenset
     fetch's ([Note: fetch marks]); none at all if
     keeping them would leave more than max_live_parameters live once the rest are freed.
 
-    The budget is fz3's documented departure (fz3/core/release.py, `release`): DeepSpeed's
+    The budget is fz3's documented departure (fz3/core/param/release.py, `release`): DeepSpeed's
     reuse-keeping ignores max_live_parameters."""
     kept = {p for p in candidates
             if fetched_for.get(p, -1) > now

@@ -31,15 +31,15 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from fz3.core import backward as _backward
-from fz3.core import fetch as _fetch
-from fz3.core import hold as _hold
-from fz3.core import invariants as _inv
-from fz3.core import release as _release
-from fz3.core import step as _step
+from fz3.core.param import backward as _backward
+from fz3.core.param import fetch as _fetch
+from fz3.core.param import hold as _hold
+from fz3.core.param import invariants as _inv
+from fz3.core.param import release as _release
+from fz3.core.param import step as _step
 from fz3.config.config import Config
 from fz3.core.effects import AllGather
-from fz3.core.state import ParamState, initial_state
+from fz3.core.param.state import ParamState, initial_state
 from fz3.testing.coverage import covered
 from fz3.testing.models import Case, Call, backward_events, cases, count_calls, forward_events
 from fz3.testing.naive_params import NaiveParams

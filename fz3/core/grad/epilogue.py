@@ -17,7 +17,7 @@ reduce: 1 unless prescale_gradients or gradient_predivide_factor say otherwise) 
 boundary, where one division turns them into the mean gradient, exposed to the optimizer in
 place. DeepSpeed instead pre-divides by the world size before each reduce and scales the loss
 by 1/gas; summing first keeps the integer test data exact and never relies on a backend's AVG
-(fz3/core/grads.py, [Note: pre-division]).
+(fz3/core/grad/grads.py, [Note: pre-division]).
 
 [Note: no grad, no step] A trainable param that no grad reached in a whole window, on any rank,
 has no optimizer grad (None), so every torch optimizer leaves it alone, as in plain PyTorch and
@@ -41,7 +41,7 @@ from typing import Sequence
 
 from fz3.config.config import Config
 from fz3.core.effects import AverageGrads, FreePartitions, GradEffect, WaitReduce, ZeroPartitions
-from fz3.core.grads import GradError, GradState, flush, grad_predivide
+from fz3.core.grad.grads import GradError, GradState, flush, grad_predivide
 from fz3.core.ids import ParamId
 
 

@@ -18,7 +18,7 @@ One op in PlanFakeMode.dispatch:
           depends on data it does not have
             |
             v
-          a guess (fz3/shell/guesses.py), recorded: a bool is True, an integer 1, a float
+          a guess (fz3/observe/guesses.py), recorded: a bool is True, an integer 1, a float
           1.0, a mask all True, elements all distinct
 
 [Note: why fake tensors] A meta tensor has no device of its own: a tensor the forward makes
@@ -59,7 +59,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.utils import _pytree
 
 from fz3.shell import compiled, tables
-from fz3.shell.guesses import FINITE, GUESSES, STRICTER_META, scalar_rule
+from fz3.observe.guesses import FINITE, GUESSES, STRICTER_META, scalar_rule
 
 KNOWN_NUMEL = 1 << 20
 """Largest tensor (elements) whose value a plan computes: masks and positions of a micro-batch."""
@@ -160,7 +160,7 @@ class PlanFakeMode(FakeTensorMode):
     factories known, and answers with a recorded guess where FakeTensorMode has none. One mode,
     not a second one stacked on it: a 7B plan dispatches ~10^5 ops, and each layer costs."""
 
-    known_numel = KNOWN_NUMEL  # what the guesses (fz3/shell/guesses.py) may compute for real
+    known_numel = KNOWN_NUMEL  # what the guesses (fz3/observe/guesses.py) may compute for real
 
     def __init__(self) -> None:
         super().__init__(allow_non_fake_inputs=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from fz3.config.config import Config
 from fz3.core.ids import ModuleId, ParamId, TraceMode
-from fz3.core.state import Effects, ParamState, Txn, free, unit_params
+from fz3.core.param.state import Effects, ParamState, Txn, free, unit_params
 
 
 def release(st: ParamState, module: ModuleId, *, config: Config,

@@ -1,6 +1,6 @@
 """Parity models about shapes and routing: structured outputs (dict / tuple / namedtuple with
 None and non-tensor members), numels the world size does not divide, and a mixture of experts
-routed by the data (declared a leaf module). The catalogue is fz3/testing/parity_models.py."""
+routed by the data (declared a leaf module). The catalogue is tests/support/parity_models.py."""
 from __future__ import annotations
 
 from collections import namedtuple
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fz3.testing.parity_data import GLOBAL_BATCH, _gen
+from tests.support.parity_data import GLOBAL_BATCH, _gen
 
 # ---- structured: dict / tuple / namedtuple outputs -----------------------------------------------
 

@@ -11,7 +11,7 @@ DeepSpeed: GatheredParameters.__enter__ / __exit__.
 from __future__ import annotations
 
 from fz3.config.config import Config
-from fz3.core.state import AVAILABLE, Effects, ParamState, Txn, free, gather, wait_for
+from fz3.core.param.state import AVAILABLE, Effects, ParamState, Txn, free, gather, wait_for
 from fz3.core.ids import ParamId
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from fz3.config.config import Config
 from fz3.core.effects import AllGather
 from fz3.core.ids import ModuleId, Status
-from fz3.core.state import MAX_INFLIGHT, Effects, ParamState, unit_of
+from fz3.core.param.state import MAX_INFLIGHT, Effects, ParamState, unit_of
 
 
 class InvariantError(AssertionError):

@@ -21,7 +21,7 @@ ranks and micro-steps and divides once by W * gas. The reference does the same a
 process: per micro-step, the loss of each rank's slice, backward of loss / (W * gas), one
 optimizer step per window. Before each window every grad is None (optimizer.zero_grad()'s
 default), so a param that no rank used in the window keeps a None grad and the optimizer leaves
-it alone; fz3 does the same ([Note: no grad, no step], fz3/core/epilogue.py), where it once gave
+it alone; fz3 does the same ([Note: no grad, no step], fz3/core/grad/epilogue.py), where it once gave
 it a zero grad partition, as DeepSpeed does (AdamW then decays it).
 """
 from __future__ import annotations
@@ -36,8 +36,8 @@ from torch import nn
 
 from fz3.config.config import Config
 from fz3.config.options import Options
-from fz3.testing.live_watch import LiveWatch, unit_bounds
-from fz3.testing.parity_models import MODELS, rank_slice
+from tests.support.live_watch import LiveWatch, unit_bounds
+from tests.support.parity_models import MODELS, rank_slice
 
 STEPS = 5  # optimizer steps per combination
 GAS = 2  # gradient accumulation steps

@@ -33,11 +33,11 @@ from then on, never freed by a release, and freed at the end of the optimizer st
 from __future__ import annotations
 
 from fz3.config.config import Config
-from fz3.core.fetch import fetch_into
+from fz3.core.param.fetch import fetch_into
 from fz3.core.ids import ModuleId, ParamId, TraceMode
-from fz3.core.release import release_into
-from fz3.core.state import Effects, ParamState, Txn, gather, wait_for
-from fz3.core.step import invalidate
+from fz3.core.param.release import release_into
+from fz3.core.param.state import Effects, ParamState, Txn, gather, wait_for
+from fz3.core.param.step import invalidate
 
 
 def fetch_for_backward(st: ParamState, module: ModuleId, *, config: Config) -> tuple[ParamState, Effects]:

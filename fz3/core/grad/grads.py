@@ -18,7 +18,7 @@
 
 Per-param flags cost O(1) to reset: a param records the backward (and graph task) of its last
 report, so "reported in this backward" is `reported == state.backward`, and advancing the
-backward counter (the epilogue, fz3/core/epilogue.py) clears every flag at once.
+backward counter (the epilogue, fz3/core/grad/epilogue.py) clears every flag at once.
 
 [Note: copy vs add] DeepSpeed copies on micro_step 0 and adds later, so a param that gets no
 grad in micro-step 0 but does later adds onto the previous window's stale partition. fz3 copies

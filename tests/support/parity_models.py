@@ -30,10 +30,10 @@ some params are smaller than the world size. What each model is there to exercis
     containers direct params returning a frozen dataclass, a torch-pytree-registered class, an
                OrderedDict and a dataclass in a list; the root returns a dataclass
     checkpoint torch.utils.checkpoint, reentrant and not, params used inside and outside the
-               regions, one block checkpointed twice (fz3/testing/parity_habits.py)
+               regions, one block checkpointed twice (tests/support/parity_habits.py)
 
 Every model also runs forward-only passes (inference_mode, no_grad + eval(), eval() with grad)
-before, between and after its steps, and one forward that raises midway (fz3/testing/parity.py).
+before, between and after its steps, and one forward that raises midway (tests/support/parity.py).
 
 [Note: no k-bias] Attention here has no q/k/v bias: the grad of the key bias is zero in exact
 arithmetic (softmax is shift invariant) but ~1e-9 noise in floating point, and Adam turns noise
@@ -49,10 +49,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fz3.testing.parity_data import (GLOBAL_BATCH, ParityModel, _gen, _mse, _regression_batch,
+from tests.support.parity_data import (GLOBAL_BATCH, ParityModel, _gen, _mse, _regression_batch,
                                      rank_slice)
-from fz3.testing.parity_habits import CheckpointNet, ContainersNet, _containers_loss
-from fz3.testing.parity_shapes import (MoEBlock, MoENet, OddNet, StructNet, _moe_batch, _moe_loss,
+from tests.support.parity_habits import CheckpointNet, ContainersNet, _containers_loss
+from tests.support.parity_shapes import (MoEBlock, MoENet, OddNet, StructNet, _moe_batch, _moe_loss,
                                        _struct_loss)
 
 __all__ = ["MODELS", "GLOBAL_BATCH", "ParityModel", "rank_slice"]

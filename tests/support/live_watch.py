@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from fz3.core.state import NOT_AVAILABLE, unit_of
+from fz3.core.param.state import NOT_AVAILABLE, unit_of
 
 
 class LiveWatch:

@@ -7,7 +7,7 @@
     p.guesses               # the data-dependent values the model read that had to be guessed
 
 How: the real engine (hooks, core, every decision) runs as rank 0 of `world_size` on a fake copy
-of the model (fz3/shell/fake.py: fake tensors under FakeTensorMode, shapes and no memory; the
+of the model (fz3/observe/fake.py: fake tensors under FakeTensorMode, shapes and no memory; the
 user's model is not touched) with the planning interpreter
 (fz3/interpreters/planned.py), which counts each effect as the real interpreter does
 (fz3/interpreters/accounting.py). For a model whose call order does not depend on the data, the
@@ -41,7 +41,7 @@ from fz3.config.options import given
 from fz3.core.effects import AllGather, Free
 from fz3.shell import registry
 from fz3.shell.compiled import PROCESS_WIDE
-from fz3.shell.fake import Fakes, Guess
+from fz3.observe.fake import Fakes, Guess
 from fz3.shell.memory import human_bytes
 from fz3.shell.hooks import flatten
 
@@ -217,7 +217,7 @@ def _state_bytes(rate: tuple[int, int], store, params) -> int:
 
 
 def _inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
-    """(args, kwargs), trailing positional args forward does not take dropped (fz3/shell/fake.py
+    """(args, kwargs), trailing positional args forward does not take dropped (fz3/observe/fake.py
     makes them fakes that keep their values)."""
     if isinstance(example_inputs, dict):
         args, kwargs = (), dict(example_inputs)

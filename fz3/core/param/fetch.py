@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from fz3.config.config import Config
 from fz3.core.ids import ModuleId, ParamId, TraceMode
-from fz3.core.state import NOT_AVAILABLE, Effects, ParamState, Txn, gather, unit_params, wait_for
-from fz3.core.step import invalidate
-from fz3.core.trace import advanced, on_fetch
+from fz3.core.param.state import NOT_AVAILABLE, Effects, ParamState, Txn, gather, unit_params, wait_for
+from fz3.core.param.step import invalidate
+from fz3.core.param.trace import advanced, on_fetch
 
 
 def fetch(st: ParamState, module: ModuleId, *, forward: bool, config: Config,

@@ -1,5 +1,5 @@
 """Parity models for habits of real models (issue #10): outputs of any structure, and
-activation checkpointing. The catalogue is fz3/testing/parity_models.py.
+activation checkpointing. The catalogue is tests/support/parity_models.py.
 
     containers   modules with direct nn.Parameters (CLIP's logit_scale) returning a frozen
                  dataclass, a class registered with torch.utils._pytree, an OrderedDict and a

@@ -13,7 +13,7 @@
       write                   -> fp32 masters (cast from the file's dtype, padding zeroed),
                                  compute-dtype shards refreshed, buffers copied; the full params
                                  now stale (persistent or held) freed and gathered again, as
-                                 after an optimizer step (fz3.core.step.end_of_step)
+                                 after an optimizer step (fz3.core.param.step.end_of_step)
 
 Keys are model.state_dict() names. One Parameter under two names (tied embeddings) needs either
 name in the file: Hugging Face's save_pretrained and safetensors' save_model store it once.

@@ -1,4 +1,4 @@
-"""Loading a sharded checkpoint (format: fz3/shell/checkpoint.py): `engine.load_checkpoint`.
+"""Loading a sharded checkpoint (format: fz3/io/checkpoint.py): `engine.load_checkpoint`.
 
     resolve tag (`latest`) --> read + check metadata, rank files, model, optimizer groups
     (nothing is changed yet) --every rank agrees--> masters, optimizer, scheduler, buffers,
@@ -21,7 +21,7 @@ import torch
 
 from fz3.core.events import Resumed
 from fz3.data import layout
-from fz3.shell.checkpoint import (CLIENT, FORMAT, LATEST, META, VERSION, CheckpointError, agree,
+from fz3.io.checkpoint import (CLIENT, FORMAT, LATEST, META, VERSION, CheckpointError, agree,
                                   check_quiescent, check_tag, fingerprint, group_param_ids,
                                   list_tags, param_records, rank_file)
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,7 +48,8 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_leaves
 
 from fz3.core.spec import shard_numel
-from fz3.data import layout
+from fz3.data import layout, shards
+from fz3.data.shards import Shard, shard_of
 from fz3.data.collectives import ALL_GATHER
 from fz3.shell.pick import pick_device
 
@@ -75,67 +75,8 @@ METADATA = frozenset(f"torch.Tensor.{a}" for a in (
 """Questions about a param that its placeholder answers as the full value would."""
 
 
-@dataclass
-class Shard:
-    """What a closed param keeps on this rank."""
-    data: torch.Tensor  # (s,) this rank's shard, the param's dtype, on the group's device
-    rank: int
-    world_size: int
-    placeholder: torch.Tensor  # what the param's .data is while closed
-
-
-_SHARDS: dict[int, tuple["weakref.ref[nn.Parameter]", Shard]] = {}
-"""id(param) -> (a weak reference to it, its shard), from closing until fz3.initialize takes it;
-a dropped param's entry goes with it ([Note: no WeakKeyDictionary of tensors] in registry.py)."""
-
 _ACTIVE: list["Init"] = []  # the Init blocks entered, innermost last
 _WRAPPED: dict[type, object] = {}  # class -> its own __init__ before wrapping
-
-
-def shard_of(param: nn.Parameter) -> Shard | None:
-    """The shard of a param built under fz3.Init that is still closed, else None."""
-    entry = _SHARDS.get(id(param))
-    if entry is None or entry[0]() is not param or not _is_placeholder(param, entry[1]):
-        return None
-    return entry[1]
-
-
-def initial_shards(params, names, *, rank: int, world_size: int, device: torch.device) -> list[torch.Tensor]:
-    """This rank's fp32 shard of each param, handed to the tensor store at fz3.initialize: the
-    one fz3.Init built (take_shard), else cut from the param's full value."""
-    out = []
-    for p, name in zip(params, names):
-        shard = take_shard(p, name, rank=rank, world_size=world_size)
-        if shard is None:
-            shard = layout.shard_of(p.detach().to(device=device, dtype=torch.float32), rank, world_size)
-        out.append(shard)
-    return out
-
-
-def take_shard(param: nn.Parameter, name: str, *, rank: int, world_size: int) -> torch.Tensor | None:
-    """For fz3.initialize: the shard of an Init-built param (now the engine's), else None.
-    Raises if the param was built for another world size or rank, or replaced outside the
-    block (model.to(...), .data = ...) so that its placeholder no longer stands for the shard."""
-    entry = _SHARDS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    shard = entry[1]
-    if not _is_placeholder(param, shard):
-        raise RuntimeError(f"param {name!r} was built under fz3.Init, then its value was replaced "
-                           "outside the Init block (model.to(...), .half(), .data = ...): the new "
-                           "value is not the model's. Cast or re-initialize inside `with fz3.Init():`;"
-                           " fz3.initialize puts the shards on the device itself")
-    if (shard.rank, shard.world_size) != (rank, world_size):
-        raise RuntimeError(f"param {name!r} was built under fz3.Init for rank {shard.rank} of "
-                           f"{shard.world_size}, but fz3.initialize runs rank {rank} of {world_size}: "
-                           "build the model with the same process group")
-    del _SHARDS[id(param)]
-    return shard.data.to(param.dtype)  # model.half() outside the block changes the dtype only
-
-
-def _is_placeholder(param: nn.Parameter, shard: Shard) -> bool:
-    return (param.untyped_storage().data_ptr() == shard.placeholder.untyped_storage().data_ptr()
-            and param.shape == shard.placeholder.shape and param.stride() == shard.placeholder.stride())
 
 
 class Init:
@@ -240,18 +181,16 @@ class Init:
             data = layout.rank_slice_into(full.reshape(-1), self.rank, self.world_size,
                                           self._shard_memory(p, full))
             placeholder = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
-            key = id(p)
-            _SHARDS[key] = (weakref.ref(p, lambda _, key=key: _SHARDS.pop(key, None)),
-                            Shard(data, self.rank, self.world_size, placeholder))
+            shards.keep(p, Shard(data, self.rank, self.world_size, placeholder))
             p.data = placeholder
 
     def _shard_memory(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
         """Where p's shard goes: the shard it had before it was opened, if it still fits (no
         second copy beside the full value), else new memory."""
-        entry = _SHARDS.get(id(p))
+        kept = shards.kept(p)
         s = shard_numel(full.numel(), self.world_size)
-        if entry is not None and entry[0]() is p:
-            old = entry[1].data
+        if kept is not None:
+            old = kept.data
             if old.numel() == s and old.dtype == full.dtype and old.device == full.device:
                 return old
         return torch.empty(s, dtype=full.dtype, device=full.device)

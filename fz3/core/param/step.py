@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from fz3.config.config import Config
 from fz3.core.ids import ModuleId, ParamId
-from fz3.core.state import AVAILABLE, Effects, ParamState, Txn, drain, free, gather, unit_params, wait
+from fz3.core.param.state import AVAILABLE, Effects, ParamState, Txn, drain, free, gather, unit_params, wait
 from fz3.core.pvec import Log
-from fz3.core.trace import invalidated, pass_kind, reset
+from fz3.core.param.trace import invalidated, pass_kind, reset
 
 
 def sweep(tx: Txn, *, force: bool) -> None:
@@ -62,7 +62,7 @@ def reset_step(st: ParamState, *, config: Config, grad_enabled: bool = True, tra
                aborted: bool = False) -> tuple[ParamState, Effects]:
     """Start of a forward pass (the root module's pre-forward): free what the last pass left,
     close its trace and take up the trace of this pass's kind (`grad_enabled`: autograd
-    records; `training`: the root's train mode; fz3/core/trace.py, [Note: one trace per pass
+    records; `training`: the root's train mode; fz3/core/param/trace.py, [Note: one trace per pass
     kind]). `aborted`: the last pass raised before its end. DeepSpeed: reset_step."""
     tx = Txn(st)
     sweep(tx, force=True)

@@ -6,13 +6,22 @@ import torch.distributed as dist
 from torch import nn
 
 from fz3.config.config import Config
-from fz3.shell import init, log, meta, registry
+from fz3.build import meta
+from fz3.data.shards import shard_of
+from fz3.shell import log, registry
 from fz3.shell.pick import check_group_backend, pick_device
 from fz3.interpreters import threads
 from fz3.interpreters.dist import DistInterpreter
 from fz3.interpreters.transport import Transport, TorchTransport
-from fz3.shell.engine import Engine
+from fz3.io.engine_methods import ValueMovers
+from fz3.shell import engine as lifecycle
 from fz3.config.options import Options, given
+
+
+
+class Engine(ValueMovers, lifecycle.Engine):
+    """What `fz3.initialize` returns: the shell's engine (the lifecycle, DeepSpeed's engine
+    surface) with the methods that move values in and out (fz3/io/engine_methods.py)."""
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None,
@@ -76,7 +85,7 @@ def _to_device(model: nn.Module, device: torch.device) -> None:
     the engine takes them, and their placeholders stay (moving one would make it whole)."""
     for module in model.modules():
         for p in module._parameters.values():
-            if p is not None and init.shard_of(p) is None:
+            if p is not None and shard_of(p) is None:
                 p.data = p.data.to(device)
         for name, b in module._buffers.items():
             if b is not None:
@@ -86,6 +95,6 @@ def _to_device(model: nn.Module, device: torch.device) -> None:
 def _sync_from_rank0(model: nn.Module, transport: Transport) -> None:
     """Every rank starts from rank 0's values (DeepSpeed's zero.Init broadcasts them too); params
     built under fz3.Init already hold shards of rank 0's values."""
-    whole = [p for p in model.parameters() if init.shard_of(p) is None]
+    whole = [p for p in model.parameters() if shard_of(p) is None]
     for t in whole + list(model.buffers()):
         transport.broadcast(t.data, src=0)

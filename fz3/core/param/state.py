@@ -17,7 +17,7 @@ from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.ids import Handle, ModuleId, ParamId, Status
 from fz3.core.pvec import Log, PVec
 from fz3.core.spec import ModelSpec
-from fz3.core.trace import TraceState, initial_trace
+from fz3.core.param.trace import TraceState, initial_trace
 
 MAX_INFLIGHT = 2  # DeepSpeed's __max_ongoing_fetch_events: the oldest gather is waited past this
 

@@ -1,5 +1,5 @@
 """Sharded, atomic training checkpoints: the format and `engine.save_checkpoint`; loading and
-resharding are fz3/shell/checkpoint_load.py (`engine.load_checkpoint`).
+resharding are fz3/io/checkpoint_load.py (`engine.load_checkpoint`).
 
     save_dir/
       latest                 text: the newest complete tag (replaced atomically, os.replace)

@@ -1,4 +1,4 @@
-"""What fz3.plan guesses where the model reads data it does not have (fz3/shell/fake.py).
+"""What fz3.plan guesses where the model reads data it does not have (fz3/observe/fake.py).
 
 Each rule is (mode, func, args, kwargs) -> (output, what was guessed, in words), for an op that
 FakeTensorMode cannot run without values: a scalar read (.item(), `if t:`, int(t)), or an op

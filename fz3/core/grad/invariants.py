@@ -22,9 +22,9 @@ from typing import Optional, Sequence, Union
 from fz3.config.config import Config
 from fz3.core.effects import (CopyToBucket, DropGrads, HoldGrad, ReduceBucket, WaitReduce,
                               WritePartition)
-from fz3.core.grads import GradState
+from fz3.core.grad.grads import GradState
 from fz3.core.ids import ParamId
-from fz3.core.invariants import InvariantError
+from fz3.core.param.invariants import InvariantError
 
 
 Placed = Union[CopyToBucket, HoldGrad]  # how a grad placed in a contiguous bucket got there

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fz3.shell.init import Init
+from fz3.build.init import Init
 
 
 def has_meta(model: nn.Module) -> bool:

@@ -1,0 +1,70 @@
+"""The engine methods that move a model's values in and out, as DeepSpeed's engine names them:
+
+    engine.full_state_dict()                      consolidated fp32 params (fz3/io/consolidate.py)
+    engine.save_checkpoint(dir, tag, client_state)   sharded, atomic (fz3/io/checkpoint.py)
+    engine.load_checkpoint(dir, tag, **options)      any saved world size (fz3/io/checkpoint_load.py)
+    engine.save_16bit_model(dir, filename)         rank 0 writes the compute-dtype weights
+    engine._zero3_consolidated_16bit_state_dict()  what Accelerate calls
+
+They live here, with the features they call, so the shell's engine (fz3/shell/engine.py) never
+imports a library feature; `fz3.initialize` returns an engine with them (fz3/api.py `Engine`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fz3.io.checkpoint import save_checkpoint
+from fz3.io.checkpoint_load import load_checkpoint
+from fz3.io.consolidate import compute_dtype_state_dict, full_state_dict
+from fz3.shell import log
+
+
+class ValueMovers:
+    """Mixed into the engine fz3.initialize returns; uses the shell engine's public state."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 params (and buffers), keys as the model's state_dict."""
+        self._refuse_if_stopped()
+        return full_state_dict(self)
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> bool:
+        """Sharded, atomic checkpoint under save_dir/<tag> (fz3/io/checkpoint.py).
+        DeepSpeed: save_checkpoint."""
+        self._refuse_if_stopped()
+        return save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **options) -> tuple[str, dict]:
+        """-> (path, client_state); any saved world size; DeepSpeed's load_optimizer_states,
+        load_lr_scheduler_states, load_module_only (fz3/io/checkpoint_load.py).
+        DeepSpeed: load_checkpoint."""
+        self._refuse_if_stopped()
+        return load_checkpoint(self, load_dir, tag, **options)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """Rank 0: the whole model's state dict in the compute dtype on the CPU (what
+        save_16bit_model writes); other ranks: None. Every rank must call it. DeepSpeed's name,
+        which Accelerate's get_state_dict calls: _zero3_consolidated_16bit_state_dict."""
+        self._refuse_if_stopped()
+        return compute_dtype_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the whole model's weights in the compute dtype (torch.save of a state
+        dict keyed as model.state_dict(), persistent buffers included, tied params one tensor)
+        to save_dir/save_filename; -> True. Every rank must call it (it gathers). Without
+        zero_optimization.stage3_gather_16bit_weights_on_model_save it writes nothing and
+        returns False, as DeepSpeed (whose default that is). DeepSpeed: save_16bit_model,
+        _zero3_consolidated_16bit_state_dict."""
+        self._refuse_if_stopped()
+        path = os.path.join(save_dir, save_filename)
+        if not self.gather_16bit_weights_on_model_save:
+            log.not_saved_16bit(self, path)
+            return False
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, path)
+        self.transport.all_reduce(torch.zeros(1, device=self.device))  # written before any rank returns
+        return True
