@@ -134,7 +134,7 @@ def test_transition_editing_its_input_is_caught(monkeypatch):
     def leaky(tx, pids, refetch=False):
         real(tx, pids, refetch)
         for p in pids:
-            tx.olds.pop(p, None)
+            tx._olds.pop(p, None)  # a planted bug reaches into the Txn on purpose
 
     monkeypatch.setattr(release, "free", leaky)
     assert_caught("changed the state it was given")

@@ -18,8 +18,8 @@ live numel past it, so I1 holds exactly. Such a param is fetched on demand inste
 from __future__ import annotations
 
 from fz3.config.config import Config
-from fz3.core.ids import ModuleId, ParamId, TraceMode
-from fz3.core.param.state import NOT_AVAILABLE, Effects, ParamState, Txn, gather, unit_params, wait_for
+from fz3.core.ids import ModuleId, TraceMode
+from fz3.core.param.state import Effects, ParamState, Txn, gather, wait_for
 from fz3.core.param.step import invalidate
 from fz3.core.param.trace import advanced, on_fetch
 
@@ -42,9 +42,7 @@ def fetch(st: ParamState, module: ModuleId, *, forward: bool, config: Config,
 def fetch_into(tx: Txn, module: ModuleId, *, forward: bool, config: Config, grad_inputs: int = 0) -> None:
     tx.trace, departed = on_fetch(tx.trace, module)
     step = tx.trace.step_id - 1
-    pids = unit_params(tx, module)
-    was_open = tx.open_call(module, step, grad_inputs)
-    missing = tx.use(pids, 0 if was_open else 1, step)  # a module counts once among its users
+    pids, missing = tx.open_call(module, step, grad_inputs)  # counted once among its users
     if departed:  # after counting this module in: its own prefetched params stay
         invalidate(tx, module)
     if missing:
@@ -61,21 +59,9 @@ def prefetch(tx: Txn, step: int, *, forward: bool, config: Config) -> None:
     per fetch). Params already AVAILABLE or INFLIGHT are stepped over; the walk stops at the
     first param that does not fit, which the next fetch looks at again.
     """
-    tr, spec, status = tx.trace, tx.st.spec.params, tx.status
-    queue = tr.plan.queue
-    i = max(tr.cursor, tr.plan.step_start[step + 1])
-    room, bucket, end = config.max_live_parameters - tx.live, config.prefetch_bucket_size, len(queue)
-    chosen: dict[ParamId, int] = {}
-    numel = 0
-    while i < end and numel < bucket:
-        t, p = queue[i]
-        if status(p) == NOT_AVAILABLE and p not in chosen:
-            n = spec[p].numel
-            if numel + n > room:
-                break
-            chosen[p] = t
-            numel += n
-        i += 1
+    tr = tx.trace
+    chosen, i = tx.not_available_fitting(tr.plan.queue, max(tr.cursor, tr.plan.step_start[step + 1]),
+                                         config.prefetch_bucket_size, config.max_live_parameters - tx.live)
     tx.trace = advanced(tr, i)
     if chosen:
         pids = tuple(sorted(chosen))

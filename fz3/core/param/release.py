@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from fz3.config.config import Config
 from fz3.core.ids import ModuleId, ParamId, TraceMode
-from fz3.core.param.state import Effects, ParamState, Txn, free, unit_params
+from fz3.core.param.state import Effects, ParamState, Txn, free
 
 
 def release(st: ParamState, module: ModuleId, *, config: Config,
@@ -36,13 +36,10 @@ def release(st: ParamState, module: ModuleId, *, config: Config,
 
 
 def release_into(tx: Txn, module: ModuleId, *, config: Config) -> None:
-    was_open = tx.close_call(module)
-    if not was_open:
-        return  # not fetched since its last release (e.g. after a forced sweep)
-    if was_open > 1:
-        return  # another call of it is still open (backward of calls that interleave)
-    candidates = tx.unuse(unit_params(tx, module))
-    keep = _keep_for_reuse(tx, module, candidates, config) if candidates else ()
+    candidates = tx.close_call(module)  # none if another call of it is still open
+    if not candidates:
+        return
+    keep = _keep_for_reuse(tx, module, candidates, config)
     free(tx, tuple(p for p in candidates if p not in keep) if keep else tuple(candidates),
          refetch=tx.pre_backward(module) > 0)  # its backward gathers them again
 

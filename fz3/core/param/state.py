@@ -211,35 +211,6 @@ class Txn:
         return self._mods[m][_FETCH_STEP]
 
     # -- named moves on params --
-    def use(self, pids: tuple[ParamId, ...], users: int, step: int) -> list[ParamId]:
-        """A fetch for trace step `step`: each of `pids` gains `users` users (1, or 0 when its
-        module is already active) and is marked fetched for `step` unless it already is for a
-        later one. -> the NOT_AVAILABLE ones, in order (to gather)."""
-        slots, olds, missing = self._slots, self._olds, []
-        for p in pids:
-            s = slots[p]
-            if p not in olds:
-                olds[p] = s
-            ff = s[_FETCHED_FOR]
-            slots[p] = (s[_STATUS], s[_HANDLE], s[_USERS] + users, step if step > ff else ff, s[_EXTERNAL])
-            if s[_STATUS] == NOT_AVAILABLE:
-                missing.append(p)
-        return missing
-
-    def unuse(self, pids: tuple[ParamId, ...]) -> list[ParamId]:
-        """A module counted out of `pids`' users. -> the ones that may be freed: AVAILABLE, no
-        user left, not persistent, not external."""
-        spec, slots, olds, candidates = self.st.spec.params, self._slots, self._olds, []
-        for p in pids:
-            s = slots[p]
-            if p not in olds:
-                olds[p] = s
-            users = s[_USERS] - 1
-            slots[p] = (s[_STATUS], s[_HANDLE], users, s[_FETCHED_FOR], s[_EXTERNAL])
-            if not users and s[_STATUS] == AVAILABLE and not s[_EXTERNAL] and not spec[p].persistent:
-                candidates.append(p)
-        return candidates
-
     def add_user(self, pids: tuple[ParamId, ...]) -> list[ParamId]:
         """Each of `pids` gains one user (a hold). -> the NOT_AVAILABLE ones, in order."""
         missing = []
@@ -256,21 +227,93 @@ class Txn:
             self._put(p, (s[_STATUS], s[_HANDLE], users, s[_FETCHED_FOR], s[_EXTERNAL]))
 
     # -- named moves on modules --
-    def open_call(self, m: ModuleId, step: int, grad_inputs: int) -> int:
-        """A call of `m` fetched at trace step `step` opens; `grad_inputs` (0 or 1) more
-        post-backwards are due. -> the calls that were open before it."""
+    def open_call(self, m: ModuleId, step: int, grad_inputs: int) -> tuple[tuple[ParamId, ...], list[ParamId]]:
+        """A call of `m`, fetched at trace step `step`, opens; `grad_inputs` (0 or 1) more
+        post-backwards are due. If no other call of `m` is open, `m` is counted once among the
+        users of its unit's params. Each of them is marked fetched for `step` unless it already
+        is for a later one. -> (its unit, the unit's NOT_AVAILABLE params in order: to gather)."""
         ms = self._mods[m]
         self._put_module(m, (ms[_PRE_BACKWARD], ms[_GRADS_REMAINING] + grad_inputs, step,
                              ms[_ACTIVE] + 1, ms[_EXTERNALS]))
-        return ms[_ACTIVE]
+        own, ext = self.st.spec.modules[m].params, ms[_EXTERNALS]
+        pids = own if not ext else tuple(sorted(set(own).union(ext)))
+        users = 0 if ms[_ACTIVE] else 1
+        slots, olds, missing = self._slots, self._olds, []
+        for p in pids:
+            s = slots[p]
+            if p not in olds:
+                olds[p] = s
+            ff = s[_FETCHED_FOR]
+            slots[p] = (s[_STATUS], s[_HANDLE], s[_USERS] + users, step if step > ff else ff, s[_EXTERNAL])
+            if s[_STATUS] == NOT_AVAILABLE:
+                missing.append(p)
+        return pids, missing
 
-    def close_call(self, m: ModuleId) -> int:
-        """One open call of `m` closes (none open: nothing changes). -> the calls open before."""
+    def close_call(self, m: ModuleId) -> list[ParamId]:
+        """One open call of `m` closes (none open: nothing changes). At the last, `m` is counted
+        out of its unit's users. -> the params that may be freed now: AVAILABLE, no user left,
+        not persistent, not external (none while another call of `m` stays open)."""
         ms = self._mods[m]
-        if ms[_ACTIVE]:
-            self._put_module(m, (ms[_PRE_BACKWARD], ms[_GRADS_REMAINING], ms[_FETCH_STEP],
-                                 ms[_ACTIVE] - 1, ms[_EXTERNALS]))
-        return ms[_ACTIVE]
+        if not ms[_ACTIVE]:
+            return []  # not fetched since its last release (e.g. after a forced sweep)
+        self._put_module(m, (ms[_PRE_BACKWARD], ms[_GRADS_REMAINING], ms[_FETCH_STEP],
+                             ms[_ACTIVE] - 1, ms[_EXTERNALS]))
+        if ms[_ACTIVE] > 1:
+            return []  # another call of it is still open (backward of calls that interleave)
+        own, ext = self.st.spec.modules[m].params, ms[_EXTERNALS]
+        spec, slots, olds, candidates = self.st.spec.params, self._slots, self._olds, []
+        for p in (own if not ext else sorted(set(own).union(ext))):
+            s = slots[p]
+            if p not in olds:
+                olds[p] = s
+            users = s[_USERS] - 1
+            slots[p] = (s[_STATUS], s[_HANDLE], users, s[_FETCHED_FOR], s[_EXTERNAL])
+            if not users and s[_STATUS] == AVAILABLE and not s[_EXTERNAL] and not spec[p].persistent:
+                candidates.append(p)
+        return candidates
+
+    def not_available_fitting(self, queue: tuple[tuple[int, ParamId], ...], i: int, bucket: int,
+                              room: int) -> tuple[dict[ParamId, int], int]:
+        """Walk `queue` ((step, param) pairs) from index `i`, taking NOT_AVAILABLE params not yet
+        taken while their numel is below `bucket`; stop before one that would take it past
+        `room`. -> ({param: its step}, the index the walk stopped at). Prefetch's walk
+        (fetch.py says what bucket and room are)."""
+        spec, slots, chosen, numel, end = self.st.spec.params, self._slots, {}, 0, len(queue)
+        while i < end and numel < bucket:
+            t, p = queue[i]
+            if slots[p][_STATUS] == NOT_AVAILABLE and p not in chosen:
+                n = spec[p].numel
+                if numel + n > room:
+                    break
+                chosen[p] = t
+                numel += n
+            i += 1
+        return chosen, i
+
+    def sweep_gathered(self, force: bool) -> list[ParamId]:
+        """The params gathered since the last sweep that nothing holds: AVAILABLE, not persistent,
+        not external, not held (gathered_parameters) and, unless `force`, used by no active
+        module. With `force` the rest are counted out of every module (their users = their
+        holds). The log keeps the survivors. -> the ones to free, sorted."""
+        spec, held, slots = self.st.spec.params, self.st.held, self._slots
+        seen: set[ParamId] = set()
+        to_free, survivors = [], []
+        for p in self.gathered:
+            if p in seen:
+                continue
+            seen.add(p)
+            s = slots[p]
+            if s[_STATUS] != AVAILABLE:
+                continue
+            holds = held.count(p) if held else 0
+            if spec[p].persistent or s[_EXTERNAL] or holds or (s[_USERS] and not force):
+                survivors.append(p)
+                if force and s[_USERS] != holds:
+                    self._put(p, (s[_STATUS], s[_HANDLE], holds, s[_FETCHED_FOR], s[_EXTERNAL]))
+            else:
+                to_free.append(p)
+        self.gathered = Log(survivors)
+        return sorted(to_free)
 
     def count_backward_fetch(self, m: ModuleId) -> None:
         """A forward call of `m` wrapped its outputs: its backward fetches it once more."""

@@ -14,7 +14,7 @@ modules fetched in this pass (the trace's recording), never the whole model.
 from __future__ import annotations
 
 from fz3.config.config import Config
-from fz3.core.ids import ModuleId, ParamId
+from fz3.core.ids import ModuleId
 from fz3.core.param.state import AVAILABLE, Effects, ParamState, Txn, drain, free, gather, unit_params, wait
 from fz3.core.pvec import Log
 from fz3.core.param.trace import invalidated, pass_kind, reset
@@ -25,24 +25,7 @@ def sweep(tx: Txn, *, force: bool) -> None:
     `force`, used by no active module. `force` also drops every module from the user counts
     (the pass is over); holds (gathered_parameters) stay."""
     drain(tx)
-    spec, held = tx.st.spec.params, tx.st.held
-    seen: set[ParamId] = set()
-    to_free, survivors = [], []
-    for p in tx.gathered:
-        if p in seen:
-            continue
-        seen.add(p)
-        if tx.status(p) != AVAILABLE:
-            continue
-        holds = held.count(p) if held else 0
-        if spec[p].persistent or tx.is_external(p) or holds or (tx.users(p) and not force):
-            survivors.append(p)
-            if force:
-                tx.set_users(p, holds)
-        else:
-            to_free.append(p)
-    tx.gathered = Log(survivors)
-    free(tx, tuple(sorted(to_free)))
+    free(tx, tuple(tx.sweep_gathered(force)))
 
 
 def invalidate(tx: Txn, module: ModuleId = -1, *, externals: bool = False) -> None:
