@@ -55,7 +55,7 @@ class ModuleSlot(NamedTuple):
 #
 # The encoding is this file's alone: the column numbers are private, and every other file reads
 # a row by a named accessor (`ParamState.status(p)`, `Txn.users(p)`, ...) and changes it by a
-# named move on `Txn` (`use`, `unuse`, `open_call`, ...). tests/test_rows_are_private.py checks it.
+# named move on `Txn` (`open_call`, `close_call`, `add_externals`, ...). tests/test_rows_are_private.py checks it.
 _STATUS, _HANDLE, _USERS, _FETCHED_FOR, _EXTERNAL = range(5)
 _PRE_BACKWARD, _GRADS_REMAINING, _FETCH_STEP, _ACTIVE, _EXTERNALS = range(5)
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = int(Status.NOT_AVAILABLE), int(Status.INFLIGHT), int(Status.AVAILABLE)
