@@ -24,6 +24,7 @@ from fz3.core.effects import AllGather
 from fz3.core.ids import TraceMode
 from fz3.testing.models import (HUGE, Call, Case, External, Model, cases, configs,
                                 generous_configs, models, programs, variants)
+from fz3.testing.param_events import BackwardFetch, Fetch
 from fz3.testing.param_machine import ParamLifecycleMachine, run_passes
 
 TestParamLifecycle = ParamLifecycleMachine.TestCase
@@ -37,7 +38,7 @@ def gathers(entries: list[tuple[tuple, tuple]]) -> list[tuple[int, AllGather]]:
 
 def fetch_order(entries: list[tuple[tuple, tuple]]) -> list[int]:
     """The modules fetched in a complete pass, forward then backward: what the trace records."""
-    return [ev[1] for ev, _ in entries if ev[0] in ("fetch", "pre_backward")]
+    return [ev.module for ev, _ in entries if type(ev) in (Fetch, BackwardFetch)]
 
 
 @st.composite
@@ -57,7 +58,7 @@ def test_prefetch_happens_once_the_trace_is_complete(case):
     naive, order = machine.model, fetch_order(third)
     needed = set().union(*(naive.unit(m) for m in order[1:])) - naive.unit(order[0])
     needed -= naive.persistent | naive.external()
-    first = next(i for i, (ev, _) in enumerate(third) if ev[0] == "fetch")
+    first = next(i for i, (ev, _) in enumerate(third) if type(ev) is Fetch)
     prefetched = {p for i, g in gathers(third) if g.prefetch and i == first for p in g.params}
     assert prefetched == needed
     if case.config.max_reuse_distance == HUGE:

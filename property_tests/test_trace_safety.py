@@ -23,6 +23,7 @@ from fz3.core.param.state import initial_state, unit_of
 from fz3.data import layout
 from fz3.interpreters.simulated import SimulatedWorld
 from fz3.testing.models import HUGE, Case, cases, count_calls, forward_events
+from fz3.testing.param_events import Compute, EndOfStep, Reset
 from fz3.testing.param_machine import apply_event, pass_events
 
 KINDS = ("complete", "complete", "partial", "none", "abandon", "raise", "step")
@@ -73,17 +74,17 @@ def run(case: Case, config: Config, schedule: list[tuple]) -> list[list[torch.Te
     for which, kind, detail in schedule:
         if kind == "step":  # the optimizer changes every shard, then end_of_step
             world.shards = [[s + 1 for s in shards] for shards in world.shards]
-            st_, effects = apply_event(st_, ("end_of_step",), config)
+            st_, effects = apply_event(st_, EndOfStep(), config)
             world.run(effects)
             continue
         events = pass_events(case.programs[which], kind, detail)
-        events[0] = ("reset", kind != "none", raised)
+        events[0] = Reset(kind != "none", raised)
         raised = kind == "raise"
         for ev in events:
             st_, effects = apply_event(st_, ev, config)
             world.run(effects)
-            if ev[0] == "compute":
-                seen.append(read_unit(world, st_, ev[1], W))
+            if type(ev) is Compute:
+                seen.append(read_unit(world, st_, ev.module, W))
     return seen
 
 

@@ -27,6 +27,7 @@ from fz3.core.grad.epilogue import epilogue, optimizer_step
 from fz3.core.grad.grads import bucket_add, init_grad_state
 from fz3.testing.models import cases
 from fz3.core.param.state import initial_state
+from fz3.testing.param_events import EndOfStep
 from fz3.testing.param_machine import apply_event, pass_events
 
 SCHEDULE = [(0, "complete"), (0, "complete"), (0, "complete"), (1, "partial"), (0, "step"),
@@ -37,7 +38,7 @@ def digest(case) -> str:
     h = hashlib.sha256()
     st_ = initial_state(case.model.spec(case.config))
     for which, kind in SCHEDULE:  # the events alone: no check may stop a planted bug's stream
-        events = [("end_of_step",)] if kind == "step" else \
+        events = [EndOfStep()] if kind == "step" else \
             pass_events(case.programs[min(which, len(case.programs) - 1)], kind)
         for ev in events:
             st_, effects = apply_event(st_, ev, case.config)

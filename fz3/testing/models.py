@@ -28,6 +28,8 @@ from typing import Union
 
 from hypothesis import strategies as st
 
+from fz3.testing.param_events import (BackwardFetch, BackwardRelease, Compute, Fetch, Register,
+                                       Release)
 from fz3.config.config import Config
 from fz3.core.spec import ModelSpec, build_spec
 
@@ -195,10 +197,9 @@ def cases(draw, config: st.SearchStrategy[Config] | None = None, max_variants: i
 
 
 # ---- events ------------------------------------------------------------------------------------
-# An event is a plain tuple, tag first: ("fetch", m, grad_inputs), ("compute", m),
-# ("external", m, pids), ("release", m, grad_outputs), ("pre_backward", m), ("post_backward", m),
-# ("reset",), ("finish",), ("end_of_step",).
-# "compute" is not a core transition: the module computes with its params (forward or backward).
+# An event is a record of fz3/testing/param_events.py: Fetch(m, grad_inputs), Compute(m),
+# Register(m, pids), Release(m, grad_outputs), BackwardFetch(m), BackwardRelease(m), Reset(),
+# Finish(), EndOfStep(). Compute is not a core transition: the module computes with its params.
 
 def forward_events(call: Call, *, grad: bool = True, caller: int | None = None) -> list[tuple]:
     """The shell's events for one forward of `call`; grad=False: under no_grad (no wrapping).
@@ -207,16 +208,16 @@ def forward_events(call: Call, *, grad: bool = True, caller: int | None = None) 
     registered on its caller in its post-forward, before its own release."""
     m = call.module
     inputs, outputs = (call.grad_inputs, call.outputs_grad) if grad else (0, False)
-    out: list[tuple] = [("fetch", m, inputs), ("compute", m)]
+    out: list = [Fetch(m, inputs), Compute(m)]
     for item in call.body:
         if isinstance(item, Call):
             out += forward_events(item, grad=grad, caller=m)
         else:
-            out.append(("external", m, item.params))
-        out.append(("compute", m))
+            out.append(Register(m, item.params))
+        out.append(Compute(m))
     if call.returns and caller is not None:
-        out.append(("external", caller, call.returns))
-    out.append(("release", m, outputs))
+        out.append(Register(caller, call.returns))
+    out.append(Release(m, outputs))
     return out
 
 
@@ -239,7 +240,7 @@ def _backward(call: Call, reached: frozenset[int] | None, counter: list[int], ou
     hit = call.outputs_grad and (reached is None or index in reached)
     m = call.module
     if hit:
-        out += [("pre_backward", m), ("compute", m)]
+        out += [BackwardFetch(m), Compute(m)]
     children: list[tuple] = []
     for item in call.body:
         if isinstance(item, Call):
@@ -249,6 +250,6 @@ def _backward(call: Call, reached: frozenset[int] | None, counter: list[int], ou
     for sub in reversed(children):
         out += sub
         if hit:
-            out.append(("compute", m))
+            out.append(Compute(m))
     if hit:
-        out += [("post_backward", m)] * call.grad_inputs
+        out += [BackwardRelease(m)] * call.grad_inputs

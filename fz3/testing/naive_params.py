@@ -136,18 +136,19 @@ class NaiveParams:
         return {p for ps in self.externals.values() for p in ps}
 
     # ---- events ----------------------------------------------------------------------------------
-    def on_event(self, ev: tuple, effects: tuple) -> None:
-        """Apply the shell event `ev`, execute the core's `effects` for it, check the outcome."""
-        kind = ev[0]
-        m = self.module = ev[1] if len(ev) > 1 and isinstance(ev[1], int) else None
+    def on_event(self, ev, effects: tuple) -> None:
+        """Apply the event record `ev` (fz3/testing/param_events.py), execute the core's
+        `effects` for it, check the outcome."""
+        kind = ev.kind
+        m = self.module = getattr(ev, "module", None)
         self.ev = ev
         fetching = kind == "fetch"
         self.rules.begin(ev, fetching=kind == "fetch" or (kind == "pre_backward" and self.pre[m] > 0),
                          releasing=kind in ("release", "post_backward"))
-        if kind == "release" and len(ev) > 2 and ev[2]:
+        if kind == "release" and ev.grad_outputs:
             self.pre[m] += 1  # grad wrapping, folded into fetch / release as the shell reports it
-        if kind == "fetch" and len(ev) > 2:
-            self.grads[m] += ev[2]
+        if kind == "fetch":
+            self.grads[m] += ev.grad_inputs
         if kind == "pre_backward" and self.pre[m] > 0:
             self.pre[m] -= 1
             fetching = True
@@ -157,19 +158,19 @@ class NaiveParams:
             self.grads[m] -= 1
             self.release(m)  # one call's backward is done
         elif kind == "external":  # the core may sweep (invalidation) before the unit grows
-            new = set(ev[2]) - self.unit(m)
+            new = set(ev.params) - self.unit(m)
             if new:
                 self.trace.units_changed()
         elif kind in ("reset", "finish"):
             self.active.clear()
             self.pre, self.grads = [0] * len(self.own), [0] * len(self.own)
         elif kind == "hold":
-            self.holds.update(ev[1])
+            self.holds.update(ev.params)
         elif kind == "unhold":
-            self.holds.subtract(ev[1])
+            self.holds.subtract(ev.params)
             sticky, used = self.persistent | self.external(), self.in_use()
-            self.expect_free = {p for p in ev[1] if p not in used and self.status[p] is AV
-                                and (ev[2] or p not in sticky)}
+            self.expect_free = {p for p in ev.params if p not in used and self.status[p] is AV
+                                and (ev.stale or p not in sticky)}
         if fetching:
             self.trace.fetch(m)
             self.rules.fetched(m, len(self.trace.this_pass) - 1, self.trace.mode is TraceMode.COMPLETE,
@@ -185,7 +186,7 @@ class NaiveParams:
         if kind == "external":
             self.externals[m] |= new
         if kind == "reset":
-            grad, aborted = (ev[1], ev[2]) if len(ev) > 1 else (True, False)
+            grad, aborted = ev.grad_enabled, ev.aborted
             self.trace.reset(aborted, self.unit, self.numel)
             self.kind = "train" if grad else "train_no_grad"
             if self.kind not in self.traces:
@@ -208,7 +209,7 @@ class NaiveParams:
             bad = sorted(p for p in self.unit(a) if self.status[p] is not AV)
             assert not bad, f"active module m{a} would compute with params {bad}, not AVAILABLE"
         if kind == "hold":
-            assert all(self.status[p] is AV for p in self.ev[1]), "held params not AVAILABLE"
+            assert all(self.status[p] is AV for p in self.ev.params), "held params not AVAILABLE"
         if kind == "unhold":
             freed = {p for e in effects if isinstance(e, Free) for p in e.params}
             assert freed == self.expect_free, f"unhold freed {sorted(freed)}, not {sorted(self.expect_free)}"
@@ -264,9 +265,9 @@ class NaiveParams:
         elif kind in FETCHING:
             assert set(ps) <= self.unit(m), f"{e}: gathers params m{m} does not use"
         elif kind == "external":
-            assert set(ps) <= set(self.ev[2]) - self.unit(m), f"{e}: gathers params not newly external"
+            assert set(ps) <= set(self.ev.params) - self.unit(m), f"{e}: gathers params not newly external"
         elif kind == "hold":
-            assert set(ps) <= set(self.ev[1]), f"{e}: gathers params not held"
+            assert set(ps) <= set(self.ev.params), f"{e}: gathers params not held"
         else:
             again = self.persistent | {p for p, n in self.holds.items() if n}
             assert kind == "end_of_step" and set(ps) <= again, f"{e} during {kind}"
@@ -287,7 +288,7 @@ class NaiveParams:
             assert self.status[p] is AV, f"{e}: p{p} is {self.status[p].name}"
             assert p not in used, f"{e}: p{p} is used by an active module ({sorted(self.active)})"
             assert kind == "end_of_step" or not self.holds[p], f"{e}: p{p} is held by gathered_parameters"
-            assert kind == "end_of_step" or (kind == "unhold" and self.ev[2]) or p not in sticky, (
+            assert kind == "end_of_step" or (kind == "unhold" and self.ev.stale) or p not in sticky, (
                 f"{e}: p{p} is persistent/external")
             self.status[p] = NA
             self.live -= self.numel[p]

@@ -121,8 +121,9 @@ class Liveness:
         self.queue = plan_queue(units) if complete else deque()
         self.fetched_for, self.fetch_step = {}, {}
 
-    def begin(self, ev: tuple, fetching: bool, releasing: bool) -> None:
-        self.event = f"{ev[0]} of m{ev[1]}" if len(ev) > 1 and isinstance(ev[1], int) else ev[0]
+    def begin(self, ev, fetching: bool, releasing: bool) -> None:
+        m = getattr(ev, "module", None)
+        self.event = ev.kind if m is None else f"{ev.kind} of m{m}"
         self.want_prefetch = {} if fetching else None
         self.prefetch_due = False
         self.want_free = set() if releasing else None

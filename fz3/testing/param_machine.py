@@ -22,6 +22,10 @@ spec and fed the same events, emitted the same effects (I6). After finish_backwa
 gathered in the pass leaked. I5: each `compute` finds its whole unit AVAILABLE, whatever the
 trace mode (recorded in `computed`).
 
+A failure prints, beside the log of its passes, its events from the start as a regression test
+to paste: `replay(case, [Reset(...), Fetch(...), ...])` runs them with every check above and
+returns each event's effects (the events are records: fz3/testing/param_events.py).
+
 Reuse:  from fz3.testing.param_machine import ParamLifecycleMachine
         TestParams = ParamLifecycleMachine.TestCase
 """
@@ -43,40 +47,52 @@ from fz3.core.param.state import ParamState, initial_state
 from fz3.testing.coverage import covered
 from fz3.testing.models import Case, Call, backward_events, cases, count_calls, forward_events
 from fz3.testing.naive_params import NaiveParams
+from fz3.testing.param_events import (BackwardFetch, BackwardRelease, Compute, EndOfStep, Fetch, Finish,
+                                      HoldParams, Register, Release, Reset, UnholdParams)
 
 BACKWARDS = ("complete", "complete", "complete", "partial", "none", "abandon", "raise")
 
 
-def apply_event(st: ParamState, ev: tuple, config: Config) -> tuple[ParamState, tuple]:
-    """Run one shell event through the core. Looks functions up on their modules at call time,
-    so a test may monkeypatch them (property_tests/test_param_teeth.py does)."""
-    kind = ev[0]
-    if kind == "fetch":
-        return _fetch.fetch(st, ev[1], forward=True, config=config,
-                            grad_inputs=ev[2] if len(ev) > 2 else 0)
-    if kind == "release":
-        return _release.release(st, ev[1], config=config, grad_outputs=len(ev) > 2 and ev[2])
-    if kind == "external":
-        return _backward.register_external(st, ev[1], ev[2], config=config)
-    if kind == "pre_backward":
-        return _backward.fetch_for_backward(st, ev[1], config=config)
-    if kind == "post_backward":
-        return _backward.release_after_backward(st, ev[1], config=config)
-    if kind == "reset":  # ("reset",) or ("reset", grad_enabled, aborted)
-        if len(ev) == 1:
-            return _step.reset_step(st, config=config)
-        return _step.reset_step(st, config=config, grad_enabled=ev[1], aborted=ev[2])
-    if kind == "finish":
-        return _step.finish_backward(st, config=config)
-    if kind == "end_of_step":
-        return _step.end_of_step(st, config=config)
-    if kind == "hold":
-        return _hold.hold(st, ev[1], config=config)
-    if kind == "unhold":
-        return _hold.unhold(st, ev[1], config=config, stale=ev[2])
-    if kind == "compute":
-        return st, ()
+def apply_event(st: ParamState, ev, config: Config) -> tuple[ParamState, tuple]:
+    """Run one event record (fz3/testing/param_events.py) through the core. Looks functions up
+    on their modules at call time, so a test may monkeypatch them (test_param_teeth.py does)."""
+    match ev:
+        case Fetch(m, grad_inputs):
+            return _fetch.fetch(st, m, forward=True, config=config, grad_inputs=grad_inputs)
+        case Release(m, grad_outputs):
+            return _release.release(st, m, config=config, grad_outputs=grad_outputs)
+        case Register(m, params):
+            return _backward.register_external(st, m, params, config=config)
+        case BackwardFetch(m):
+            return _backward.fetch_for_backward(st, m, config=config)
+        case BackwardRelease(m):
+            return _backward.release_after_backward(st, m, config=config)
+        case Reset(grad_enabled, aborted):
+            return _step.reset_step(st, config=config, grad_enabled=grad_enabled, aborted=aborted)
+        case Finish():
+            return _step.finish_backward(st, config=config)
+        case EndOfStep():
+            return _step.end_of_step(st, config=config)
+        case HoldParams(params):
+            return _hold.hold(st, params, config=config)
+        case UnholdParams(params, stale):
+            return _hold.unhold(st, params, config=config, stale=stale)
+        case Compute():
+            return st, ()
     raise ValueError(f"unknown event {ev!r}")
+
+
+def replay(case: Case, events: list) -> list[tuple]:
+    """Run `events` (records, from the start of a case) through the core with every check of
+    the machine on; -> each event's effects. What a failure prints as its regression test."""
+    machine = ParamLifecycleMachine()
+    machine.start(case)
+    out = []
+    for ev in events:
+        out.append(machine.event(ev, []))
+        if type(ev) is Finish:
+            _inv.check_quiescent(machine.state)
+    return out
 
 
 def snapshot(st: ParamState) -> tuple:
@@ -85,7 +101,7 @@ def snapshot(st: ParamState) -> tuple:
             st.next_handle, list(st.gathered), st.trace, st.held)
 
 
-def pass_events(program: Call, backward: str, detail: object = None) -> list[tuple]:
+def pass_events(program: Call, backward: str, detail: object = None) -> list:
     """The events of one pass: reset_step, the forward, then by `backward`:
         complete  every call's backward, finish_backward
         partial   the backward of the calls in `detail` (pre-order indices), finish_backward
@@ -94,12 +110,12 @@ def pass_events(program: Call, backward: str, detail: object = None) -> list[tup
         raise     the forward stops after `detail` events (an exception), modules left active"""
     forward = forward_events(program, grad=backward != "none")
     if backward == "raise":
-        return [("reset",)] + forward[:detail]
-    events = [("reset",)] + forward
+        return [Reset()] + forward[:detail]
+    events = [Reset()] + forward
     if backward == "complete":
-        events += backward_events(program) + [("finish",)]
+        events += backward_events(program) + [Finish()]
     elif backward == "partial":
-        events += backward_events(program, detail or frozenset()) + [("finish",)]
+        events += backward_events(program, detail or frozenset()) + [Finish()]
     return events
 
 
@@ -125,17 +141,29 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
         self.passes, self.last = 0, None
         self.raised = False  # the last pass raised midway
         self.holding: list[tuple[int, ...]] = []  # open gathered_parameters contexts, nested
+        self.events: list = []  # every event since the start, for the regression a failure prints
 
-    def event(self, ev: tuple, log: list[str]) -> tuple:
+    def regression(self) -> str:
+        """The events so far as a regression test to paste (`replay`)."""
+        lines = ",\n".join(f"    {e!r}" for e in self.events)
+        return ("the events, as a regression test:\n"
+                "from fz3.config import Config\n"
+                "from fz3.testing.models import Call, Case, External, Model\n"
+                "from fz3.testing.param_events import *\n"
+                "from fz3.testing.param_machine import replay\n"
+                f"effects = replay({self.case!r}, [\n{lines}])")
+
+    def event(self, ev, log: list[str]) -> tuple:
         """One event on the core, the naive model and the twin, then every per-event check:
         the naive model first (the oracle), then the core's own check_*, then purity and I6."""
+        self.events.append(ev)
         before = self.state
         seen = snapshot(before)
         self.state, effects = apply_event(before, ev, self.config)
         log.append(f"  {ev} -> {list(effects)}")
         self.model.on_event(ev, effects)
         self.model.agree(self.state)
-        covered("naive model", ev[0])
+        covered("naive model", ev.kind)
         rules = self.model.rules
         rules.check(effects, self.state)  # liveness: what the trace's rules require, exactly
         if rules.want_prefetch:
@@ -144,21 +172,21 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
             covered("naive model", "liveness: a release keeps params, as the rules say")
         _inv.check_state(self.state)
         mode = before.trace.mode.name.lower()
-        if ev[0] in ("fetch", "compute"):
-            _inv.check_fetched(self.state, ev[1])
-            covered("I5", f"{ev[0]}, trace {mode}")
-        if ev[0] in ("fetch", "pre_backward"):
+        if type(ev) in (Fetch, Compute):
+            _inv.check_fetched(self.state, ev.module)
+            covered("I5", f"{ev.kind}, trace {mode}")
+        if type(ev) in (Fetch, BackwardFetch):
             _inv.check_live_budget(self.state, effects, config=self.config)
             prefetch = any(isinstance(e, AllGather) and e.prefetch for e in effects)
-            covered("I1", f"{ev[0]}, trace {mode}, {'with' if prefetch else 'no'} prefetch")
+            covered("I1", f"{ev.kind}, trace {mode}, {'with' if prefetch else 'no'} prefetch")
         assert snapshot(before) == seen, f"{ev} changed the state it was given"  # purity
         again, again_effects = apply_event(before, ev, self.config)  # an old version replays
         assert again_effects == effects and snapshot(again) == snapshot(self.state), (
             f"{ev} replayed from the old state differently")
-        covered("purity", ev[0])
+        covered("purity", ev.kind)
         self.twin, twin_effects = apply_event(self.twin, ev, self.config)
         assert twin_effects == effects, f"I6: twin emitted {twin_effects}, core {effects}"
-        covered("I6", ev[0])
+        covered("I6", ev.kind)
         return effects
 
     @rule(again=st.integers(0, 3), which=st.sampled_from([0, 0, 1, 2]),
@@ -181,6 +209,9 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
         try:
             for _ in range(times):
                 self.run_pass(which, backward, detail, log)
+        except BaseException:
+            note(self.regression())
+            raise
         finally:
             note("\n".join(log))
 
@@ -189,8 +220,11 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
     def optimizer_step(self) -> None:
         log = ["optimizer step"]
         try:
-            self.event(("end_of_step",), log)
+            self.event(EndOfStep(), log)
             _inv.check_quiescent(self.state)
+        except BaseException:
+            note(self.regression())
+            raise
         finally:
             note("\n".join(log))
         self.finished = False
@@ -200,15 +234,18 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
         """Enter (nested at most twice) or leave a `with fz3.gathered_parameters(...)`; passes
         and optimizer steps may run while one is open. Leaving with stale: values were edited."""
         if self.holding and (len(self.holding) == 2 or data.draw(st.booleans(), label="leave")):
-            ev: tuple = ("unhold", self.holding.pop(), data.draw(st.booleans(), label="stale"))
+            ev = UnholdParams(self.holding.pop(), data.draw(st.booleans(), label="stale"))
         else:
             n = len(self.state.spec.params)
-            ev = ("hold", tuple(sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1,
-                                                         max_size=3), label="hold"))))
-            self.holding.append(ev[1])
+            ev = HoldParams(tuple(sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1,
+                                                           max_size=3), label="hold"))))
+            self.holding.append(ev.params)
         log: list[str] = []
         try:
             self.event(ev, log)
+        except BaseException:
+            note(self.regression())
+            raise
         finally:
             note("\n".join(log))
 
@@ -220,23 +257,23 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
         events = pass_events(self.case.programs[which], backward, detail)
         # the shell's root pre-forward: a no_grad pass has its own trace; a pass after one that
         # raised (its stack left behind) is told so
-        events[0] = ("reset", backward != "none", self.raised)
+        events[0] = Reset(backward != "none", self.raised)
         self.raised = backward == "raise"
         log.append(f"pass {self.passes}: program {which}, {backward} backward ({detail}), "
                    f"trace {self.state.trace.mode.name}")
         self.passes += 1
         out = []
         for ev in events:
-            if ev[0] == "finish" and backward == "complete":
+            if type(ev) is Finish and backward == "complete":
                 for m, ms in enumerate(self.state.modules):  # I2: complete backward, all 0 before
                     assert (ms.pre_backward, ms.grads_remaining) == (0, 0), (
                         f"I2: m{m} has counters {ms.pre_backward}/{ms.grads_remaining} "
                         "after a complete backward")
             out.append((ev, self.event(ev, log)))
-        if events[-1][0] == "finish":
+        if type(events[-1]) is Finish:
             _inv.check_quiescent(self.state)  # I2
             covered("I2", f"{backward} backward")
-        self.finished = events[-1][0] == "finish"
+        self.finished = type(events[-1]) is Finish
         return out
 
 
@@ -248,7 +285,7 @@ def run_passes(case: Case, schedule: list[tuple[int, str]]) -> tuple[ParamLifecy
     out = []
     for which, kind in schedule:
         if kind == "step":
-            out.append([(("end_of_step",), machine.event(("end_of_step",), []))])
+            out.append([(EndOfStep(), machine.event(EndOfStep(), []))])
         else:
             out.append(machine.run_pass(which, kind))
     return machine, out
