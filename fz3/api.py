@@ -18,7 +18,6 @@ from fz3.shell import engine as lifecycle
 from fz3.config.options import Options, given
 
 
-
 class Engine(ValueMovers, lifecycle.Engine):
     """What `fz3.initialize` returns: the shell's engine (the lifecycle, DeepSpeed's engine
     surface) with the methods that move values in and out (fz3/io/engine_methods.py)."""

@@ -22,7 +22,7 @@ from fz3.shell import log
 
 
 class ValueMovers:
-    """Mixed into the engine fz3.initialize returns; uses the shell engine's public state."""
+    """Mixed into the engine fz3.initialize returns (fz3/api.py), so `self` is that engine."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 params (and buffers), keys as the model's state_dict."""
