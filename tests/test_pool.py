@@ -185,3 +185,31 @@ def test_discard_drops_exactly_the_buffer_given_and_its_bytes():
     assert pooled(pool) == [ptr(b), ptr(c)]  # the other buffer of a's size stays
     assert pool.discard(c) == 20 * 4 and pool.bytes == 10 * 4
     assert list(pool.buffers) == [(10, torch.float32)]  # c's key is gone with its last buffer
+
+
+def test_a_discard_and_a_miss_walk_no_buffers(monkeypatch):
+    """[Note: pool bookkeeping]: with 200 sizes kept, a discard finds its buffer by its storage
+    pointer (it reads two storages, not every buffer's), and a miss asks only the buffers not
+    taken since the last trim whether they are in use; a hit only those of its own size."""
+    from fz3.data import pool as pool_module
+    pool = BufferPool(torch.device("cpu"), limit_bytes=1 << 30)
+    held = [pool.take(n, torch.float32) for n in range(1, 201)]
+    storages = []
+    real_storage = torch.Tensor.untyped_storage
+    monkeypatch.setattr(torch.Tensor, "untyped_storage", lambda t: storages.append(t.numel()) or real_storage(t))
+    assert pool.discard(held[99].view(4, 25)) == 400
+    assert len(storages) <= 3, storages  # the view's, the buffer's: no walk over the 200
+    monkeypatch.setattr(torch.Tensor, "untyped_storage", real_storage)
+    asked: list[int] = []
+    real = pool_module._users
+    monkeypatch.setattr(pool_module, "_users", lambda t: asked.append(t.numel()) or real(t))
+    pool.take(1000, torch.float32)  # a miss: every buffer was taken in this window
+    assert asked == []
+    del held[:]
+    pool.take(7, torch.float32)  # a hit: only size 7's one buffer is asked
+    assert asked == [7]
+    pool.trim()  # a new window: now every kept buffer is a candidate of the next miss
+    asked.clear()
+    pool.take(1001, torch.float32)
+    assert len(asked) == 200  # 199 of the first sizes (one discarded) and the 1000: all free, dropped
+    assert pool.bytes == 1001 * 4

@@ -23,6 +23,8 @@ from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
 MODELS = {  # issue #5: same model, data, optimizer and global batch for every system
     "small": (GPTConfig(vocab=4096, d_model=256, n_head=4, n_layer=4, seq=128), 8),
     "wide": (GPTConfig(vocab=32768, d_model=512, n_head=8, n_layer=4, seq=64), 4),
+    # issue #27: deep and narrow, ~130 modules and ~0.2M params: a step is almost all framework
+    "deep": (GPTConfig(vocab=128, d_model=32, n_head=2, n_layer=16, seq=8), 2),
     # bench/memory.py: two sizes for the bytes-per-param fit, then a ladder for fz3.Init's largest
     # run (d 2048); short sequences and 1 sequence per rank, so activations stay small
     "m100": (GPTConfig(vocab=32768, d_model=768, n_head=12, n_layer=12, seq=64), 2),  # 110,270,976

@@ -45,55 +45,67 @@ def _users(t: torch.Tensor) -> int:
 
 
 class BufferPool:
+    """[Note: pool bookkeeping] What the pool keeps is indexed three ways, so no take, miss or
+    discard walks the buffers: `buffers` by size (LRU order of sizes), `by_ptr` by storage
+    pointer (a discard finds its buffer at once), and `untaken` (the buffers not handed out since
+    the last full trim, oldest first: a miss drops the free ones among them, which are the only
+    candidates). A take still asks each buffer of its size whether anybody uses it (`_users`);
+    a size is held by a handful of buffers at most (one per concurrent use)."""
+
     def __init__(self, device: torch.device, limit_bytes: int) -> None:
         self.device, self.limit = device, limit_bytes
         self.buffers: "OrderedDict[Key, list[torch.Tensor]]" = OrderedDict()  # LRU key order
+        self.by_ptr: dict[int, torch.Tensor] = {}  # storage data_ptr -> the buffer kept on it
+        self.untaken: dict[int, torch.Tensor] = {}  # id -> buffer not taken since the last trim()
         self.bytes = 0
         self.hits = self.misses = 0
-        self.taken: set[int] = set()  # id of each buffer handed out since the last trim
+
+    def _keep(self, key: Key, t: torch.Tensor) -> None:
+        self.buffers.setdefault(key, []).append(t)
+        ptr = t.untyped_storage().data_ptr()
+        if ptr:  # an empty buffer has no storage to find it by
+            self.by_ptr[ptr] = t
+        self.bytes += t.numel() * t.element_size()
+
+    def _drop(self, t: torch.Tensor) -> int:
+        """Stop keeping buffer `t` (kept). -> its bytes."""
+        key = (t.numel(), t.dtype)
+        held = self.buffers[key]
+        held[:] = [h for h in held if h is not t]  # by identity: a tensor's == is elementwise
+        if not held:
+            del self.buffers[key]
+        ptr = t.untyped_storage().data_ptr()
+        if ptr and self.by_ptr.get(ptr) is t:
+            del self.by_ptr[ptr]
+        self.untaken.pop(id(t), None)
+        size = t.numel() * t.element_size()
+        self.bytes -= size
+        return size
 
     def trim(self, stale_only: bool = False) -> int:
         """Drop the free buffers nobody took since the last trim (the sizes of a step that will
-        not come again: the first step's per-module gathers before the trace). -> bytes dropped."""
-        dropped = 0
-        for key in list(self.buffers):
-            keep = []
-            for t in self.buffers[key]:
-                if id(t) not in self.taken and _users(t) == 0:
-                    dropped += t.numel() * t.element_size()
-                else:
-                    keep.append(t)
-            if keep:
-                self.buffers[key] = keep
-            else:
-                del self.buffers[key]
-        self.bytes -= dropped
+        not come again: the first step's per-module gathers before the trace). Without
+        `stale_only` this starts a new window: every buffer kept counts as not taken yet.
+        -> bytes dropped."""
+        dropped = sum(self._drop(t) for t in [t for t in self.untaken.values() if _users(t) == 0])
         if not stale_only:
-            self.taken.clear()
+            self.untaken = {id(t): t for held in self.buffers.values() for t in held}
         return dropped
 
     def discard(self, t: torch.Tensor) -> int:
         """Stop keeping the buffer `t` lies in (its users still hold it; when the last lets go,
         the memory goes back). -> bytes no longer kept."""
         ptr = t.untyped_storage().data_ptr()
-        if not ptr:
-            return 0
-        for key, held in self.buffers.items():
-            for b in held:
-                if b.untyped_storage().data_ptr() == ptr:
-                    held[:] = [h for h in held if h is not b]  # by identity
-                    if not held:
-                        del self.buffers[key]
-                    size = b.numel() * b.element_size()
-                    self.bytes -= size
-                    return size
-        return 0
+        b = self.by_ptr.get(ptr) if ptr else None
+        return self._drop(b) if b is not None else 0
 
     def release(self) -> int:
         """Drop every free buffer (the end of a backward: nothing is taken again before the next
         pass). -> bytes dropped."""
-        self.taken.clear()
-        return self.trim()
+        dropped = sum(self._drop(t) for held in list(self.buffers.values()) for t in list(held)
+                      if _users(t) == 0)
+        self.untaken = {id(t): t for held in self.buffers.values() for t in held}
+        return dropped
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A (numel,) tensor of dtype, contents undefined, that nobody else is using."""
@@ -104,16 +116,13 @@ class BufferPool:
             for t in held:
                 if _users(t) == 0:
                     self.hits += 1
-                    self.taken.add(id(t))
+                    self.untaken.pop(id(t), None)
                     return t.view(-1)
         self.misses += 1
         self.trim(stale_only=True)
         t = torch.empty(numel, dtype=dtype, device=self.device)
-        size = numel * t.element_size()
-        if self._make_room(size):
-            self.buffers.setdefault(key, []).append(t)
-            self.bytes += size
-            self.taken.add(id(t))
+        if self._make_room(numel * t.element_size()):
+            self._keep(key, t)
         return t.view(-1)
 
     def _make_room(self, size: int) -> bool:
@@ -128,14 +137,10 @@ class BufferPool:
         for key in list(self.buffers):
             if self.bytes + size <= self.limit:
                 break
-            held = self.buffers[key]
-            for t in [t for t in held if _users(t) == 0]:
-                held[:] = [h for h in held if h is not t]  # by identity: a tensor's == is elementwise
-                self.bytes -= t.numel() * t.element_size()
+            for t in [t for t in self.buffers[key] if _users(t) == 0]:
+                self._drop(t)
                 if self.bytes + size <= self.limit:
                     break
-            if not held:
-                del self.buffers[key]
         return self.bytes + size <= self.limit
 
     def stats(self) -> dict[str, int]:
