@@ -40,11 +40,20 @@ MODELS = {  # issue #5: same model, data, optimizer and global batch for every s
 }
 SEED = 0
 LR, WEIGHT_DECAY = 1e-3, 0.01
+DEVICE = torch.device(os.environ.get("FZ3_BENCH_DEVICE", "cpu"))
+"""Where the models and batches live: cpu (every benchmark here), or cuda for bench/gpu_steps.py
+(bench/gpu.sh, on a lent GPU: world 1, each rank's device cuda:LOCAL_RANK)."""
+
+
+def device() -> torch.device:
+    if DEVICE.type == "cpu":
+        return DEVICE
+    return torch.device(DEVICE.type, int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def make_model(name: str) -> GPT:
     torch.manual_seed(SEED)
-    return GPT(MODELS[name][0])
+    return GPT(MODELS[name][0]).to(device())
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:
@@ -106,7 +115,7 @@ def batches(name: str, rank: int, world: int, n: int) -> list[tuple[torch.Tensor
     out = []
     for step in range(n):
         x, y = markov_batch(step, batch=global_batch, seq=cfg.seq, vocab=cfg.vocab)
-        out.append((x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]))
+        out.append((x[rank * per:(rank + 1) * per].to(device()), y[rank * per:(rank + 1) * per].to(device())))
     return out
 
 
@@ -172,6 +181,8 @@ def worker(rank: int, world: int, system: str, spec: dict) -> dict:
         losses.append(loss)
     out = {"rank": rank, "times": times[warmup:], "warmup_times": times[:warmup], "cpu": cpu[warmup:],
            "losses": losses, "build_s": build_s}
+    if DEVICE.type == "cuda":
+        out["peak_device_bytes"] = torch.cuda.max_memory_allocated(device())
     if counter is not None:
         out["comm"] = {k: {"calls": v["calls"] / steps, "bytes": v["bytes"] / steps}
                        for k, v in counter.snapshot().items()}

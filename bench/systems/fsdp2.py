@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from systems.common import Plain, make_model
+from systems.common import Plain, device, make_model
 
 
 class Fsdp2(Plain):
@@ -20,7 +20,7 @@ class Fsdp2(Plain):
 
 def shard(model, world: int) -> None:
     """fully_shard each block, then the root, on a CPU mesh; SUM reduction (FSDP divides after)."""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device().type, (world,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
