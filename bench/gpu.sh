@@ -50,12 +50,17 @@ import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(0), "nccl", torch.cuda.nccl.version())
+import importlib.util
+missing = [m for m in ("optree", "safetensors", "numpy", "pytest", "hypothesis") if importlib.util.find_spec(m) is None]
+if missing:
+    raise SystemExit(f"missing on this machine: {missing}; carry their wheels in .whl/ (/work/.library/device/README.md)")
 from fz3.shell.pick import pick_device
 d = pick_device()
 print("fz3 picks", d.torch_device, "backend", d.backend)
 PY
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
+if grep -q "^missing on this machine" "$out/env.txt"; then echo "bench/gpu.sh: stopped, see $out/env.txt" >&2; exit 1; fi
 
 # 3. parity at world 1 on the device
 mapfile -t cases < <(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_parity.py 2>/dev/null | grep '\[1\]$')
