@@ -30,7 +30,6 @@ _SHARDS: dict[int, tuple["weakref.ref[nn.Parameter]", Shard]] = {}
 a dropped param's entry goes with it ([Note: no WeakKeyDictionary of tensors] in fz3/shell/registry.py)."""
 
 
-
 def shard_of(param: nn.Parameter) -> Shard | None:
     """The shard of a param built under fz3.Init that is still closed, else None."""
     entry = _SHARDS.get(id(param))
