@@ -183,9 +183,6 @@ class Txn:
     def status(self, p: ParamId) -> int:
         return self._slots[p][_STATUS]
 
-    def handle(self, p: ParamId) -> Optional[Handle]:
-        return self._slots[p][_HANDLE]
-
     def users(self, p: ParamId) -> int:
         return self._slots[p][_USERS]
 
@@ -235,8 +232,7 @@ class Txn:
         ms = self._mods[m]
         self._put_module(m, (ms[_PRE_BACKWARD], ms[_GRADS_REMAINING] + grad_inputs, step,
                              ms[_ACTIVE] + 1, ms[_EXTERNALS]))
-        own, ext = self.st.spec.modules[m].params, ms[_EXTERNALS]
-        pids = own if not ext else tuple(sorted(set(own).union(ext)))
+        pids = _unit(self.st.spec.modules[m].params, ms[_EXTERNALS])
         users = 0 if ms[_ACTIVE] else 1
         slots, olds, missing = self._slots, self._olds, []
         for p in pids:
@@ -260,9 +256,8 @@ class Txn:
                              ms[_ACTIVE] - 1, ms[_EXTERNALS]))
         if ms[_ACTIVE] > 1:
             return []  # another call of it is still open (backward of calls that interleave)
-        own, ext = self.st.spec.modules[m].params, ms[_EXTERNALS]
         spec, slots, olds, candidates = self.st.spec.params, self._slots, self._olds, []
-        for p in (own if not ext else sorted(set(own).union(ext))):
+        for p in _unit(self.st.spec.modules[m].params, ms[_EXTERNALS]):
             s = slots[p]
             if p not in olds:
                 olds[p] = s
@@ -423,15 +418,16 @@ def free(tx: Txn, pids: tuple[ParamId, ...], refetch: bool = False) -> None:
     tx.effects.append(Free(pids, refetch))
 
 
+def _unit(own: tuple[ParamId, ...], externals: tuple[ParamId, ...]) -> tuple[ParamId, ...]:
+    """A fetch unit: a module's own params plus the external ones registered on it, sorted."""
+    return own if not externals else tuple(sorted(set(own).union(externals)))
+
+
 def unit_params(tx: Txn, module: ModuleId) -> tuple[ParamId, ...]:
     """The params a fetch of `module` needs: its own plus the external ones registered on it."""
-    own = tx.st.spec.modules[module].params
-    ext = tx._mods[module][_EXTERNALS]
-    return own if not ext else tuple(sorted(set(own).union(ext)))
+    return _unit(tx.st.spec.modules[module].params, tx._mods[module][_EXTERNALS])
 
 
 def unit_of(st: ParamState, module: ModuleId) -> tuple[ParamId, ...]:
     """`unit_params` read off a state (for checks and tests; starts no edit)."""
-    own = st.spec.modules[module].params
-    ext = st.module_rows[module][_EXTERNALS]
-    return own if not ext else tuple(sorted(set(own).union(ext)))
+    return _unit(st.spec.modules[module].params, st.module_rows[module][_EXTERNALS])
