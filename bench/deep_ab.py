@@ -5,18 +5,20 @@ median and min step ms (the slower rank's), peak RSS per rank with a 4th argumen
 
 For A/B runs of two checkouts' fz3 on the same bench code (PYTHONPATH picks the fz3), until
 bench/overhead.py (issue #27) gives the full table against DDP, FSDP2 and DeepSpeed."""
-import json, os, statistics, sys
-bench = sys.argv[1]; system = sys.argv[2]; steps = int(sys.argv[3])
-sys.path.insert(0, bench)
-from systems import common
-import fz3, fz3.launch
-from systems.common import worker
+import json
+import os
+import statistics
+import sys
 
 if __name__ == "__main__":
-    mod = {"fz3": "fz3_z3", "ddp": "ddp"}[system]
+    bench, system, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    sys.path.insert(0, bench)  # spawned ranks inherit sys.path
+    import fz3
+    from compare import launch
+
     spec = {"model": "deep", "warmup": 5, "steps": steps, "mode": "stats" if len(sys.argv) > 4 else "time",
             "options": {"config": {}} if system == "fz3" else {}}
-    outs = fz3.launch.run(worker, world_size=2, args=(mod, spec), timeout=600, threads=1)
+    outs = launch({"module": {"fz3": "fz3_z3", "ddp": "ddp"}[system], "world": 2}, spec, timeout=600)
     t = [max(a, b) for a, b in zip(outs[0]["times"], outs[1]["times"])]
     print(json.dumps({"system": system, "fz3": os.path.dirname(fz3.__file__), "median_ms": statistics.median(t) * 1e3,
                       "min_ms": min(t) * 1e3, "peak_rss_mib": max(o.get("peak_rss", 0) for o in outs) / 2**20,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA/NCCL check, prepared for the day a GPU is lent (issue #27 point 6): one command,
-# sized to finish in under 8 minutes on one GPU, that writes what it saw to files.
+# sized for under 8 minutes on one GPU (not yet timed on one), that writes what it saw to files.
 #
 #   bench/gpu.sh [--out DIR] [--cpu] [--quick]
 #

@@ -27,9 +27,8 @@ SYSTEMS = {"fz3": "fz3_z3", "ddp": "ddp", "fsdp2": "fsdp2"}
 
 
 def launch(system: str, spec: dict) -> list[dict]:
-    import fz3.launch
-    from systems.common import worker
-    return fz3.launch.run(worker, world_size=1, args=(SYSTEMS[system], spec), timeout=600, threads=1)
+    from compare import launch as launch_system  # bench/compare.py's launch, at world 1
+    return launch_system({"module": SYSTEMS[system], "world": 1}, spec, timeout=600)
 
 
 def main(argv: list[str] | None = None) -> int:

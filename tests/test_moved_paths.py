@@ -39,3 +39,10 @@ def test_an_unknown_old_name_still_fails():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("fz3.shell.no_such_module")
     assert fz3.moved.MovedFinder().find_spec("fz3.shell.no_such_module") is None
+
+
+def test_a_pickle_made_under_an_old_name_loads():
+    """A pickle names a class by its module: one saved before the move names the old one."""
+    import pickle
+    from fz3.io.checkpoint import CheckpointError
+    assert pickle.loads(b"cfz3.shell.checkpoint\nCheckpointError\n.") is CheckpointError
