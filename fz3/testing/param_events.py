@@ -91,6 +91,3 @@ class UnholdParams(NamedTuple):
     stale: bool = True
     kind = "unhold"
 
-
-MODULE_EVENTS = (Fetch, Compute, Register, Release, BackwardFetch, BackwardRelease)
-"""The events about one module (they have a `module` field)."""
