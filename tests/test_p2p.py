@@ -3,13 +3,15 @@ gloo ranks, against the layout's definition of shards and partitions (fz3.data.l
 
 Sizes cover the padding cases: numel 0, numel < W (a rank holds padding only), numel not a
 multiple of W, an even split, and one large param (megabytes per message). Two operations are
-in flight at once, so messages under different tags must not mix.
+in flight at once, so messages under different tags must not mix. Each runs with every param its
+own message and with the small ones packed (fz3.core.messages), in one group or several.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from fz3.core import messages
 from fz3.data import layout
 from fz3.data.layout import rank_span
 from fz3.interpreters import p2p
@@ -27,26 +29,54 @@ def _full(i: int, n: int, rank: int, dtype: torch.dtype = torch.float32) -> torc
     return (torch.arange(n) % 20 + 10 * i + rank + 2).to(dtype)
 
 
-def _worker(rank: int, world: int, dtype: torch.dtype) -> dict:
+GROUPINGS = {"alone": None, "packed": messages.groups(NUMELS, small=16),
+             "split": messages.groups(NUMELS, small=16, most=10)}
+
+
+class Counting(TorchTransport):
+    """torch.distributed, counting the sends posted."""
+
+    sends = 0
+
+    def isend(self, t, dst, tag):
+        Counting.sends += 1
+        return super().isend(t, dst, tag)
+
+
+def _worker(rank: int, world: int, dtype: torch.dtype, grouping: str) -> dict:
     shards = [layout.shard_of(_full(i, n, -1, dtype), rank, world) for i, n in enumerate(NUMELS)]
     fulls_a = [torch.full((n,), float("nan"), dtype=dtype) for n in NUMELS]
     fulls_b = [torch.full((n,), float("nan"), dtype=dtype) for n in NUMELS]
     grads = [_full(i, n, rank, dtype) for i, n in enumerate(NUMELS)]
     before = [g.clone() for g in grads]
     scratch = torch.full((p2p.scratch_numel(NUMELS, rank, world),), float("nan"), dtype=dtype)
-    a = p2p.all_gather(fulls_a, shards, TorchTransport(), tag=1)
-    rs, result = p2p.reduce_scatter(grads, scratch, TorchTransport(), tag=2)
-    b = p2p.all_gather(fulls_b, shards, TorchTransport(), tag=3)
+    groups = GROUPINGS[grouping]
+    a = p2p.all_gather(fulls_a, shards, Counting(), tag=1, groups=groups)
+    rs, result = p2p.reduce_scatter(grads, scratch, Counting(), tag=2, groups=groups)
+    b = p2p.all_gather(fulls_b, shards, Counting(), tag=3, groups=groups)
     for w in (b, rs, a):  # waited out of issue order
         w.wait()
     return {"gathered": fulls_a, "gathered_again": fulls_b, "reduced": result(), "grads": grads,
-            "before": before}
+            "before": before, "sends": Counting.sends}
 
 
-@pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
-def test_p2p_gather_and_reduce_scatter_match_the_layout(world, dtype):
-    out = run(_worker, world_size=world, args=(dtype,), timeout=90)
+def _sends(groups, world: int, rank: int) -> int:
+    """Sends of the three operations: one per peer per group with elements to send (this rank's
+    span for a gather, the peer's for a reduce)."""
+    def has(g, r):
+        return any(hi > lo for lo, hi in (rank_span(NUMELS[i], r, world) for i in g))
+    peers = [j for j in range(world) if j != rank]
+    return sum(2 * (world - 1) * has(g, rank) + sum(has(g, j) for j in peers) for g in groups)
+
+
+@pytest.mark.parametrize("world,dtype,grouping", [(2, torch.float32, "alone"), (3, torch.float32, "alone"),
+                                                  (2, torch.bfloat16, "alone"), (2, torch.float32, "packed"),
+                                                  (3, torch.float32, "split"), (2, torch.bfloat16, "packed")])
+def test_p2p_gather_and_reduce_scatter_match_the_layout(world, dtype, grouping):
+    out = run(_worker, world_size=world, args=(dtype, grouping), timeout=90)
+    groups = GROUPINGS[grouping] or tuple((i,) for i in range(len(NUMELS)))
     for rank, res in enumerate(out):
+        assert res["sends"] == _sends(groups, world, rank), rank
         for i, n in enumerate(NUMELS):
             want = _full(i, n, -1, dtype)
             assert torch.equal(res["gathered"][i], want), (rank, n)

@@ -12,6 +12,10 @@ gloo_all_gather, gloo_reduce_scatter   what carries an all-gather and a reduce_s
     this rank's slices (reduce: the allreduce path's data plane, same partitions, I3);
     "native": gloo's allgather / reduce_scatter, the slowest (bench/gloo_collectives.py,
     bench/RESULTS.md). NCCL and HCCL always use their own collectives.
+gloo_coalesce_numel   on the "p2p" carriers, params of at most this many elements travel packed,
+    one message per peer for each group of them in one gather or reduce (fz3/core/messages.py);
+    larger ones are sent from where they lie. 0: every param its own message. The backends' own
+    collectives pack every collective whole already
 debug_checks   the shell runs the core's check_* invariants after each event (fz3/shell/checks.py)
 broadcast_buffers   rank 0's buffers (BatchNorm statistics, ...) are broadcast before each forward
     pass, before full_state_dict() and before a checkpoint save, so every rank's agree (DDP's
@@ -30,6 +34,7 @@ GLOO_COLLECTIVES = ("p2p", "all_reduce", "native")
 class Options:
     gloo_all_gather: str = "p2p"
     gloo_reduce_scatter: str = "p2p"
+    gloo_coalesce_numel: int = 65_536
     debug_checks: bool = False
     broadcast_buffers: bool = True
 
@@ -37,6 +42,9 @@ class Options:
         for name in ("gloo_all_gather", "gloo_reduce_scatter"):
             if getattr(self, name) not in GLOO_COLLECTIVES:
                 raise ValueError(f"Options.{name} must be one of {GLOO_COLLECTIVES}, got {getattr(self, name)!r}")
+        n = self.gloo_coalesce_numel
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"Options.gloo_coalesce_numel must be an int >= 0 (0: no packing), got {n!r}")
         for name in ("debug_checks", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")

@@ -1,7 +1,8 @@
 """Carriers: how one all-gather or one reduce moves its bytes, chosen once per interpreter.
 
-    P2P         gloo: point-to-point sends param by param, straight into the full values and out
-                of the grads (p2p.py); no packing; its data travels under a tag made from the
+    P2P         gloo: point-to-point sends, one per peer per message group (fz3.core.messages):
+                large params straight into the full values and out of the grads, small ones
+                packed together (p2p.py); its data travels under a tag made from the
                 divergence check's descriptor, which it compares at the wait
     Native      the backend's own all_gather_into_tensor / reduce_scatter_tensor (NCCL, HCCL,
                 or gloo's own): packed into flat buffers and unpacked after (fz3.data.collectives)
@@ -24,10 +25,12 @@ core then holds grads (HoldGrad) instead of copying them (fz3.core.grad.grads.gr
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from typing import Callable, ContextManager, NamedTuple, Optional, Sequence
 
 import torch
 
+from fz3.core import messages
 from fz3.core.effects import ReduceBucket
 from fz3.core.spec import ModelSpec
 from fz3.data import collectives
@@ -51,6 +54,8 @@ class Context(NamedTuple):
     bucket_capacity: int  # the largest bucket, in elements
     shard_capacity: int  # a bucket's largest shard on one rank
     scratch_capacity: int  # the peers' shards a p2p reduce receives
+    coalesce_numel: int = 0  # p2p: params this small travel packed (Options.gloo_coalesce_numel)
+    counts: Optional[Counter] = None  # the interpreter's counters: p2p_sends
 
 
 class Carrier:
@@ -82,6 +87,17 @@ class P2P(Carrier):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self.tags = itertools.count(1)  # message tags unchecked: the same sequence on every rank (SPMD)
+        self.grouped: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}  # params -> groups
+
+    def groups(self, params: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """The message groups of a collective over `params` (fz3.core.messages), made once per
+        param set: the trace repeats them every step."""
+        key = tuple(params)
+        got = self.grouped.get(key)
+        if got is None:
+            spec = self.ctx.spec.params
+            got = self.grouped[key] = messages.groups([spec[p].numel for p in key], small=self.ctx.coalesce_numel)
+        return got
 
     def tag(self, kind: int, params: Sequence[int], numel: int):
         """-> (posted descriptors or None, tag): with the divergence check the tag is made from
@@ -95,6 +111,8 @@ class P2P(Carrier):
     def posted(self, work: p2p.P2PWork, posted):
         """Point-to-point work is always async; without overlap_comm it is waited here. Waiting
         it first compares the descriptors it was posted under (`posted`, None when unchecked)."""
+        if self.ctx.counts is not None:
+            self.ctx.counts["p2p_sends"] += work.sends
         if posted is not None:
             work = self.ctx.agreement.guard(posted, work)
         if not self.ctx.async_op:
@@ -109,7 +127,7 @@ class P2P(Carrier):
         fulls = [it.take(it.spec.params[p].numel, shards[0].dtype) for p in ps]
         posted, tag = self.tag(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
         with it.on(it.gather_stream):
-            work = p2p.all_gather(fulls, shards, it.comm, tag=tag)
+            work = p2p.all_gather(fulls, shards, it.comm, tag=tag, groups=self.groups(ps), take=it.take)
         return self.posted(work, posted), (lambda: fulls), None
 
     def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
@@ -119,7 +137,8 @@ class P2P(Carrier):
                                 grads[0].dtype, it.scratch_capacity)
         posted, tag = self.tag(agreement.REDUCE, params, sum(s.numel for s in e.slots))
         with it.on(it.reduce_stream):
-            work, reduced = p2p.reduce_scatter(grads, keep, it.comm, tag=tag)
+            work, reduced = p2p.reduce_scatter(grads, keep, it.comm, tag=tag, groups=self.groups(params),
+                                               take=it.take)
         return self.posted(work, posted), (lambda: dict(zip(params, reduced()))), keep
 
 

@@ -136,7 +136,8 @@ class DistInterpreter:
         self.buffers_pool = BufferPool(store.device, limit_bytes=limit)
         ctx = carriers.Context(self.rank, W, self.spec, transport, self.async_op, self.agreement,
                                self.buffers_pool.take, self.reduce_buffer, self.on, self.gather_stream,
-                               self.reduce_stream, self.bucket_capacity, self.shard_capacity, self.scratch_capacity)
+                               self.reduce_stream, self.bucket_capacity, self.shard_capacity, self.scratch_capacity,
+                               options.gloo_coalesce_numel, self.counts)
         self.gather = carriers.CARRIERS[self.gather_by](ctx)
         self.reduce_scatter = carriers.CARRIERS[self.reduce_scatter_by](ctx)
         self.all_reduce_carrier = carriers.AllReduce(ctx)

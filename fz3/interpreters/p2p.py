@@ -1,4 +1,4 @@
-"""All-gather and reduce-scatter written as point-to-point sends, param by param, for gloo.
+"""All-gather and reduce-scatter written as point-to-point sends, for gloo.
 
     all_gather      each param's shard -> every peer, received straight into the peers' ranges
                     of the param's full value (no packed buffer, no unpack copy)
@@ -6,20 +6,24 @@
                     received partitions are added, peer after peer in rank order, into this
                     rank's own partition in place (no packed buffer, no output buffer)
 
+One message per peer per message group (fz3.core.messages.groups): a large param travels alone,
+from and into where it lies; the small params of one collective travel together, staged into one
+buffer on each side (a send costs ~30 us on gloo here whatever its size, issue #27).
+
 Direct exchange: every rank posts all its receives and sends at once, the bytes a ring moves
 ((W - 1)/W of the params). Padding never travels: partition j of a param of n elements is its
 elements [j*s, (j+1)*s) clipped to n, s = ceil(n / W) (fz3.data.layout). On gloo (torch 2.13,
 2 ranks here) this is faster than gloo's own collectives and than the all-reduce stand-ins, and
-needs no staging buffers (bench/gloo_collectives.py; bench/RESULTS.md, "point-to-point gloo
+large params need no staging buffers (bench/gloo_collectives.py; bench/RESULTS.md, "point-to-point gloo
 collectives").
 
 Every rank issues the same effects in the same order (SPMD), so one tag per operation, from a
 counter each interpreter keeps, names both ends; messages between two ranks under one tag match
-in the order they were posted, which is param order on both sides.
+in the order they were posted, which is group order on both sides.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +35,15 @@ from fz3.interpreters.transport import PeerFailed, Transport
 
 class P2PWork:
     """Several sends and receives, waited as one; `peers[i]` is the rank works[i] talks to, so
-    a failed wait names it (PeerFailed)."""
+    a failed wait names it (PeerFailed). `then` runs once they all completed (a packed group's
+    receive copied out into its params); `keep` holds the staging buffers until then; `sends`:
+    how many of the works are sends (the messages this rank posted)."""
 
-    __slots__ = ("works", "peers")
+    __slots__ = ("works", "peers", "then", "keep", "sends")
 
-    def __init__(self, works: list, peers: list[int]) -> None:
-        self.works, self.peers = works, peers
+    def __init__(self, works: list, peers: list[int], then: Optional[Callable[[], None]] = None,
+                 keep: Sequence[torch.Tensor] = (), sends: int = 0) -> None:
+        self.works, self.peers, self.then, self.keep, self.sends = works, peers, then, keep, sends
 
     def wait(self) -> bool:
         for w, j in zip(self.works, self.peers):
@@ -45,12 +52,37 @@ class P2PWork:
             except RuntimeError as e:
                 raise PeerFailed(j, e) from e
         self.works, self.peers = [], []
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+        self.keep = ()
         return True
 
 
+Take = Callable[[int, torch.dtype], torch.Tensor]
+
+
+def _packed(parts: Sequence[torch.Tensor], take: Take) -> torch.Tensor:
+    """One message of `parts`: the part itself when there is one, else a staging copy."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, out=take(sum(t.numel() for t in parts), parts[0].dtype))
+
+
+def _defaults(groups, take, n: int):
+    """No groups: one message per param; no take: staging buffers are fresh tensors."""
+    if groups is None:
+        groups = tuple((i,) for i in range(n))
+    return groups, take or (lambda numel, dtype: torch.empty(numel, dtype=dtype))
+
+
 def all_gather(fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], comm: Transport, *,
-               tag: int) -> P2PWork:
-    """fulls[i] (n_i,) gets param i's full value, shards[i] (s_i,) being this rank's shard."""
+               tag: int, groups: Optional[Sequence[Sequence[int]]] = None, take: Optional[Take] = None) -> P2PWork:
+    """fulls[i] (n_i,) gets param i's full value, shards[i] (s_i,) being this rank's shard.
+    One message per peer per group of `groups` (fz3.core.messages): a group of one param is
+    received in place, a packed one into a staging buffer (from `take`) and copied out after
+    the wait. No groups: each param alone."""
+    groups, take = _defaults(groups, take, len(fulls))
     rank, world_size = comm.rank, comm.world_size
     peers = [j for j in range(world_size) if j != rank]
     mine = []
@@ -58,52 +90,77 @@ def all_gather(fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], co
         lo, hi = rank_span(full.numel(), rank, world_size)
         full[lo:hi].copy_(shard[:hi - lo])
         mine.append(shard[:hi - lo])
-    works, ends = [], []
+    works, ends, keep, dsts, srcs = [], [], [], [], []
+    sends = 0
     for j in peers:
-        for full in fulls:
-            lo, hi = rank_span(full.numel(), j, world_size)
-            if hi > lo:
-                works.append(comm.irecv(full[lo:hi], j, tag))
+        for g in groups:
+            spans = [fulls[i][slice(*rank_span(fulls[i].numel(), j, world_size))] for i in g]
+            n = sum(t.numel() for t in spans)
+            if not n:
+                continue
+            into = spans[0] if len(g) == 1 else take(n, spans[0].dtype)
+            works.append(comm.irecv(into, j, tag))
+            ends.append(j)
+            if len(g) > 1:
+                keep.append(into)
+                dsts += spans
+                srcs += into.split([t.numel() for t in spans])
+    for g in groups:
+        out = _packed([mine[i] for i in g], take)
+        if out.numel():
+            keep.append(out)
+            for j in peers:
+                works.append(comm.isend(out, j, tag))
                 ends.append(j)
-    for j in peers:
-        for m in mine:
-            if m.numel():
-                works.append(comm.isend(m, j, tag))
-                ends.append(j)
-    return P2PWork(works, ends)
+                sends += 1
+    then = (lambda: torch._foreach_copy_(dsts, srcs)) if dsts else None
+    return P2PWork(works, ends, then, keep, sends)
 
 
 def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, comm: Transport, *,
-                   tag: int) -> tuple[P2PWork, Callable[[], list[torch.Tensor]]]:
+                   tag: int, groups: Optional[Sequence[Sequence[int]]] = None,
+                   take: Optional[Take] = None) -> tuple[P2PWork, Callable[[], list[torch.Tensor]]]:
     """SUM over ranks of this rank's partition of each flat grad (n_i,). `scratch` holds the
-    peers' partitions: (W - 1) * scratch_numel(...) elements. -> (work, result): after the work
-    is waited, result() adds them into the grads' own partitions (written in place) and returns
-    the partitions, zero-padded to s_i."""
+    peers' partitions: (W - 1) * scratch_numel(...) elements, one block per peer per group of
+    `groups` (fz3.core.messages), each received by one message; a peer's slices of a packed
+    group are staged into one send. -> (work, result): after the work is waited, result() adds
+    them into the grads' own partitions (written in place) and returns the partitions,
+    zero-padded to s_i."""
+    groups, take = _defaults(groups, take, len(grads))
     rank, world_size = comm.rank, comm.world_size
     peers = [j for j in range(world_size) if j != rank]
     own = [g[slice(*rank_span(g.numel(), rank, world_size))] for g in grads]
-    works, ends, got, off = [], [], [], 0
+    works, ends, keep, off = [], [], [], 0
+    got: list[list[torch.Tensor]] = []  # per peer, per grad: its slice of the scratch
     for j in peers:
-        for o in own:
-            n = o.numel()
-            got.append(scratch[off:off + n])
-            off += n
-            if n:
-                works.append(comm.irecv(got[-1], j, tag))
-                ends.append(j)
+        mine = [scratch[:0]] * len(grads)
+        for g in groups:
+            n = sum(own[i].numel() for i in g)
+            if not n:
+                continue
+            works.append(comm.irecv(scratch[off:off + n], j, tag))
+            ends.append(j)
+            for i in g:
+                mine[i] = scratch[off:off + own[i].numel()]
+                off += own[i].numel()
+        got.append(mine)
+    sends = 0
     for j in peers:
-        for g in grads:
-            lo, hi = rank_span(g.numel(), j, world_size)
-            if hi > lo:
-                works.append(comm.isend(g[lo:hi], j, tag))
+        for g in groups:
+            out = _packed([grads[i][slice(*rank_span(grads[i].numel(), j, world_size))] for i in g], take)
+            if out.numel():
+                keep.append(out)
+                works.append(comm.isend(out, j, tag))
                 ends.append(j)
+                sends += 1
 
     def result() -> list[torch.Tensor]:
-        for k, o in enumerate(own * len(peers)):  # peer after peer, in rank order
-            o.add_(got[k])
+        some = [i for i, o in enumerate(own) if o.numel()]
+        for mine in got if some else ():  # peer after peer, in rank order
+            torch._foreach_add_([own[i] for i in some], [mine[i] for i in some])
         pads = [shard_numel(g.numel(), world_size) - o.numel() for o, g in zip(own, grads)]
         return [F.pad(o, (0, pad)) if pad else o for o, pad in zip(own, pads)]  # pad: a copy
-    return P2PWork(works, ends), result
+    return P2PWork(works, ends, None, keep, sends), result
 
 
 def scratch_numel(numels: Sequence[int], rank: int, world_size: int) -> int:
