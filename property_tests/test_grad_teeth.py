@@ -83,6 +83,10 @@ BUGS = {  # name: (module, attribute, replacement, error types, message)
         grads, "grad_route", hold_on_any_path, AssertionError, "placement|HoldGrad"),
     "grads held without an in-place carrier": (
         grads, "grad_route", hold_whatever_the_carrier, AssertionError, "placement"),
+    # the hold budget ([Note: hold budget]): held grads wait for the whole reduce_bucket_size
+    "hold budget ignored": (
+        grads, "capacity", lambda config, **carrier: config.reduce_bucket_size, AssertionError,
+        "placement|more than the bucket|capacity"),
 }
 
 

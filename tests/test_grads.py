@@ -6,7 +6,7 @@ from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, HoldGrad, Redu
                               WritePartition)
 from fz3.core.grad.epilogue import epilogue, optimizer_step
 from fz3.core.grad.grads import (NEVER, GradError, ParamGrad, bucket_add, flush, grad_route,
-                            init_grad_state)
+                            init_grad_state, resumed)
 from fz3.core.grad.invariants import check_grad_state
 from fz3.core.spec import build_spec
 
@@ -282,6 +282,41 @@ def test_held_grads_reduce_and_drop_as_contiguous():
     _, eff = flush(state, config=config)
     assert eff[0] == ReduceBucket(0, "bfloat16", "reduce_scatter", (Slot(1, 0, 5), Slot(0, 5, 3)), True)
     assert eff[-1] == DropGrads(0, (1, 0), True)
+
+
+def _reduced(state, config, order):
+    """Report `order`'s grads, then flush: -> the slots of each ReduceBucket, in order."""
+    out = []
+    for p in order:
+        state, eff = bucket_add(state, p, config=config)
+        out += [tuple(s.param for s in e.slots) for e in eff if isinstance(e, ReduceBucket)]
+    _, eff = flush(state, config=config)
+    return out + [tuple(s.param for s in e.slots) for e in eff if isinstance(e, ReduceBucket)]
+
+
+def test_held_grads_are_reduced_at_the_carriers_hold_budget():
+    """[Note: hold budget]: held buckets are reduced at the smaller of reduce_bucket_size and
+    the hold budget; a grad bigger than the budget is reduced alone; copied buckets keep
+    reduce_bucket_size."""
+    config = Config(reduce_bucket_size=100, **RS)
+    spec = grad_spec([3, 5, 4, 9, 2], 2)
+    held = init_grad_state(spec, in_place_reduce_scatter=True, hold_budget=8)
+    assert _reduced(held, config, [0, 1, 2, 3, 4]) == [(0, 1), (2,), (3,), (4,)]
+    state, eff = bucket_add(held, 3, config=config)  # 9 > 8: never placed, reduced from param.grad
+    assert not [e for e in eff if isinstance(e, HoldGrad)] and not eff[0].contiguous
+    copied = init_grad_state(spec, in_place_reduce_scatter=False, hold_budget=8)
+    assert _reduced(copied, config, [0, 1, 2, 3, 4]) == [(0, 1, 2, 3, 4)]
+    no_budget = init_grad_state(spec, in_place_reduce_scatter=True)
+    assert _reduced(no_budget, config, [0, 1, 2, 3, 4]) == [(0, 1, 2, 3, 4)]
+    smaller = Config(reduce_bucket_size=6, **RS)  # reduce_bucket_size below the budget wins
+    assert _reduced(held, smaller, [0, 4, 1]) == [(0, 4), (1,)]
+    assert resumed(held, window=3, backward=5).hold_budget == 8
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, None])
+def test_a_bad_hold_budget_is_named(bad):
+    with pytest.raises(ValueError, match=f"hold_budget must be an int >= 0.*{bad!r}"):
+        init_grad_state(grad_spec([3], 1), hold_budget=bad)
 
 
 def test_the_route_flag_is_static():

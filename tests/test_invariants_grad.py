@@ -47,7 +47,7 @@ def records_bucket(param, bucket):
     (with_bucket((0, 0, 3), (1, 2, 4), fill=7), "starts at 2, expected 3"),  # overlap
     (with_bucket((0, 0, 3), (1, 4, 4), fill=8), "starts at 4, expected 3"),  # hole
     (with_bucket((0, 0, 3), fill=5), "fill 5 != sum"),
-    (with_bucket((0, 0, 3), (1, 3, 4), (0, 7, 3)), "fill 10 > reduce_bucket_size 8"),
+    (with_bucket((0, 0, 3), (1, 3, 4), (0, 7, 3)), r"fill 10 > its capacity 8 \(reduce_bucket_size 8"),
     (with_bucket((0, 0, 4)), "has numel 4, the param has 3"),
     (with_bucket((0, 0, 3), (0, 3, 3)), r"bucket 0 holds params \[0\] more than once"),  # twice
     (with_bucket((0, 0, 3))._replace(buckets=(IPGBucket(0, "float32", None, 0),)),

@@ -14,7 +14,7 @@ import torch
 from fz3.core import messages
 from fz3.data import layout
 from fz3.data.layout import rank_span
-from fz3.interpreters import p2p
+from fz3.interpreters import accounting, p2p
 from fz3.interpreters.transport import TorchTransport
 from fz3.launch import run
 
@@ -61,12 +61,9 @@ def _worker(rank: int, world: int, dtype: torch.dtype, grouping: str) -> dict:
 
 
 def _sends(groups, world: int, rank: int) -> int:
-    """Sends of the three operations: one per peer per group with elements to send (this rank's
-    span for a gather, the peer's for a reduce)."""
-    def has(g, r):
-        return any(hi > lo for lo, hi in (rank_span(NUMELS[i], r, world) for i in g))
-    peers = [j for j in range(world) if j != rank]
-    return sum(2 * (world - 1) * has(g, rank) + sum(has(g, j) for j in peers) for g in groups)
+    """Sends of the three operations, as fz3.plan counts them (accounting.p2p_sends)."""
+    return (2 * accounting.p2p_sends(NUMELS, groups, rank, world, gather=True)
+            + accounting.p2p_sends(NUMELS, groups, rank, world, gather=False))
 
 
 @pytest.mark.parametrize("world,dtype,grouping", [(2, torch.float32, "alone"), (3, torch.float32, "alone"),

@@ -10,14 +10,19 @@ bytes are the real run's by construction.
                                  values, padding included)
     count_reduce(counts, ...)    reduce, reduce_<path>, reduced_bytes (the flat bucket for an
                                  all-reduce; W x the partitions' bytes for a reduce-scatter)
+    p2p_sends(...)               the messages a point-to-point gather or reduce posts on one rank:
+                                 one per peer per message group with elements for it
+                                 (fz3/interpreters/p2p.py; counted as p2p_sends)
 """
 from __future__ import annotations
 
 from collections import Counter
+from typing import Sequence
 
 from fz3.config.options import Options
 from fz3.core.effects import ReduceBucket
 from fz3.core.spec import ModelSpec
+from fz3.data.layout import rank_span
 
 
 def carriers(options: Options, backend: str) -> tuple[str, str]:
@@ -55,3 +60,16 @@ def count_reduce(counts: Counter, e: ReduceBucket, *, path: str, spec: ModelSpec
     counts["reduce"] += 1
     counts[f"reduce_{path}"] += 1
     counts["reduced_bytes"] += numel * element_size
+
+
+def p2p_sends(numels: Sequence[int], groups: Sequence[Sequence[int]], rank: int, world_size: int, *,
+              gather: bool) -> int:
+    """Sends `rank` posts for one point-to-point collective over params of `numels` in message
+    `groups`: a gather sends each group's own elements to every peer, a reduce each peer's
+    elements to it; a message with no elements is not sent."""
+    def has(g, r):
+        return any(hi > lo for lo, hi in (rank_span(numels[i], r, world_size) for i in g))
+    peers = [j for j in range(world_size) if j != rank]
+    if gather:
+        return sum(len(peers) for g in groups if has(g, rank))
+    return sum(has(g, j) for g in groups for j in peers)

@@ -21,6 +21,8 @@ work fails with a DivergenceError naming what happened when a peer leaves mid-co
 `reads_grads_in_place`: the reduce sends each grad from where it lies (P2P only), so a bucket
 would only stage a copy. The interpreter reports it as its `in_place_reduce_scatter`, and the
 core then holds grads (HoldGrad) instead of copying them (fz3.core.grad.grads.grad_route).
+`hold_budget`: the held grads a reduce gains from batching; the core reduces a bucket of held
+grads at that size, not at reduce_bucket_size (fz3.core.grad.grads.capacity).
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ class Carrier:
 
     name = ""
     reads_grads_in_place = False  # True: the reduce sends each grad from where it lies
+    hold_budget = 0  # held grads' elements a reduce gains from batching (0: no budget)
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -83,6 +86,11 @@ class Carrier:
 class P2P(Carrier):
     name = "p2p"
     reads_grads_in_place = True  # p2p.reduce_scatter sends each rank's slice of each grad
+    hold_budget = 16 * messages.GROUP_MOST
+    """It sends grad by grad, packing only the small ones (at most GROUP_MOST elements a message),
+    so a reduce of more held grads gains only fewer per-reduce costs (its effects, the divergence
+    check's descriptors): at 16 M elements (64 MiB of fp32) those are nothing beside the bytes.
+    The core reduces held buckets at this size ([Note: hold budget], fz3/core/grad/grads.py)."""
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)

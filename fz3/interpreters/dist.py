@@ -11,7 +11,7 @@
                       dtype; param.grad = None
     HoldGrad          param.grad, flat and cast to the effect's dtype, kept for the bucket's
                       reduce, which reads it in place (the p2p carrier sends from it);
-                      param.grad = None
+                      param.grad = None; counted in held_bytes until its DropGrads
     ReduceBucket      SUM all_reduce of the flat bucket, or one reduce_scatter_tensor of the
                       padded rank-interleaved grads; async with overlap_comm. Grads read from
                       param.grad are cast to the effect's dtype; all are divided by its
@@ -53,6 +53,7 @@ import torch
 from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               HoldGrad, ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
+from fz3.core.grad import grads
 from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import BufferPool
 from fz3.interpreters import accounting, agreement, carriers, p2p
@@ -101,7 +102,9 @@ class DistInterpreter:
         self.buffers: dict[BucketId, torch.Tensor] = {}
         self.pool: dict[str, list[torch.Tensor]] = {}
         trainable = sum(s.numel for s, t in zip(self.spec.params, store.trainable) if t)
-        self.bucket_capacity = max(1, min(config.reduce_bucket_size, trainable))
+        rs = carriers.CARRIERS[self.reduce_scatter_by]
+        self.bucket_capacity = max(1, min(grads.capacity(config, in_place_reduce_scatter=rs.reads_grads_in_place,
+                                                         hold_budget=rs.hold_budget), trainable))
         # [Note: one size per reduce buffer] Buckets differ in size (the grad that overflows one
         # starts the next), and a pooled buffer is reused only for a take of the same size: a
         # buffer per bucket size stayed in the pool through the backward, 300 MiB per rank on
@@ -112,6 +115,7 @@ class DistInterpreter:
         self.shard_capacity = -(-self.bucket_capacity // self.world_size) + len(self.spec.params)
         self.scratch_capacity = (self.world_size - 1) * self.shard_capacity
         self.counts: Counter[str] = Counter()
+        self.held_bytes = self.peak_held_bytes = 0  # grads held for a reduce (HoldGrad), now and at most
         owner = [""] * len(self.spec.params)
         for m, ms in enumerate(self.spec.modules):
             for p in ms.params:
@@ -219,6 +223,12 @@ class DistInterpreter:
     # ---- gradients ------------------------------------------------------------------------------
 
     @property
+    def hold_budget(self) -> int:
+        """Held grads' elements the reduce-scatter carrier gains from batching (the core reduces
+        held buckets at that size: fz3.core.grad.grads.capacity)."""
+        return self.reduce_scatter.hold_budget
+
+    @property
     def in_place_reduce_scatter(self) -> bool:
         """Whether the reduce-scatter carrier sends each grad from where it lies (p2p): the core
         then holds grads instead of copying them (fz3.core.grad.grads.init_grad_state, grad_route)."""
@@ -236,6 +246,8 @@ class DistInterpreter:
         grad = param.grad.reshape(-1).to(getattr(torch, e.dtype))  # (numel,), no copy if same dtype
         self.held.setdefault(e.bucket, {})[e.offset] = grad
         param.grad = None
+        self.held_bytes += grad.numel() * grad.element_size()
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
     def _acquire(self, dtype: str) -> torch.Tensor:
         free = self.pool.setdefault(dtype, [])
@@ -361,7 +373,8 @@ class DistInterpreter:
 
     def _drop(self, bucket: BucketId) -> None:
         self.reduced.pop(bucket, None)
-        self.held.pop(bucket, None)
+        for g in self.held.pop(bucket, {}).values():
+            self.held_bytes -= g.numel() * g.element_size()
         buf = self.buffers.pop(bucket, None)
         if buf is not None:
             self.pool.setdefault(str(buf.dtype).removeprefix("torch."), []).append(buf)

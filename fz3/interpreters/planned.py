@@ -25,6 +25,8 @@ import torch
 from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               HoldGrad, ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
+from fz3.core import messages
+from fz3.core.grad import grads
 from fz3.core.ids import Handle
 from fz3.interpreters import accounting, carriers
 from fz3.config.options import Options
@@ -36,12 +38,19 @@ class PlanInterpreter:
         self.store, self.config = store, config
         self.spec = store.spec
         self.gather_by, self.reduce_scatter_by = accounting.carriers(options, backend)
+        self.coalesce_numel = options.gloo_coalesce_numel
         trainable = sum(s.numel for s, t in zip(self.spec.params, store.trainable) if t)
-        self.bucket_capacity = max(1, min(config.reduce_bucket_size, trainable))
+        rs = carriers.CARRIERS[self.reduce_scatter_by]
+        self.bucket_capacity = max(1, min(grads.capacity(config, in_place_reduce_scatter=rs.reads_grads_in_place,
+                                                         hold_budget=rs.hold_budget), trainable))
         self.bucket_dtypes: set[str] = set()  # one IPG buffer per comm dtype, made at first use
         self.gathers: dict[Handle, tuple[int, ...]] = {}
         self.fulls: dict[int, torch.Tensor] = {}  # param -> its full value, reused by every gather
         self.counts: Counter[str] = Counter()
+        self.held: dict[int, int] = {}  # bucket -> bytes of the grads it holds (HoldGrad)
+        self.dropping: list[int] = []  # buckets whose reduce is in flight (overlap_comm): their
+        # grads go when it completes, at the next reduce or WaitReduce, as in DistInterpreter
+        self.held_bytes = self.peak_held_bytes = 0  # as DistInterpreter counts them
         self.log: list[object] = []  # every effect run, in order (the plan reads it per step)
 
     def run(self, effects: Iterable[object]) -> None:
@@ -54,6 +63,8 @@ class PlanInterpreter:
                                             world_size=self.spec.world_size,
                                             element_size=self.store.dtype.itemsize, prefetch=pre)
                     self.gathers[h] = ps
+                    if self.gather_by == "p2p":
+                        self._count_sends(ps, gather=True)
                 case Wait(handle=h):
                     for p in self.gathers.pop(h):
                         self.store.set_full(p, self._full(p))
@@ -63,11 +74,19 @@ class PlanInterpreter:
                 case CopyToBucket(param=p, dtype=dtype):
                     self.bucket_dtypes.add(dtype)
                     self.store.params[p].grad = None
-                case HoldGrad(param=p):  # the reduce reads it where it lies: no bucket buffer
+                case HoldGrad(bucket=b, param=p, dtype=dtype, numel=n):  # read where it lies: no bucket buffer
                     self.store.params[p].grad = None
+                    size = n * getattr(torch, dtype).itemsize
+                    self.held[b] = self.held.get(b, 0) + size
+                    self.held_bytes += size
+                    self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
                 case ReduceBucket():
-                    accounting.count_reduce(self.counts, e, path=accounting.reduce_path(e, self.reduce_scatter_by),
-                                            spec=self.spec, element_size=getattr(torch, e.dtype).itemsize)
+                    self._completed()
+                    path = accounting.reduce_path(e, self.reduce_scatter_by)
+                    accounting.count_reduce(self.counts, e, path=path, spec=self.spec,
+                                            element_size=getattr(torch, e.dtype).itemsize)
+                    if path == "p2p":
+                        self._count_sends([s.param for s in e.slots], gather=False)
                     if not e.contiguous:  # the reduce takes param.grad (dist.py)
                         for s in e.slots:
                             self.store.params[s.param].grad = None
@@ -75,10 +94,28 @@ class PlanInterpreter:
                     self.store.ensure_partitions()
                 case FreePartitions():
                     self.store.free_partitions()
-                case DropGrads() | WaitReduce():
-                    pass
+                case DropGrads(bucket=b):
+                    self.dropping.append(b)
+                    if not self.config.overlap_comm:
+                        self._completed()
+                case WaitReduce():
+                    self._completed()
                 case _:
                     raise TypeError(f"PlanInterpreter: unknown effect {e!r}")
+
+    def _count_sends(self, ps, *, gather: bool) -> None:
+        """p2p_sends as the point-to-point carrier posts them on this rank (fz3/core/messages.py)."""
+        numels = [self.spec.params[p].numel for p in ps]
+        groups = messages.groups(numels, small=self.coalesce_numel)
+        self.counts["p2p_sends"] += accounting.p2p_sends(numels, groups, self.store.rank, self.spec.world_size,
+                                                         gather=gather)
+
+    def _completed(self) -> None:
+        """The reduces in flight completed: their held grads are let go (DistInterpreter allows
+        one reduce in flight, completed before the next is issued)."""
+        for b in self.dropping:
+            self.held_bytes -= self.held.pop(b, 0)
+        self.dropping = []
 
     def _full(self, p: int) -> torch.Tensor:
         """A full value for param p, made once: it holds no data, so every gather may reuse it
@@ -88,6 +125,11 @@ class PlanInterpreter:
             full = self.fulls[p] = torch.empty(self.spec.params[p].numel, dtype=self.store.dtype,
                                                device=self.store.device)
         return full
+
+    @property
+    def hold_budget(self) -> int:
+        """What DistInterpreter would say: its reduce-scatter carrier's `hold_budget`."""
+        return carriers.CARRIERS[self.reduce_scatter_by].hold_budget
 
     @property
     def in_place_reduce_scatter(self) -> bool:

@@ -36,6 +36,12 @@ class Interpreter(Protocol):
         (HoldGrad) on the reduce_scatter path instead of copying them into a bucket
         (CopyToBucket). An interpreter without it is taken to say False."""
 
+    @property
+    def hold_budget(self) -> int:
+        """Elements of held grads its reduce-scatter gains from batching; the core reduces a
+        bucket of held grads at the smaller of this and reduce_bucket_size ([Note: hold
+        budget], fz3/core/grad/grads.py). Without it: 0, no budget."""
+
     def run(self, effects: Iterable[object]) -> None:
         """Carry out the core's effects, in order."""
 

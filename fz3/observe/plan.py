@@ -119,6 +119,7 @@ def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple
     try:
         for _ in range(steps):
             before, start, peak = dict(interp.counts), len(interp.log), live
+            interp.peak_held_bytes = interp.held_bytes  # this step's peak
             for _ in range(config.gradient_accumulation_steps):
                 loss = _loss(engine(*args, **kwargs))
                 with fakes.backward():
@@ -146,9 +147,11 @@ def _step_figures(engine, counts, before: dict, peak: int, state_bytes: int, per
     step = {k: counts[k] - before.get(k, 0) for k in STEP_COUNTS}
     step.update(peak_live_numel=peak, peak_live_bytes=peak * elem, param_shards=stats["param_shards"],
                 grad_partitions=grads, optimizer_state_bytes=state_bytes, persistent_param_bytes=persistent * elem,
-                buffer_bytes=stats["buffer_bytes"], reduce_buffer_bytes=stats["reduce_buffer_bytes"])
+                buffer_bytes=stats["buffer_bytes"], reduce_buffer_bytes=stats["reduce_buffer_bytes"],
+                peak_held_grad_bytes=engine.interp.peak_held_bytes)
     step["model_state_peak_bytes"] = (step["param_shards"] + grads + state_bytes + step["peak_live_bytes"]
-                                      + step["reduce_buffer_bytes"] + step["buffer_bytes"])
+                                      + step["reduce_buffer_bytes"] + step["peak_held_grad_bytes"]
+                                      + step["buffer_bytes"])
     return step
 
 
@@ -272,6 +275,7 @@ ROWS = (("all-gathers", "all_gather"), ("  on demand", "all_gather_on_demand"),
         ("param shards (fp32 masters)", "param_shards"), ("grad partitions (in a window)", "grad_partitions"),
         ("optimizer state", "optimizer_state_bytes"), ("persistent params (full)", "persistent_param_bytes"),
         ("module buffers", "buffer_bytes"), ("IPG bucket buffers", "reduce_buffer_bytes"),
+        ("held grads (peak)", "peak_held_grad_bytes"),
         ("model states at the peak", "model_state_peak_bytes"))
 
 
@@ -287,7 +291,7 @@ def _table(p: Plan) -> str:
         cells = [_fmt(key, s[key]) for s in p.steps]
         lines.append(f"{label:<{width}}" + "".join(f"{c:>16}" for c in cells))
     lines.append("model states at the peak = shards + grad partitions + optimizer state + peak live params "
-                 "+ bucket buffers + module buffers (activations not included)")
+                 "+ bucket buffers + held grads + module buffers (activations not included)")
     if p.guesses:
         lines.append(f"guessed: {len(p.guesses)} data-dependent read(s) of values the plan does not have "
                      "(the figures hold if the run takes the same branches):")

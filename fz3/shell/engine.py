@@ -120,8 +120,10 @@ class Engine(DeepSpeedSurface):
         self._watch_divergence()
         self.module_ids = {id(m): i for i, m in enumerate(self.tables.modules)}
         in_place = getattr(self.interp, "in_place_reduce_scatter", False)
+        hold = getattr(self.interp, "hold_budget", 0)
         # the engine's two cells: the core state, and the grad norm at the last boundary
-        self.state = Lifecycle(initial_state(self.spec), init_grad_state(self.spec, in_place_reduce_scatter=in_place),
+        self.state = Lifecycle(initial_state(self.spec), init_grad_state(self.spec, in_place_reduce_scatter=in_place,
+                                                                           hold_budget=hold),
                                initial_calls(self.spec, self.store.trainable))
         self.fresh_state = self.state  # what no event has touched yet (engine.compile() checks it)
         self._install()

@@ -34,6 +34,8 @@ def memory_stats(engine) -> dict[str, int]:
         "optimizer_state_bytes": tensor_bytes(state_tensors),
         "buffer_bytes": tensor_bytes(engine.module.buffers()),
         "reduce_buffer_bytes": engine.interp.bucket_bytes(),
+        "held_grad_bytes": getattr(engine.interp, "held_bytes", 0),
+        "peak_held_grad_bytes": getattr(engine.interp, "peak_held_bytes", 0),
         "pool_bytes": engine.interp.pool_bytes(),
         "device_allocated_bytes": engine.accelerator.memory_allocated(),
         "device_peak_bytes": engine.accelerator.max_memory_allocated(),

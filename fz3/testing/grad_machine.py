@@ -35,7 +35,7 @@ from fz3.core.grad.invariants import check_drained, check_grad_state, check_redu
 from fz3.interpreters.simulated import SimulatedWorld
 from fz3.testing.coverage import covered
 from fz3.testing.grad_naive import (COMMS, DTYPES, PATHS, PREDIVIDES, NaiveGrads, bucket_sizes,
-                                    check_placement, expected_placement, grad_multiple, grad_spec,
+                                    check_bucket_sizes, check_placement, expected_placement, grad_multiple, grad_spec,
                                     small_int_grads)
 
 
@@ -52,6 +52,7 @@ class GradMachine(RuleBasedStateMachine):
               overlap: bool, seed: int, comm: str | None, prescale: bool, predivide: float,
               in_place: bool, data: st.DataObject) -> None:
         bucket = data.draw(bucket_sizes([n for n, _ in params]), label="reduce_bucket_size")
+        self.hold = data.draw(st.one_of(st.just(0), bucket_sizes([n for n, _ in params])), label="hold_budget")
         self.config = Config(reduce_bucket_size=bucket, gradient_accumulation_steps=gas,
                              overlap_comm=overlap, communication_data_type=comm,
                              prescale_gradients=prescale, gradient_predivide_factor=predivide,
@@ -61,18 +62,19 @@ class GradMachine(RuleBasedStateMachine):
         tdtypes = [DTYPES[d] for d in self.dtypes]
         spec = grad_spec([n for n, _ in params], world_size)
         self.path, self.in_place = path, in_place
-        self.state = grads.init_grad_state(spec, in_place_reduce_scatter=in_place)
+        self.state = grads.init_grad_state(spec, in_place_reduce_scatter=in_place, hold_budget=self.hold)
         self.world = SimulatedWorld(spec, config=self.config, grad_dtypes=tdtypes)
         self.naive = NaiveGrads([n for n, _ in params], tdtypes, world_size)
         self.gen = torch.Generator().manual_seed(seed)
         self.task, self.seen, self.reported, self.log_start = 0, set(), [], 0
         note(f"W={world_size} params={params} path={path} in_place_reduce_scatter={in_place} "
-             f"{self.config}")
+             f"hold_budget={self.hold} {self.config}")
         self.situation = f"{path}, W={world_size}, {gas} micro-step{'s' if gas > 1 else ''}"
         covered("examples", "gradient lifecycle")
 
     def _run(self, effects: tuple) -> None:
         note(f"  -> {list(effects)}")
+        check_bucket_sizes(effects, self.path, self.in_place, self.config.reduce_bucket_size, self.hold)
         self.world.run(effects)
 
     def _window_open(self) -> bool:
@@ -108,7 +110,7 @@ class GradMachine(RuleBasedStateMachine):
         self.state, eff = grads.bucket_add(self.state, p, config=self.config,
                                            dtype=self.dtypes[p], graph_task=self.task)
         want = expected_placement(self.path, self.in_place, self.state.spec.params[p].numel,
-                                  self.config.reduce_bucket_size)
+                                  self.config.reduce_bucket_size, self.hold)
         check_placement(eff, p, want)
         covered("naive model", f"grad placed by {want or 'neither copy nor hold'} ({self.path})")
         self._run(eff)
@@ -203,3 +205,4 @@ class GradMachine(RuleBasedStateMachine):
         if hasattr(self, "state"):
             check_grad_state(self.state, config=self.config)
             assert self.state.in_place_reduce_scatter == self.in_place, "a static field changed"
+            assert self.state.hold_budget == self.hold, "a static field changed"

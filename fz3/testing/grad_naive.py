@@ -96,12 +96,31 @@ class NaiveGrads:
                                          f"({got.dtype}) != naive mean slice {want.tolist()}")
 
 
-def expected_placement(path: str, in_place: bool, numel: int, bucket_size: int) -> Optional[str]:
+def naive_capacity(path: str, in_place: bool, bucket_size: int, hold: int) -> int:
+    """A bucket's size: reduce_bucket_size, or the carrier's hold budget `hold` (0: none) where
+    grads are held and it is smaller."""
+    if PLACEMENT[path][in_place] == "HoldGrad" and hold:
+        return min(bucket_size, hold)
+    return bucket_size
+
+
+def expected_placement(path: str, in_place: bool, numel: int, bucket_size: int, hold: int = 0) -> Optional[str]:
     """The effect (by name) bucket_add must give a grad of `numel` on `path`, or None: a grad
-    bigger than the whole bucket is never placed (reduced alone, from param.grad)."""
-    if numel > bucket_size:
+    bigger than the whole bucket (naive_capacity) is never placed (reduced alone, from
+    param.grad)."""
+    if numel > naive_capacity(path, in_place, bucket_size, hold):
         return None
     return PLACEMENT[path][in_place]
+
+
+def check_bucket_sizes(effects: Sequence[object], path: str, in_place: bool, bucket_size: int, hold: int) -> None:
+    """Every reduce of several grads fits naive_capacity: held grads never wait for a whole
+    reduce_bucket_size when the carrier's hold budget is smaller."""
+    most = naive_capacity(path, in_place, bucket_size, hold)
+    for e in effects:
+        if type(e).__name__ == "ReduceBucket" and len(e.slots) > 1 and sum(s.numel for s in e.slots) > most:
+            raise AssertionError(f"{e} reduces {sum(s.numel for s in e.slots)} elements, more than the "
+                                 f"bucket's {most} (reduce_bucket_size {bucket_size}, hold budget {hold})")
 
 
 def check_placement(effects: Sequence[object], param: int, want: Optional[str]) -> None:
@@ -128,6 +147,7 @@ class Scenario(NamedTuple):
     prescale: bool = False  # prescale_gradients
     predivide: float = 1.0  # gradient_predivide_factor
     in_place: bool = False  # the reduce-scatter reads grads in place (grads are held)
+    hold: int = 0  # the carrier's hold budget (init_grad_state's hold_budget; 0: none)
 
     def config(self, path: str) -> Config:
         return Config(reduce_bucket_size=self.bucket_size, overlap_comm=self.overlap_comm,
@@ -141,7 +161,7 @@ def scenarios(draw: st.DrawFn, max_params: int = 6) -> Scenario:
     """World sizes 1-4, numels 0-40, buckets from 1 element (often at an edge), 1-4 micro-steps,
     each a whole backward (in reverse param order or shuffled) or any run of reports, flushes
     and new graph tasks; any comm dtype, prescale on or off, a predivide factor, grads held by
-    an in-place reduce-scatter or not."""
+    an in-place reduce-scatter or not, under a hold budget or none."""
     params = draw(st.lists(st.tuples(st.integers(0, 40), st.sampled_from(sorted(DTYPES))),
                            min_size=1, max_size=max_params))
     n = len(params)
@@ -154,7 +174,8 @@ def scenarios(draw: st.DrawFn, max_params: int = 6) -> Scenario:
     bucket = draw(bucket_sizes([p[0] for p in params]))
     return Scenario(draw(st.integers(1, 4)), tuple(params), bucket, draw(st.booleans()),
                     draw(st.integers(0, 2**32 - 1)), tuple(steps), draw(st.sampled_from(COMMS)),
-                    draw(st.booleans()), draw(st.sampled_from(PREDIVIDES)), draw(st.booleans()))
+                    draw(st.booleans()), draw(st.sampled_from(PREDIVIDES)), draw(st.booleans()),
+                    draw(st.one_of(st.just(0), bucket_sizes([p[0] for p in params]))))
 
 
 def bucket_sizes(numels: Sequence[int]) -> st.SearchStrategy[int]:
@@ -176,7 +197,7 @@ def run_scenario(sc: Scenario, path: str) -> tuple[SimulatedWorld, GradState, Na
     dtypes = [DTYPES[d] for _, d in sc.params]
     world = SimulatedWorld(spec, config=config, grad_dtypes=dtypes)
     naive = NaiveGrads([n for n, _ in sc.params], dtypes, sc.world_size)
-    state = grads.init_grad_state(spec, in_place_reduce_scatter=sc.in_place)
+    state = grads.init_grad_state(spec, in_place_reduce_scatter=sc.in_place, hold_budget=sc.hold)
     gen = torch.Generator().manual_seed(sc.seed)
     for actions in sc.micro_steps:
         start, reported, task, seen = len(world.log), [], 0, set()
@@ -199,8 +220,9 @@ def run_scenario(sc: Scenario, path: str) -> tuple[SimulatedWorld, GradState, Na
                 state, eff = grads.bucket_add(state, p, config=config, dtype=sc.params[p][1],
                                               graph_task=task)
                 check_placement(eff, p, expected_placement(path, sc.in_place, sc.params[p][0],
-                                                           sc.bucket_size))
+                                                           sc.bucket_size, sc.hold))
             world.run(eff)
+            check_bucket_sizes(eff, path, sc.in_place, sc.bucket_size, sc.hold)
             check_grad_state(state, config=config)
         state, eff = ep.epilogue(state, config=config)
         world.run(eff)

@@ -4,7 +4,8 @@
         |  bucket_add(p, dtype)
         v
     open IPG bucket of the comm dtype (communication_data_type, else the grad's `dtype`):
-    slots (param, offset, numel), fill <= reduce_bucket_size
+    slots (param, offset, numel), fill <= capacity: reduce_bucket_size (held grads: at most
+    the carrier's hold budget)
         |  the grad gets there by (grad_route, [Note: copy or hold]):
         |    CopyToBucket   copied into the flat bucket buffer   contiguous_gradients
         |    HoldGrad       kept as it is, read in place         ... with reduce_scatter and a
@@ -41,6 +42,16 @@ slice straight from each grad, so the copy would only stage it: with such a carr
 (`init_grad_state(..., in_place_reduce_scatter=True)`) and reduce_scatter on, a placed grad is
 held instead (HoldGrad), saving the copy and the bucket's memory. The interpreter says what its
 carrier does; the choice is made here, where the machines see it (fz3/testing/grad_machine.py).
+
+[Note: hold budget] A held grad is the grad autograd made, kept whole until its bucket is
+reduced, so an open bucket of held grads holds reduce_bucket_size elements of grads beside the
+model (DeepSpeed's default 5e8: 2 GB per rank in fp32, whatever the model) while the carrier
+gains nothing from that batching: it sends grad by grad, and packs only the small ones
+(fz3/core/messages.py). The interpreter says how many elements its carrier gains from batching
+(`hold_budget`, init_grad_state), and held buckets are reduced at the smaller of that and
+reduce_bucket_size (`capacity`). A copied bucket keeps reduce_bucket_size: the one buffer it
+copies into is the memory DeepSpeed's users sized, and a collective over it is what batching
+buys.
 
 [Note: reentrant checkpointing] A param used inside and outside a reentrant-checkpointed region
 fires its grad hook once per graph task. The shell passes the graph task; a second report in a
@@ -123,16 +134,24 @@ class GradState(NamedTuple):
     skipped: int = 0  # windows closed without an optimizer step: a non-finite grad norm
     applied: bool = False  # the last window closed with an optimizer step (DeepSpeed's
     # was_step_applied; False before the first)
+    # static: held buckets are reduced at this many elements at most (0: no budget beyond
+    # reduce_bucket_size; [Note: hold budget])
+    hold_budget: int = 0
 
 
-def init_grad_state(spec: ModelSpec, *, in_place_reduce_scatter: bool = False) -> GradState:
+def init_grad_state(spec: ModelSpec, *, in_place_reduce_scatter: bool = False,
+                    hold_budget: int = 0) -> GradState:
     """The state before the first backward: no buckets, no grads, micro_step 0.
 
     `in_place_reduce_scatter`: the interpreter's reduce-scatter carrier reads each grad in place
     (its `in_place_reduce_scatter`); grads are then held rather than copied (`grad_route`).
+    `hold_budget`: elements of held grads the carrier gains from batching (its `hold_budget`;
+    0: none beyond reduce_bucket_size), [Note: hold budget].
     """
+    if isinstance(hold_budget, bool) or not isinstance(hold_budget, int) or hold_budget < 0:
+        raise ValueError(f"init_grad_state: hold_budget must be an int >= 0 (0: no budget), got {hold_budget!r}")
     return GradState(spec, PVec([UNSEEN] * len(spec.params)), (), 0, 0, 0, 0,
-                     in_place_reduce_scatter)
+                     in_place_reduce_scatter, hold_budget=hold_budget)
 
 
 def resumed(state: GradState, *, window: int, backward: int, skipped: int = 0) -> GradState:
@@ -140,7 +159,8 @@ def resumed(state: GradState, *, window: int, backward: int, skipped: int = 0) -
     also counts the skipped windows). Per-param records left by training before the load could
     equal the restored counters and turn a window's first write into an add, so none is kept;
     the static carrier flag stays."""
-    return init_grad_state(state.spec, in_place_reduce_scatter=state.in_place_reduce_scatter)._replace(
+    return init_grad_state(state.spec, in_place_reduce_scatter=state.in_place_reduce_scatter,
+                           hold_budget=state.hold_budget)._replace(
         window=window, backward=backward, skipped=skipped)
 
 
@@ -153,7 +173,7 @@ def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str =
     ([Note: no grad, no step]).
 
     Flushes that bucket first if the grad would overflow it; a grad larger than the whole bucket
-    is reduced on its own, straight from param.grad. Raises GradError, naming the param, if it
+    is reduced on its own, straight from param.grad. The bucket's size is `capacity`. Raises GradError, naming the param, if it
     was already reported in this backward and graph task, or if the window is complete.
     DeepSpeed: `reduce_ready_partitions_and_remove_grads` -> `__add_grad_to_ipg_bucket`.
     """
@@ -169,13 +189,14 @@ def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str =
         state, eff = flush(state, config=config, dtype=stale.dtype)
         effects += eff
     numel = state.spec.params[param].numel
+    most = capacity(config, in_place_reduce_scatter=state.in_place_reduce_scatter, hold_budget=state.hold_budget)
     bucket = _bucket_of(state, comm)
-    if bucket is not None and not fits(bucket.fill, numel, config.reduce_bucket_size):
+    if bucket is not None and not fits(bucket.fill, numel, most):
         state, eff = flush(state, config=config, dtype=comm)
         effects += eff
     state = state._replace(params=state.params.set(param, state.params[param]._replace(
         reported=state.backward, task=graph_task, got=pg.got if stand_in else state.window)))
-    if numel > config.reduce_bucket_size:
+    if numel > most:
         state, eff = _reduce_alone(state, param, comm, config)
     else:
         state, eff = _place(state, param, comm, config)
@@ -229,6 +250,16 @@ def grad_route(state: GradState, config: Config) -> Optional[type[CopyToBucket] 
     if state.in_place_reduce_scatter and config.reduce_scatter:
         return HoldGrad
     return CopyToBucket
+
+
+def capacity(config: Config, *, in_place_reduce_scatter: bool, hold_budget: int) -> int:
+    """Elements an IPG bucket takes before it is reduced: reduce_bucket_size, or the carrier's
+    hold budget when that is smaller and grads are held ([Note: hold budget]). The interpreter
+    sizes its reduce buffers by it."""
+    held = config.contiguous_gradients and config.reduce_scatter and in_place_reduce_scatter
+    if held and hold_budget:
+        return min(config.reduce_bucket_size, hold_budget)
+    return config.reduce_bucket_size
 
 
 def grad_predivide(world_size: int, config: Config) -> float:

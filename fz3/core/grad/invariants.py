@@ -5,7 +5,8 @@ debug mode (`fz3.Options.debug_checks`). Each raises InvariantError naming what 
 whole bucket or log, so they are for checking, never for the hot path.
 
     check_grad_state   buckets: one per dtype, slots packed from 0 without overlap, fill adds
-                       up and fits reduce_bucket_size, each slot's param points back at it;
+                       up and fits the capacity (reduce_bucket_size, or the hold budget
+                       when smaller and grads are held), each slot's param points back at it;
                        0 <= micro_step <= gradient_accumulation_steps
     check_reduce_log   one backward's effects: every reported grad reduced exactly once, each
                        reduce followed by one write per slot and one DropGrads; a contiguous
@@ -22,7 +23,7 @@ from typing import Optional, Sequence, Union
 from fz3.config.config import Config
 from fz3.core.effects import (CopyToBucket, DropGrads, HoldGrad, ReduceBucket, WaitReduce,
                               WritePartition)
-from fz3.core.grad.grads import GradState
+from fz3.core.grad.grads import GradState, capacity
 from fz3.core.ids import ParamId
 from fz3.core.param.invariants import InvariantError
 
@@ -57,8 +58,11 @@ def check_grad_state(state: GradState, *, config: Config) -> None:
             offset += s.numel
         if offset != b.fill:
             _fail(f"bucket {b.id}: fill {b.fill} != sum of slot numels {offset}")
-        if b.fill > config.reduce_bucket_size:
-            _fail(f"bucket {b.id}: fill {b.fill} > reduce_bucket_size {config.reduce_bucket_size}")
+        most = capacity(config, in_place_reduce_scatter=state.in_place_reduce_scatter,
+                        hold_budget=state.hold_budget)
+        if b.fill > most:
+            _fail(f"bucket {b.id}: fill {b.fill} > its capacity {most} (reduce_bucket_size "
+                  f"{config.reduce_bucket_size}, hold budget {state.hold_budget})")
         dup = [p for p, n in Counter(s.param for s in slots).items() if n > 1]
         if dup:
             _fail(f"bucket {b.id} holds params {dup} more than once")
