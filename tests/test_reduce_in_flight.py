@@ -66,20 +66,24 @@ def test_at_most_one_reduce_in_flight_and_two_buckets_held():
             assert seen["held"] <= 2 * 2 * LAYER, f"rank {rank} {extra}: {seen}"
 
 
-def _reduce_buffers(rank: int, world: int) -> list[int]:
-    """Most pooled buffers at once that are not a param's size (a reduce's), per reduce carrier,
-    over two steps of a stack whose layers (and so buckets) differ in size."""
+def _reduce_buffers(rank: int, world: int) -> list[tuple[int, int]]:
+    """Most pooled buffers at once that are not a param's size (a reduce's), and most packed
+    groups' staging buffers at once (GROUP_MOST elements each, fz3/interpreters/carriers.py
+    P2P.stage), per reduce carrier, over two steps of a stack whose layers (and so buckets)
+    differ in size."""
+    from fz3.core.messages import GROUP_MOST
     out = []
     for extra in CARRIERS[:2]:
-        most = [0]
+        most = [0, 0]
 
         def look(engine) -> None:  # the gathers' buffers (all_gather p2p) are one per param
             sizes = {p.numel for p in engine.store.spec.params}
             pooled = [t for held in engine.interp.buffers_pool.buffers.values() for t in held]
-            most[0] = max(most[0], sum(t.numel() not in sizes for t in pooled))
+            most[0] = max(most[0], sum(t.numel() not in sizes and t.numel() != GROUP_MOST for t in pooled))
+            most[1] = max(most[1], sum(t.numel() == GROUP_MOST for t in pooled))
 
         _train_watching(rank, [32, 48, 24, 40, 32, 56, 16, 32, 32], extra, look)
-        out.append(most[0])
+        out.append(tuple(most))
     return out
 
 
@@ -87,5 +91,7 @@ def test_one_pooled_buffer_serves_every_bucket_size():
     """[Note: one size per reduce buffer] in fz3/interpreters/dist.py: a pooled buffer per bucket
     size stayed in the pool through the backward (300 MiB per rank on the 0.3 B GPT)."""
     for rank, most in enumerate(launch.run(_reduce_buffers, world_size=2, timeout=200)):
-        # p2p: the receive scratch; native: the packed input and the output
-        assert most == [1, 2], f"rank {rank}: pooled reduce buffers at once, per carrier {most}"
+        # p2p: the receive scratch; native: the packed input and the output. Staging: a p2p
+        # gather's packed send and receive, and (p2p reduce) the packed send, one size for all
+        assert [m[0] for m in most] == [1, 2], f"rank {rank}: pooled reduce buffers at once, per carrier {most}"
+        assert [m[1] for m in most] == [3, 2], f"rank {rank}: staging buffers at once, per carrier {most}"

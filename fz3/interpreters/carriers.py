@@ -97,6 +97,12 @@ class P2P(Carrier):
         self.tags = itertools.count(1)  # message tags unchecked: the same sequence on every rank (SPMD)
         self.grouped: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}  # params -> groups
 
+    def stage(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A packed group's staging buffer: cut from a pooled one of GROUP_MOST elements, the most
+        a group holds, so one size serves every group ([Note: one size per reduce buffer] in
+        dist.py); pages a small group never touches are never resident."""
+        return self.ctx.reduce_buffer(numel, dtype, messages.GROUP_MOST)
+
     def groups(self, params: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """The message groups of a collective over `params` (fz3.core.messages), made once per
         param set: the trace repeats them every step."""
@@ -135,7 +141,7 @@ class P2P(Carrier):
         fulls = [it.take(it.spec.params[p].numel, shards[0].dtype) for p in ps]
         posted, tag = self.tag(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
         with it.on(it.gather_stream):
-            work = p2p.all_gather(fulls, shards, it.comm, tag=tag, groups=self.groups(ps), take=it.take)
+            work = p2p.all_gather(fulls, shards, it.comm, tag=tag, groups=self.groups(ps), take=self.stage)
         return self.posted(work, posted), (lambda: fulls), None
 
     def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
@@ -146,7 +152,7 @@ class P2P(Carrier):
         posted, tag = self.tag(agreement.REDUCE, params, sum(s.numel for s in e.slots))
         with it.on(it.reduce_stream):
             work, reduced = p2p.reduce_scatter(grads, keep, it.comm, tag=tag, groups=self.groups(params),
-                                               take=it.take)
+                                               take=self.stage)
         return self.posted(work, posted), (lambda: dict(zip(params, reduced()))), keep
 
 
