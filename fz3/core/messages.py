@@ -6,9 +6,9 @@ A collective effect (AllGather, ReduceBucket) is already over a group of params.
 messages it costs is the carrier's count of sends: the backend's own collectives (NCCL, HCCL,
 gloo's) pack the whole effect into one flat buffer, while the point-to-point carrier sends each
 param's slice straight from where it lies, with no staging copy. For a large param that is the
-point; for a small one the message costs more than its bytes (about 30 us a send on gloo here,
-where a 4-KiB copy costs well under 1 us): the deep narrow benchmark GPT's ~200 params cost ~400
-sends a step, a third of fz3's step (issue #27).
+point; for a small one the message costs more than its bytes: issue #27's timers put ~395 sends
+and ~395 receives a step at ~23 ms of the deep narrow benchmark GPT's 61 ms, about 30 us each,
+far more than copying a few KiB.
 
 So the small params of an effect are packed: every param of at most `small` elements joins the
 current group until the group would pass `most` elements, then a new group starts; a larger

@@ -3,6 +3,9 @@ the collectives (dist.py) and the one that only plans them (planned.py), so a pl
 bytes are the real run's by construction.
 
     carriers(options, backend)  -> (gather_by, reduce_scatter_by): "p2p" | "all_reduce" | "native"
+    bucket_capacity(...)         the largest bucket a reduce can get, in elements (fz3.core.grad.
+                                 grads.capacity under the reduce-scatter carrier's route and hold
+                                 budget, at most the trainable elements)
                                    (gloo: Options.gloo_all_gather / gloo_reduce_scatter; nccl and
                                    hccl: their own collectives)
     count_gather(counts, ...)    all_gather, all_gather_via_<carrier>, _prefetch | _on_demand,
@@ -19,10 +22,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
+from fz3.config.config import Config
 from fz3.config.options import Options
+from fz3.core.grad import grads
 from fz3.core.effects import ReduceBucket
 from fz3.core.spec import ModelSpec
 from fz3.data.layout import rank_span
+from fz3.interpreters.carriers import CARRIERS
 
 
 def carriers(options: Options, backend: str) -> tuple[str, str]:
@@ -30,6 +36,14 @@ def carriers(options: Options, backend: str) -> tuple[str, str]:
     if backend == "gloo":
         return options.gloo_all_gather, options.gloo_reduce_scatter
     return "native", "native"
+
+
+def bucket_capacity(config: Config, reduce_scatter_by: str, store) -> int:
+    """Elements the largest bucket can hold: what the reduce buffers are sized by."""
+    carrier = CARRIERS[reduce_scatter_by]
+    trainable = sum(s.numel for s, t in zip(store.spec.params, store.trainable) if t)
+    return max(1, min(grads.capacity(config, in_place_reduce_scatter=carrier.reads_grads_in_place,
+                                     hold_budget=carrier.hold_budget), trainable))
 
 
 def count_gather(counts: Counter, *, carrier: str, shard_numel: int, world_size: int,

@@ -53,7 +53,6 @@ import torch
 from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               HoldGrad, ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
-from fz3.core.grad import grads
 from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import BufferPool
 from fz3.interpreters import accounting, agreement, carriers, p2p
@@ -101,10 +100,7 @@ class DistInterpreter:
         self.reduced: dict[BucketId, dict[int, torch.Tensor]] = {}
         self.buffers: dict[BucketId, torch.Tensor] = {}
         self.pool: dict[str, list[torch.Tensor]] = {}
-        trainable = sum(s.numel for s, t in zip(self.spec.params, store.trainable) if t)
-        rs = carriers.CARRIERS[self.reduce_scatter_by]
-        self.bucket_capacity = max(1, min(grads.capacity(config, in_place_reduce_scatter=rs.reads_grads_in_place,
-                                                         hold_budget=rs.hold_budget), trainable))
+        self.bucket_capacity = accounting.bucket_capacity(config, self.reduce_scatter_by, store)
         # [Note: one size per reduce buffer] Buckets differ in size (the grad that overflows one
         # starts the next), and a pooled buffer is reused only for a take of the same size: a
         # buffer per bucket size stayed in the pool through the backward, 300 MiB per rank on

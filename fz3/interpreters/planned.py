@@ -26,7 +26,6 @@ from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               HoldGrad, ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core import messages
-from fz3.core.grad import grads
 from fz3.core.ids import Handle
 from fz3.interpreters import accounting, carriers
 from fz3.config.options import Options
@@ -39,10 +38,7 @@ class PlanInterpreter:
         self.spec = store.spec
         self.gather_by, self.reduce_scatter_by = accounting.carriers(options, backend)
         self.coalesce_numel = options.gloo_coalesce_numel
-        trainable = sum(s.numel for s, t in zip(self.spec.params, store.trainable) if t)
-        rs = carriers.CARRIERS[self.reduce_scatter_by]
-        self.bucket_capacity = max(1, min(grads.capacity(config, in_place_reduce_scatter=rs.reads_grads_in_place,
-                                                         hold_budget=rs.hold_budget), trainable))
+        self.bucket_capacity = accounting.bucket_capacity(config, self.reduce_scatter_by, store)
         self.bucket_dtypes: set[str] = set()  # one IPG buffer per comm dtype, made at first use
         self.gathers: dict[Handle, tuple[int, ...]] = {}
         self.fulls: dict[int, torch.Tensor] = {}  # param -> its full value, reused by every gather
