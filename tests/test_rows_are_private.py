@@ -27,6 +27,8 @@ ROW_VECTORS = {"param_rows", "module_rows"}  # ParamState's fields holding the r
 def sources():
     for folder in ("fz3", "tests", "property_tests", "examples", "bench"):
         for path in sorted((ROOT / folder).rglob("*.py")):
+            if any(part.startswith(".") for part in path.relative_to(ROOT).parts):
+                continue  # bench/.env (bench/setup_env.sh's virtualenv) and other hidden folders
             if path.name.endswith("_teeth.py"):
                 continue  # planted bugs reach into the rows on purpose (a forgotten old row, ...)
             yield path.relative_to(ROOT).as_posix(), ast.parse(path.read_text(), str(path))
