@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA/NCCL check, prepared for the day a GPU is lent (issue #27 point 6): one command,
-# sized for under 8 minutes on one GPU (not yet timed on one), that writes what it saw to files.
+# about 5 minutes on one H200 (281 s on 2026-12-04, bench/RESULTS.md), that writes what it saw to files.
 #
 #   bench/gpu.sh [--out DIR] [--cpu] [--quick]
 #
@@ -33,8 +33,8 @@ done
 mkdir -p "$out" || { echo "bench/gpu.sh: cannot create --out folder '$out'" >&2; exit 2; }
 export PYTHONUNBUFFERED=1 FZ3_DEVICE="$device"
 
-# 1. what the machine lacks
-if ls .whl/*.whl >/dev/null 2>&1; then
+# 1. what the machine lacks (the wheels are the device's: --cpu runs in this checkout's own env)
+if [ "$device" = cuda ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "bench/gpu.sh: installing the carried wheels failed" >&2; exit 1; }
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"

@@ -58,11 +58,13 @@ def init_from_env(timeout_s: float = 300, backend: str | None = None) -> tuple[i
 
 def _init_group(backend: str | None, timeout_s: float, **rendezvous: int) -> None:
     """Pick this rank's device, make it current, then init the group on its backend: NCCL
-    binds a rank to the device that is current when the group is made."""
+    binds a rank to the device that is current when the group is made, and is told which one
+    (device_id), so it need not guess from the global rank (it warns that a guess can hang)."""
     device = pick_device()
     backend = backend_for(device, backend)
     device.set_device()
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **rendezvous)
+    bind = {"device_id": device.torch_device} if backend == "nccl" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **bind, **rendezvous)
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any],

@@ -94,7 +94,7 @@ def test_check_group_backend_refuses_a_group_that_does_not_fit(monkeypatch, mach
 
 
 @pytest.mark.parametrize("machine, env, backend, want", [
-    (CUDA, {"LOCAL_RANK": "1"}, None, [("set_device_index", 1), ("init", "nccl")]),
+    (CUDA, {"LOCAL_RANK": "1"}, None, [("set_device_index", 1), ("init", "nccl", "cuda:1")]),
     (NPU, {}, None, [("set_device_index", 0), ("init", "hccl")]),
     (NPU, {}, "cpu:gloo,npu:hccl", [("set_device_index", 0), ("init", "cpu:gloo,npu:hccl")]),
     ({}, {}, None, [("init", "gloo")]),
@@ -107,7 +107,8 @@ def test_init_from_env_sets_the_device_then_inits_its_backend(monkeypatch, machi
     monkeypatch.setattr(launch, "pick_device",
                         lambda: pick_device(env=env, probe=FakeProbe(**machine), torch_module=tm))
     monkeypatch.setattr(dist, "is_initialized", lambda: want == "initialised")
-    monkeypatch.setattr(dist, "init_process_group", lambda b, timeout: log.append(("init", b)))
+    monkeypatch.setattr(dist, "init_process_group",  # NCCL is told its device (device_id)
+                        lambda b, timeout, **kw: log.append(("init", b, *map(str, kw.values()))))
     monkeypatch.setattr(dist, "get_rank", lambda: 3)
     monkeypatch.setattr(dist, "get_world_size", lambda: 8)
     if want is ValueError:

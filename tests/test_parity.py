@@ -44,6 +44,7 @@ pytestmark = pytest.mark.timeout(600)  # the first test per world size launches 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 BF16_LOSS = dict(rtol=2e-2, atol=2e-3)
 BF16_PARAM = dict(rtol=2e-2, atol=6e-3)
+GLOO = parity.device().type == "cpu"  # the ranks' backend: gloo on the CPU (FZ3_DEVICE, else picked)
 STATS_KEYS = {"all_gather", "all_gather_on_demand", "all_gather_prefetch", "all_gather_via_all_reduce",
               "all_gather_via_native", "all_gather_via_p2p", "gathered_bytes", "reduce",
               "reduce_all_reduce", "reduce_p2p", "reduce_reduce_scatter", "reduced_bytes",
@@ -141,17 +142,20 @@ def check_model(model: str, world_size: int) -> None:
             assert r.train_prefetch > 0, f"{where}: prefetch never ran in a training pass"
         if model not in DYNAMIC_ORDER:  # the same module order every pass: the trace completes
             assert r.train_trace == "COMPLETE", f"{where}: training trace {r.train_trace}"
-        # the collective each reduce and gather ran: the one its config names
+        # the collective each reduce and gather ran: the one its config names on gloo, the
+        # backend's own (native) on nccl / hccl, where the gloo switches mean nothing
+        gather_by, scatter_by = ((opts.gloo_all_gather, opts.gloo_reduce_scatter) if GLOO
+                                 else ("native", "native"))
         rs_by = {"p2p": "reduce_p2p", "native": "reduce_reduce_scatter", "all_reduce": "reduce_all_reduce"}
-        want = rs_by[opts.gloo_reduce_scatter] if cfg.reduce_scatter else "reduce_all_reduce"
+        want = rs_by[scatter_by] if cfg.reduce_scatter else "reduce_all_reduce"
         used = {k: r.stats[k] for k in rs_by.values() if r.stats[k]}
         assert used == ({want: r.stats["reduce"]} if r.stats["reduce"] else {}), (where, used)
         used = {k: r.stats[k] for k in r.stats if k.startswith("all_gather_via_") and r.stats[k]}
         # a p2p reduce-scatter sends straight from the grads: no IPG bucket buffer is allocated
-        if cfg.reduce_scatter and opts.gloo_reduce_scatter == "p2p":
+        if cfg.reduce_scatter and scatter_by == "p2p":
             assert r.stats["reduce_buffer_bytes"] == 0, (where, r.stats["reduce_buffer_bytes"])
         n = r.stats["all_gather"]
-        assert used == ({f"all_gather_via_{opts.gloo_all_gather}": n} if n else {}), (where, used)
+        assert used == ({f"all_gather_via_{gather_by}": n} if n else {}), (where, used)
         if cfg.max_live_parameters < 10**6:
             chain = cfg.max_live_parameters + max(r.chains)
             assert peak <= chain or model in CHAIN_EXCEPTIONS, (

@@ -153,6 +153,22 @@ class InjectedError(RuntimeError):
     """The error a forward pre-hook raises in the second submodule call of a pass."""
 
 
+def device() -> torch.device:
+    """Where this process trains: the device fz3 picks (FZ3_DEVICE, else NPU, CUDA, CPU). The
+    reference trains there too, so a CUDA run compares CUDA kernels with CUDA kernels."""
+    from fz3.shell.pick import pick_device
+    return pick_device().torch_device
+
+
+def on(batch: tuple, where: torch.device) -> tuple:
+    return tuple(t.to(where) for t in batch)
+
+
+def cpu_state(state: dict) -> dict:
+    """A state dict on the CPU, dtypes kept: what a rank sends back and the tests compare."""
+    return {k: v.cpu() for k, v in state.items()}
+
+
 def evaluate(m, net: nn.Module, spec, batch: tuple, i: int, how: str) -> float:
     """One forward-only pass of `m` (an engine or a plain model whose module is `net`)."""
     if how == "inference_mode":
@@ -247,8 +263,9 @@ def train(model: str, config_name: str, rank: int, world_size: int) -> Result:
     net, engine = _engine(model, config_named(config_name), optimizer_for(config_name), options_named(config_name))
     res = Result()
     watch = LiveWatch(engine)
+    where = device()
     for i in range(STEPS * GAS + 1):
-        b = rank_slice(spec.batch(i), rank, world_size)
+        b = on(rank_slice(spec.batch(i), rank, world_size), where)
         if i in EVALS:
             res.eval_losses.append(evaluate(engine, net, spec, b, i, EVALS[i]))
         if i == STEPS * GAS:
@@ -268,7 +285,7 @@ def train(model: str, config_name: str, rank: int, world_size: int) -> Result:
             res.lrs.append(engine.get_lr())
         if model == "moe":
             res.experts.append(net.moe.last_used)
-    res.state = {k: v.float() for k, v in engine.full_state_dict().items()}
+    res.state = {k: v.float() for k, v in cpu_state(engine.full_state_dict()).items()}
     res.stats = engine.stats()
     res.units, res.chains = unit_bounds(engine)
     res.persistent_numel = sum(p.numel for p in engine.spec.params if p.persistent)
@@ -304,21 +321,21 @@ def api_probes(rank: int, world_size: int) -> dict:
         if rank == 0:
             qkv.data.fill_(0.25)
             net.blocks[0].proj.bias.data.add_(1.0)
-    out["after_modify"] = engine.full_state_dict()
+    out["after_modify"] = cpu_state(engine.full_state_dict())
     out["status_after"] = engine.param_status(qkv)
     with fz3.gathered_parameters([net.wte.weight, net.ln_f.bias], modifier_rank=None):
         net.wte.weight.data.mul_(rank + 2.0)
         net.ln_f.bias.data.fill_(float(rank))
-    out["after_discard"] = engine.full_state_dict()
+    out["after_discard"] = cpu_state(engine.full_state_dict())
     spec = MODELS["gpt"]
     losses = []
     for i in range(GAS):  # the edited weights are the ones the next forward uses
-        loss = spec.loss(engine, rank_slice(spec.batch(i), rank, world_size), i)
+        loss = spec.loss(engine, on(rank_slice(spec.batch(i), rank, world_size), device()), i)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
     out["losses_after_edit"] = losses
-    out["state_after_edit_step"] = engine.full_state_dict()
+    out["state_after_edit_step"] = cpu_state(engine.full_state_dict())
     return out
 
 
@@ -359,9 +376,11 @@ def reference(model: str, world_size: int, optimizer: str, *, clip: float = 0.0,
     and the same param groups and lr scheduler. See [Note: the reference]. `edit(net)` changes
     weights before training."""
     spec = MODELS[model]
+    where = device()
     net = spec.build()
     if edit is not None:
         edit(net)
+    net.to(where)
     opt = make_optimizer(optimizer, net)
     sched = make_scheduler(opt)
     trainable = [p for p in net.parameters() if p.requires_grad]
@@ -369,15 +388,15 @@ def reference(model: str, world_size: int, optimizer: str, *, clip: float = 0.0,
 
     def forward_only(i: int) -> None:
         if evals and i in EVALS:
-            out.eval_losses.append([evaluate(net, net, spec, rank_slice(spec.batch(i), r, world_size), i,
-                                             EVALS[i]) for r in range(world_size)])
+            out.eval_losses.append([evaluate(net, net, spec, on(rank_slice(spec.batch(i), r, world_size), where),
+                                             i, EVALS[i]) for r in range(world_size)])
 
     for step in range(steps):
         for p in trainable:
             p.grad = None
         for i in range(step * GAS, (step + 1) * GAS):
             forward_only(i)
-            batch = spec.batch(i)
+            batch = on(spec.batch(i), where)
             per_rank = []
             for r in range(world_size):
                 loss = spec.loss(net, rank_slice(batch, r, world_size), i)
@@ -389,5 +408,5 @@ def reference(model: str, world_size: int, optimizer: str, *, clip: float = 0.0,
         sched.step()
         out.lrs.append([g["lr"] for g in opt.param_groups])
     forward_only(steps * GAS)
-    out.state.update({k: v.detach().clone() for k, v in net.state_dict().items()})
+    out.state.update(cpu_state({k: v.detach().clone() for k, v in net.state_dict().items()}))
     return out

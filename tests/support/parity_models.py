@@ -93,7 +93,7 @@ class TinyGPT(nn.Module):
         self.lm_head.weight = self.wte.weight  # tied: one Parameter, two modules
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1])
+        pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)  # (B, L, D)
         for block in self.blocks:
             x = block(x)
