@@ -165,7 +165,7 @@ def compile_engine(engine, backend, compile_kwargs: dict | None, schedule, compi
     if "backend" in kwargs:
         raise ValueError(f"engine.compile: backend given twice ({backend!r} and compile_kwargs['backend']="
                          f"{kwargs['backend']!r}); pass it as backend= only")
-    if engine.state is not engine.fresh_state:
+    if not engine.untouched:
         raise RuntimeError("engine.compile() after the engine ran a forward (or gathered params): its fetch "
                            "units are fixed by then. Call engine.compile() right after initialize, before "
                            "the first forward (as DeepSpeed scripts and Accelerate do), or compile the "

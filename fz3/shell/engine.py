@@ -125,7 +125,10 @@ class Engine(DeepSpeedSurface):
         self.state = Lifecycle(initial_state(self.spec), init_grad_state(self.spec, in_place_reduce_scatter=in_place,
                                                                            hold_budget=hold),
                                initial_calls(self.spec, self.store.trainable))
-        self.fresh_state = self.state  # what no event has touched yet (engine.compile() checks it)
+        # no event has run yet (engine.compile() checks it). A flag, not the first state kept for
+        # an identity check: an old state keeps every later version's diffs alive (pvec.py), so
+        # holding the first one grew the heap by every change ever made (~0.5 MiB a step, deep GPT)
+        self.untouched = True
         self._install()
 
     def units_changed(self) -> None:
@@ -162,6 +165,7 @@ class Engine(DeepSpeedSurface):
         if self.stopped is not None:  # the one check a hook pays for it
             self._refuse_if_stopped()
         self.state, effects = self.update(self.state, event, config=self.config)
+        self.untouched = False
         tree = self._run(effects, tree)
         if self.options.debug_checks:
             checks.after_event(self.state, effects, self.config)
