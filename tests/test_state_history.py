@@ -1,4 +1,4 @@
-"""A long run keeps no history of the core state: the heap does not grow with the steps.
+"""What a run keeps: no history of the core state, and nothing once the user lets go.
 
 The core's state is persistent (fz3/core/pvec.py): an old version of a PVec reaches the diffs of
 every later version, so anything that keeps one old state alive keeps every change made since,
@@ -11,6 +11,7 @@ and freed (every step changes every row): the count must not grow.
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -51,3 +52,23 @@ def test_the_heap_does_not_grow_with_the_steps(gas):
     counts = run_threads(_train, 2, args=(gas,))[0]
     # 30 steps between the counts: a kept state would have added thousands of versions
     assert counts[1] <= counts[0] + 8, counts
+
+
+def _made(rank: int, world: int) -> tuple:
+    import fz3
+    from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
+    model = GPT(GPTConfig(vocab=32, d_model=8, n_head=2, n_layer=2, seq=8))
+    engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), fz3.Config())
+    x, y = markov_batch(0, batch=4, seq=8, vocab=32)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    return weakref.ref(engine), weakref.ref(model)
+
+
+def test_an_engine_and_its_model_are_freed_once_let_go():
+    """The grad hooks sit on the params, inside torch's tensors, where the garbage collector
+    does not look: a hook holding the engine kept every engine, and so its model and shards,
+    alive for the life of the process (a notebook, a test run, a Trainer building several)."""
+    refs = run_threads(_made, 2)
+    gc.collect()
+    assert all(r() is None for pair in refs for r in pair), [[r() is not None for r in pair] for pair in refs]

@@ -23,6 +23,7 @@ torch forces two more, kept beside what they serve: the saved-tensor hooks of a 
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Callable
 
 import torch
@@ -271,8 +272,10 @@ class Engine(DeepSpeedSurface):
         self.apply(PostBackwardRan(m, self._with_grad(own) if own else frozenset()))
 
     def _make_grad_hook(self, p: int):
+        engine = weakref.ref(self)
+
         def hook(param: nn.Parameter) -> None:
-            self.apply(GradReady(p, str(param.grad.dtype).removeprefix("torch."), torch._C._current_graph_task_id()))
+            engine().apply(GradReady(p, str(param.grad.dtype).removeprefix("torch."), torch._C._current_graph_task_id()))
         return hook
 
     def _end_of_backward(self) -> None:
