@@ -9,6 +9,9 @@ with the trace COMPLETE (steady state). No tensors, no torch: this is the contro
     python bench/core_overhead.py --json out.json
     python bench/core_overhead.py --events calls   # through fz3/core/calls.py, as the shell drives it
     python bench/core_overhead.py --events lifecycles   # the same pass, straight to the lifecycles
+    python bench/core_overhead.py --events steady  # a training pass, step included, through the
+                                                   # engine's door: answered from its recording
+    python bench/core_overhead.py --events steady-full  # the same, nothing recorded (Options(replay=False))
 
 `--events params` (the default) drives the parameter transitions alone (fetch, release,
 pre_backward, post_backward): the cost of the lifecycle itself. `--events calls` drives the
@@ -27,7 +30,7 @@ import json
 import platform
 import time
 
-from fz3.core import calls
+from fz3.core import calls, replay
 from fz3.core import events as ev
 from fz3.core.param.backward import fetch_for_backward, release_after_backward
 from fz3.config.config import Config
@@ -115,6 +118,34 @@ def one_pass_update(box, order, config):
     box.append(st)
 
 
+def steady_events(spec, order, config) -> list:
+    """A training pass as the engine sends it (the events of `one_pass_update`, then Stepped at
+    its boundary: gradient_accumulation_steps 1), the same every step, listed once."""
+    st = initial(spec, "calls")
+    out = [ev.Enter(0, True, False)]
+    for m in order:
+        out += [ev.Enter(m, True, True), ev.Leave(m, True)]
+    out.append(ev.Leave(0, True))
+    reported = set()
+    for m in reversed(order):
+        out.append(ev.PreBackwardRan(m))
+        for p in spec.modules[m].params:
+            if p not in reported:  # a tied param reports once
+                reported.add(p)
+                out.append(ev.GradReady(p, "float32"))
+        out.append(ev.PostBackwardRan(m))
+    return out + [ev.BackwardEnded(), ev.Stepped()]
+
+
+def one_pass_steady(box, order, config):
+    """The pass of `steady_events` through the engine's door, fz3/core/replay.py's `update`:
+    once a pass is recorded (its trace COMPLETE), each later one is answered from it."""
+    cell, events, update = box.pop()
+    for e in events:
+        cell, _ = update(cell, e, config=config)
+    box.append((cell, events, update))
+
+
 def one_pass_lifecycles(box, order, config):
     """What the shell called before #12 moved its decisions into fz3/core/calls.py: the same
     pass as `one_pass_calls`, straight to the two lifecycles' transitions (box holds a pair)."""
@@ -147,7 +178,8 @@ def initial(spec, events: str):
     return calls.Lifecycle(initial_state(spec), init_grad_state(spec), calls.initial_calls(spec, trainable))
 
 
-PASSES = {"params": one_pass, "lifecycles": one_pass_lifecycles, "calls": one_pass_calls, "update": one_pass_update}
+PASSES = {"params": one_pass, "lifecycles": one_pass_lifecycles, "calls": one_pass_calls, "update": one_pass_update,
+          "steady": one_pass_steady, "steady-full": one_pass_steady}
 
 
 def measure(sizes: list[int], config: Config, *, world_size: int = 2,
@@ -161,9 +193,14 @@ def measure(sizes: list[int], config: Config, *, world_size: int = 2,
         order = list(range(1, n))
         # Hold only the newest state, as the shell does: an old state keeps every later change
         # alive (fz3/core/pvec.py), and a caller's `st = one_pass(st)` would hold the pass's first.
-        box = [initial(spec, events)]
+        if events.startswith("steady"):  # the engine's cell; steady-full: nothing recorded
+            keep = events == "steady"
+            box = [(replay.start(initial(spec, "calls")), steady_events(spec, order, config),
+                    lambda cell, e, config, keep=keep: replay.update(cell, e, config=config, keep=keep))]
+        else:
+            box = [initial(spec, events)]
         run = PASSES[events]
-        for _ in range(2):  # RECORD, then COMPLETE
+        for _ in range(4):  # RECORD, then COMPLETE (steady: recorded, then answered from it)
             run(box, order, config)
         runs[n] = (box, order, [])
     run = PASSES[events]
@@ -182,7 +219,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 1000, 10000])
     ap.add_argument("--json", help="also write the table here")
     ap.add_argument("--events", choices=sorted(PASSES), default="params",
-                    help="params: the parameter transitions; lifecycles: + the grad lifecycle, as the shell drove them before #12; calls: the shell's events (fz3/core/calls.py)")
+                    help="params: the parameter transitions; lifecycles: + the grad lifecycle, as the shell drove them before #12; calls: the shell's events (fz3/core/calls.py); update: as records through events.update; steady: a training pass with its step through fz3/core/replay.py (recorded, then replayed); steady-full: the same with nothing recorded")
     args = ap.parse_args()
     rows = []
     for name, cfg in CONFIGS.items():

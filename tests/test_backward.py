@@ -125,7 +125,7 @@ def test_external_param_lifecycle():
     d(finish_backward)
     assert d(end_of_step) == [Free((0,))]
     d(reset_step)
-    assert d(fetch, 0, forward=True) == [G(2, [0]), Wait(2)]  # fetched with its module
+    assert d(fetch, 0, forward=True) == [G(0, [0]), Wait(0)]  # fetched with its module (a pass's handles count from 0)
 
 
 def test_registering_on_an_inactive_module_adds_no_user():
@@ -154,8 +154,8 @@ def test_new_external_param_departs_from_a_complete_plan_at_its_module():
     assert d.st.trace.mode is TraceMode.COMPLETE and d.st.trace.plan.order == (0, 1)
     d(reset_step)
     assert d(fetch, 0, forward=True) == []
-    assert d(fetch, 1, forward=True) == [G(2, [0]), Wait(2)]
-    assert d(register_external, 1, (1,)) == [G(3, [1]), Wait(3)]
+    assert d(fetch, 1, forward=True) == [G(0, [0]), Wait(0)]  # a pass's handles count from 0
+    assert d(register_external, 1, (1,)) == [G(1, [1]), Wait(1)]
     assert d.st.trace.mode is TraceMode.INVALID and d.st.trace.invalidations == 1
     assert d.st.trace.departure == (1, 1, UNIT_GREW)  # a, fetched second (index 1), took b.w
     assert d.st.params[1].users == 1 and d.statuses() == "AA"

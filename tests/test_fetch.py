@@ -76,12 +76,12 @@ def test_prefetch_walk_goes_on_forward_from_its_step():
     d = Driver([("a.w", 1), ("b.w", 100), ("c.w", 1), ("d.w", 1), ("e.w", 1)],
                [("", [], False), ("a", [0], False), ("b", [1], False), ("c", [2], False),
                 ("d", [3], False), ("e", [4], False)], config=cfg(live=10))
-    one_pass(d, [1, 2, 3, 4, 5])  # handles 0..4
+    one_pass(d, [1, 2, 3, 4, 5])  # handles 0..4; the next pass counts from 0 again
     got = one_pass(d, [1, 2, 3, 4, 5])
     assert d.st.trace.mode is TraceMode.COMPLETE
     fetches = [got[i] for i in (0, 1, 3, 5, 7, 9)]  # root, a, b, c, d, e
-    assert fetches == [[G(5, [0], True)], [Wait(5)], [G(6, [1]), Wait(6)],
-                       [G(7, [2]), Wait(7), G(8, [3, 4], True)], [Wait(8)], []]
+    assert fetches == [[G(0, [0], True)], [Wait(0)], [G(1, [1]), Wait(1)],
+                       [G(2, [2]), Wait(2), G(3, [3, 4], True)], [Wait(3)], []]
 
 
 def test_bucket_zero_does_not_walk_the_plan():
@@ -101,28 +101,28 @@ def test_bucket_zero_does_not_walk_the_plan():
 
 # (prefetch_bucket_size, max_live_parameters) -> effects of the COMPLETE pass, event by event:
 # fetch root, fetch a, release a, fetch b, release b, fetch c, release c, release root.
-# The RECORD pass before it used handles 0..2.
+# Each pass's handles count from 0 (reset_step: [Note: a pass forgets], fz3/core/replay.py).
 PREFETCH = [
     ("bucket 0: prefetch off", 0, HUGE,
-     [[], [G(3, [0]), Wait(3)], [Free((0,), True)], [G(4, [1]), Wait(4)], [Free((1,), True)],
-      [G(5, [2]), Wait(5)], [Free((2,), True)], []]),
+     [[], [G(0, [0]), Wait(0)], [Free((0,), True)], [G(1, [1]), Wait(1)], [Free((1,), True)],
+      [G(2, [2]), Wait(2)], [Free((2,), True)], []]),
     ("bucket 1: one param per batch", 1, HUGE,
-     [[G(3, [0], True)], [Wait(3), G(4, [1], True)], [Free((0,), True)], [Wait(4), G(5, [2], True)],
-      [Free((1,), True)], [Wait(5)], [Free((2,), True)], []]),
+     [[G(0, [0], True)], [Wait(0), G(1, [1], True)], [Free((0,), True)], [Wait(1), G(2, [2], True)],
+      [Free((1,), True)], [Wait(2)], [Free((2,), True)], []]),
     ("bucket 4 = one param: the batch stops once it reaches the size", 4, HUGE,
-     [[G(3, [0], True)], [Wait(3), G(4, [1], True)], [Free((0,), True)], [Wait(4), G(5, [2], True)],
-      [Free((1,), True)], [Wait(5)], [Free((2,), True)], []]),
+     [[G(0, [0], True)], [Wait(0), G(1, [1], True)], [Free((0,), True)], [Wait(1), G(2, [2], True)],
+      [Free((1,), True)], [Wait(2)], [Free((2,), True)], []]),
     ("bucket 8: two params, then the rest", 8, HUGE,
-     [[G(3, [0, 1], True)], [Wait(3), G(4, [2], True)], [Free((0,), True)], [], [Free((1,), True)],
-      [Wait(4)], [Free((2,), True)], []]),
+     [[G(0, [0, 1], True)], [Wait(0), G(1, [2], True)], [Free((0,), True)], [], [Free((1,), True)],
+      [Wait(1)], [Free((2,), True)], []]),
     ("bucket huge: the whole plan at the first fetch", HUGE, HUGE,
-     [[G(3, [0, 1, 2], True)], [Wait(3)], [Free((0,), True)], [], [Free((1,), True)], [], [Free((2,), True)], []]),
+     [[G(0, [0, 1, 2], True)], [Wait(0)], [Free((0,), True)], [], [Free((1,), True)], [], [Free((2,), True)], []]),
     ("live budget 4: one param ahead, none while a's is live", HUGE, 4,
-     [[G(3, [0], True)], [Wait(3)], [Free((0,), True)], [G(4, [1]), Wait(4)], [Free((1,), True)],
-      [G(5, [2]), Wait(5)], [Free((2,), True)], []]),
+     [[G(0, [0], True)], [Wait(0)], [Free((0,), True)], [G(1, [1]), Wait(1)], [Free((1,), True)],
+      [G(2, [2]), Wait(2)], [Free((2,), True)], []]),
     ("live budget 0: nothing ahead", HUGE, 0,
-     [[], [G(3, [0]), Wait(3)], [Free((0,), True)], [G(4, [1]), Wait(4)], [Free((1,), True)],
-      [G(5, [2]), Wait(5)], [Free((2,), True)], []]),
+     [[], [G(0, [0]), Wait(0)], [Free((0,), True)], [G(1, [1]), Wait(1)], [Free((1,), True)],
+      [G(2, [2]), Wait(2)], [Free((2,), True)], []]),
 ]
 
 
@@ -143,26 +143,26 @@ def test_at_most_two_gathers_in_flight():
     d = Driver([("a.w", 4), ("b.w", 4), ("c.w", 4)],
                [("", [], False), ("x", [], False), ("y", [], False), ("a", [0], False),
                 ("b", [1], False), ("c", [2], False)], config=cfg(bucket=4))
-    one_pass(d, [1, 2, 3, 4, 5])  # handles 0..2
+    one_pass(d, [1, 2, 3, 4, 5])  # handles 0..2; the next pass counts from 0 again
     got = one_pass(d, [1, 2, 3, 4, 5])
     fetches = [got[i] for i in (0, 1, 3, 5, 7, 9)]  # root, x, y, a, b, c
-    assert fetches == [[G(3, [0], True)], [G(4, [1], True)], [Wait(3), G(5, [2], True)],
-                       [], [Wait(4)], [Wait(5)]]
+    assert fetches == [[G(0, [0], True)], [G(1, [1], True)], [Wait(0), G(2, [2], True)],
+                       [], [Wait(1)], [Wait(2)]]
     assert len(d.st.inflight) == 0
 
 
 def test_departure_invalidates_and_drops_prefetched_params():
     d = Driver(*THREE, config=cfg())
     one_pass(d, [1, 2, 3])
-    one_pass(d, [1, 2, 3])  # COMPLETE; handle 3 prefetched everything
+    one_pass(d, [1, 2, 3])  # COMPLETE; its handle 0 prefetched everything
     d(reset_step)
-    assert d(fetch, 0, forward=True) == [G(4, [0, 1, 2], True)]
+    assert d(fetch, 0, forward=True) == [G(0, [0, 1, 2], True)]
     assert d.statuses() == "III"
     # the plan expects a; b departs: drain, free the prefetched params b does not use; b's own
     # p1 stays (the sweep runs after b counts among its users), so nothing is gathered again
-    assert d(fetch, 2, forward=True) == [Wait(4), Free((0, 2))]
+    assert d(fetch, 2, forward=True) == [Wait(0), Free((0, 2))]
     assert d.st.trace.mode is TraceMode.INVALID and d.st.trace.invalidations == 1
-    assert d(fetch, 1, forward=True) == [G(5, [0]), Wait(5)]  # no prefetch while INVALID
+    assert d(fetch, 1, forward=True) == [G(1, [0]), Wait(1)]  # no prefetch while INVALID
 
 
 def test_departure_records_the_fetch_and_the_module_the_plan_expected():
@@ -186,7 +186,7 @@ def test_departure_survives_prefetch_in_later_passes():
     one_pass(d, [2, 1, 3])  # departs at index 1: fetched b, the plan expected a
     one_pass(d, [2, 1, 3])  # RECORD
     got = one_pass(d, [2, 1, 3])  # COMPLETE: prefetches
-    assert got[0] == [G(10, [0, 1, 2], True)]
+    assert got[0] == [G(0, [0, 1, 2], True)]
     assert d.st.trace.mode is TraceMode.COMPLETE and d.st.trace.invalidations == 1
     assert d.st.trace.departure == (1, 2, 1)
 
@@ -197,7 +197,7 @@ def test_prefetch_respects_live_budget_exactly():
     one_pass(d, [1, 2, 3])
     d(reset_step)
     effects = d(fetch, 0, forward=True)
-    assert effects == [G(3, [0, 1], True)] and d.live == 6
+    assert effects == [G(0, [0, 1], True)] and d.live == 6
     check_live_budget(d.st, effects, config=d.config)
 
 

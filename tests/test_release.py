@@ -33,17 +33,17 @@ def tied_pass(d: Driver) -> list[list]:
 
 
 # (max_reuse_distance, max_live_parameters) -> (release emb, fetch head, release head) in the
-# COMPLETE pass; the RECORD pass used handles 0..2, emb gathers with 3 and l1 with 4.
+# COMPLETE pass; each pass's handles count from 0: emb gathers with 0 and l1 with 1.
 TIED_CASES = [
     ("distance 0: free, gather again", 0, HUGE,
-     [[Free((0,), True)], [AllGather(5, (0,), False, True), Wait(5)], [Free((0,), True)]]),
+     [[Free((0,), True)], [AllGather(2, (0,), False, True), Wait(2)], [Free((0,), True)]]),
     ("distance 55 = the gap: not strictly within", 55, HUGE,
-     [[Free((0,), True)], [AllGather(5, (0,), False, True), Wait(5)], [Free((0,), True)]]),
+     [[Free((0,), True)], [AllGather(2, (0,), False, True), Wait(2)], [Free((0,), True)]]),
     ("distance 56: kept for head", 56, HUGE, [[], [], [Free((0,), True)]]),
     ("distance huge: kept", HUGE, HUGE, [[], [], [Free((0,), True)]]),
     ("kept within budget 155", HUGE, 155, [[], [], [Free((0,), True)]]),
     ("budget 99 < 100 live: the keep is dropped", HUGE, 99,
-     [[Free((0,), True)], [AllGather(5, (0,), False, True), Wait(5)], [Free((0,), True)]]),
+     [[Free((0,), True)], [AllGather(2, (0,), False, True), Wait(2)], [Free((0,), True)]]),
 ]
 
 
@@ -106,14 +106,14 @@ def test_param_prefetched_for_a_later_step_is_kept():
                [("", [], False), ("X", [0], False), ("V", [1], False), ("Y", [0], False),
                 ("U", [2], False), ("W", [0], False)], config=cfg(reuse=0, bucket=5))
     d(reset_step)
-    d.forward([[0, [1, 2, 3, 4, 5]]], inputs=0)  # RECORD: handles 0..4
+    d.forward([[0, [1, 2, 3, 4, 5]]], inputs=0)  # RECORD: handles 0..4; the next pass counts from 0 again
     d(reset_step)
     got = d.forward([[0, [1, 2, 3, 4, 5]]], inputs=0)
     root, x, x_rel, v, v_rel, y, y_rel, u, u_rel, w, w_rel, root_rel = got
-    assert root == [AllGather(5, (0, 1), True, True)]
-    assert x == [Wait(5), AllGather(6, (2,), True, True)] and x_rel == [Free((0,), True)]
-    assert v == [AllGather(7, (0,), True, True)]  # p0 again, for W at step 5
-    assert y == [Wait(7)] and y_rel == []  # kept: it was prefetched for step 5
+    assert root == [AllGather(0, (0, 1), True, True)]
+    assert x == [Wait(0), AllGather(1, (2,), True, True)] and x_rel == [Free((0,), True)]
+    assert v == [AllGather(2, (0,), True, True)]  # p0 again, for W at step 5
+    assert y == [Wait(2)] and y_rel == []  # kept: it was prefetched for step 5
     assert w == [] and w_rel == [Free((0,), True)]
 
 

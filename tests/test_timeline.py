@@ -20,7 +20,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _train(rank: int, world: int, path: str) -> dict:
     import fz3
-    from fz3.core import events
     from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, d_model=32, n_head=4, n_layer=2, seq=8))
@@ -30,14 +29,14 @@ def _train(rank: int, world: int, path: str) -> dict:
     mine = slice(2 * rank, 2 * rank + 2)
     engine.backward(loss_fn(engine(x[mine]), y[mine]))  # a step before: the counts below are the block's
     engine.step()
-    before = dict(engine.stats())
+    before, door = dict(engine.stats()), vars(engine)["update"]
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     with fz3.timeline(engine, path):
         for _ in range(2):
             engine.backward(loss_fn(engine(x[mine]), y[mine]))
             engine.step()
     after = dict(engine.stats())
-    left = {"engine": [] if vars(engine)["update"] is events.update else ["update"],
+    left = {"engine": [] if vars(engine)["update"] is door else ["update"],
             "interp": sorted(k for k in vars(engine.interp) if k in ("run", "_complete_oldest")),
             "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) - hooks}
     names = [n or "<root>" for n in engine.tables.module_names]

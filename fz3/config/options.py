@@ -16,7 +16,12 @@ gloo_coalesce_numel   on the "p2p" carriers, params of at most this many element
     one message per peer for each group of them in one gather or reduce (fz3/core/messages.py);
     larger ones are sent from where they lie. 0: every param its own message. The backends' own
     collectives pack every collective whole already
-debug_checks   the shell runs the core's check_* invariants after each event (fz3/shell/checks.py)
+debug_checks   the shell runs the core's check_* invariants after each event (fz3/shell/checks.py),
+    and holds every event a recorded pass answers against the full transition (fz3/core/replay.py)
+replay   a steady-state pass is answered from the recording of an earlier one, event by event
+    (fz3/core/replay.py): the same effects and states as the full transitions, at a compare and a
+    lookup each, for the memory of the schedules kept (stats()["replay_schedules"]). False: every
+    event takes the full transition
 broadcast_buffers   rank 0's buffers (BatchNorm statistics, ...) are broadcast before each forward
     pass, before full_state_dict() and before a checkpoint save, so every rank's agree (DDP's
     broadcast_buffers, on by default as there; fz3/shell/buffers.py). False: each rank keeps
@@ -37,6 +42,7 @@ class Options:
     gloo_coalesce_numel: int = 65_536
     debug_checks: bool = False
     broadcast_buffers: bool = True
+    replay: bool = True
 
     def __post_init__(self) -> None:
         for name in ("gloo_all_gather", "gloo_reduce_scatter"):
@@ -45,7 +51,7 @@ class Options:
         n = self.gloo_coalesce_numel
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"Options.gloo_coalesce_numel must be an int >= 0 (0: no packing), got {n!r}")
-        for name in ("debug_checks", "broadcast_buffers"):
+        for name in ("debug_checks", "broadcast_buffers", "replay"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -73,7 +73,7 @@ from fz3.core.param import backward as core_bwd
 from fz3.config.config import COMM_DTYPES, Config
 from fz3.core.grad.epilogue import epilogue, optimizer_step, without_grad
 from fz3.core.param.fetch import fetch
-from fz3.core.grad.grads import GradState, bucket_add
+from fz3.core.grad.grads import GradState, bucket_add, new_pass
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
                                    ZeroGrads)
@@ -171,10 +171,11 @@ def enter(st: Lifecycle, m: ModuleId, *, config: Config, grad: bool, grad_inputs
     grad; `recomputing`: autograd is running a backward (a checkpointed region's recompute);
     `training`: the module's train mode (read at the root); `saved`: the saved-param log's
     length now (-1: none is kept)."""
-    params, calls, effects = st.params, st.calls, []
+    params, grads, calls, effects = st.params, st.grads, st.calls, []
     if m == 0 and not recomputing:
         params, eff = reset_step(params, config=config, grad_enabled=grad, training=training,
                                  aborted=calls.aborted or bool(calls.stack))
+        grads = new_pass(grads)  # [Note: a pass forgets] (fz3/core/replay.py)
         # a backward still marked running never reached its end (it raised): it is over now
         calls = calls._replace(stack=(), aborted=False, waiting=(), leaves=frozenset(), backward=False)
         effects += eff + (BeginPass(),)
@@ -189,7 +190,7 @@ def enter(st: Lifecycle, m: ModuleId, *, config: Config, grad: bool, grad_inputs
         calls = calls._replace(leaves=calls.leaves | {m})
     params, eff = fetch(params, m, forward=True, config=config, grad_inputs=int(wrap or waits))
     frame = Frame(m, saved if waits else -1)
-    return Lifecycle(params, st.grads, calls._replace(stack=calls.stack + (frame,))), tuple(effects) + eff
+    return Lifecycle(params, grads, calls._replace(stack=calls.stack + (frame,))), tuple(effects) + eff
 
 
 def read(st: Lifecycle, owner: ModuleId, p: ParamId, *, config: Config, grad: bool = True

@@ -50,6 +50,10 @@ class TensorStore:
             self.partitions.append(self.grad_flat[offset:offset + n] if t else None)
             offset += n
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
+        # the one element a freed param whose grad is due keeps its shape over: NaN, so a read
+        # that went past fz3's hooks (a weight reached through a list, a closure) gives NaN, not
+        # whatever that memory held
+        self._nan = torch.full((), float("nan"), dtype=self.dtype, device=device)
         self.grad_due: set[int] = set()  # freed params whose grad autograd has yet to accumulate
         self.full_spans: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (offset, numel, param)
         self.full_key: dict[int, int] = {}  # param -> the storage its full value lies in
@@ -80,9 +84,10 @@ class TensorStore:
         """Param p becomes NOT_AVAILABLE: only the shard stays (DeepSpeed: partition()). Its
         .data is empty, so a read of it fails loudly; but a param in `grad_due` (freed before
         autograd accumulates its grad: [Note: backward reads no param], engine.py) keeps its
-        shape over one element of memory, which AccumulateGrad needs, until `grad_in`."""
+        shape over one element, which AccumulateGrad needs, until `grad_in`: a NaN, so that a
+        read fz3 could not see (the weight reached past its module) is loud too."""
         if p in self.grad_due:
-            self.params[p].data = self._empty.new_empty(()).expand(self.shapes[p])
+            self.params[p].data = self._nan.expand(self.shapes[p])
         else:
             self.params[p].data = self._empty
         self._forget(p)

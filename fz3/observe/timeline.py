@@ -32,6 +32,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from fz3.core import replay
 from fz3.core.effects import AllGather, ReduceBucket, Wait
 from fz3.core.events import PostBackwardRan, PreBackwardRan, Read
 
@@ -116,7 +117,7 @@ class Recorder:
             if type(event) is PostBackwardRan and self.backward_start.get(event.module):
                 self.span(COMPUTE, f"{names[event.module] or '<root>'} backward",
                           self.backward_start[event.module].pop(), end)
-            self.live(end, new.params.live_numel)
+            self.live(end, replay.view(new).params.live_numel)
             return new, effects
         return timed
 

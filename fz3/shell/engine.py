@@ -10,18 +10,21 @@
                        StepOptimizer (clip, optimizer.step() on the fp32 master shards, shards
                        refreshed) or, the norm not finite, SkipStep (a WARNING naming the param)
 
-Every decision is a core transition (`update`, fz3/core/events.py); a hook reads what torch
+Every decision is a core transition (`update`, fz3/core/events.py, through the replay of
+fz3/core/replay.py, which answers a steady-state pass from its recording); a hook reads what torch
 shows it (grad mode, which tensors need grad, which params a module returned) into an event,
 hands it to the core, and runs the effects it gets back: the parameter and gradient effects
 through the interpreter, the hook effects (fz3/core/hook_effects.py: wrap the call's tensors,
 queue the end of backward, the store's grad placeholders) itself, by one `match`, in order.
 fz3's features (gathered_parameters, load_weights, load_checkpoint) send their events through
-the same door, `engine.apply`. The engine's own cells: the core state and the last grad norm;
+the same door, `engine.apply`. The engine's own cells: the core's (a Replay: the state and the
+recorded passes) and the last grad norm;
 torch forces two more, kept beside what they serve: the saved-tensor hooks of a root forward
 (saved.py) and the tensor store (fz3/data/store.py).
 """
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from typing import Callable
@@ -29,7 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from fz3.core import calls, events
+from fz3.core import calls, replay
 from fz3.core.calls import Lifecycle, initial_calls
 from fz3.core.events import (BackwardEnded, Enter, GradReady, Leave, PostBackwardRan, PreBackwardRan, Raised, Read,
                              Stepped)
@@ -103,7 +106,9 @@ class Engine(DeepSpeedSurface):
         self.batch = BatchSizes(None, None)
         self.gather_16bit_weights_on_model_save = False
         self.saved = SavedParams(self.store, self.tables.names, self.param_ids)
-        self.update = events.update  # the core's one door: fz3.timeline times what goes through it
+        # the core's one door (fz3.timeline times what goes through it); debug_checks also holds
+        # every event a schedule answers against `events.update`
+        self.update = functools.partial(replay.update, check=options.debug_checks, keep=options.replay)
         if config.compute_dtype != "fp32":
             _cast_buffers(model, DTYPES[config.compute_dtype])
         self.buffers = BufferSync(model, lambda t: self.interp.broadcast(t), enabled=options.broadcast_buffers,
@@ -122,14 +127,16 @@ class Engine(DeepSpeedSurface):
         self.module_ids = {id(m): i for i, m in enumerate(self.tables.modules)}
         in_place = getattr(self.interp, "in_place_reduce_scatter", False)
         hold = getattr(self.interp, "hold_budget", 0)
-        # the engine's two cells: the core state, and the grad norm at the last boundary
-        self.state = Lifecycle(initial_state(self.spec), init_grad_state(self.spec, in_place_reduce_scatter=in_place,
-                                                                           hold_budget=hold),
-                               initial_calls(self.spec, self.store.trainable))
+        # the engine's two cells: the core's (its state and recorded passes), and the grad norm
+        # at the last boundary
+        self.cell = replay.start(Lifecycle(initial_state(self.spec), init_grad_state(
+            self.spec, in_place_reduce_scatter=in_place, hold_budget=hold), initial_calls(self.spec, self.store.trainable)))
+        self.call_tables = replay.view(self.cell).calls.tables  # static: read by hooks
         # no event has run yet (engine.compile() checks it). A flag, not the first state kept for
         # an identity check: an old state keeps every later version's diffs alive (pvec.py), so
         # holding the first one grew the heap by every change ever made (~0.5 MiB a step, deep GPT)
         self.untouched = True
+        self.graph_tasks: dict[int, int] = {}  # torch's graph task id -> this pass's number
         self._install()
 
     def units_changed(self) -> None:
@@ -143,8 +150,13 @@ class Engine(DeepSpeedSurface):
         self._take_units()
 
     @property
+    def state(self) -> Lifecycle:
+        """The core's state, exact (built from a schedule while one plays: O(params))."""
+        return replay.current(self.cell)
+
+    @property
     def params_state(self):
-        return self.state.params
+        return replay.view(self.cell).params  # no counter in it: exact, O(1)
 
     @property
     def grads_state(self):
@@ -154,7 +166,7 @@ class Engine(DeepSpeedSurface):
     def optimizer_steps(self) -> int:
         """The accumulation windows closed, skipped steps included (DeepSpeed's global_steps
         counts those too; stats()["skipped_steps"] says how many)."""
-        return self.state.grads.window
+        return replay.view(self.cell).grads.window + replay.shift_of(self.cell).window
 
     # ---- running events ---------------------------------------------------------------------
 
@@ -165,7 +177,7 @@ class Engine(DeepSpeedSurface):
         and fz3's features' (Hold, Unhold, ShardsReplaced, Resumed)."""
         if self.stopped is not None:  # the one check a hook pays for it
             self._refuse_if_stopped()
-        self.state, effects = self.update(self.state, event, config=self.config)
+        self.cell, effects = self.update(self.cell, event, config=self.config)
         self.untouched = False
         tree = self._run(effects, tree)
         if self.options.debug_checks:
@@ -230,7 +242,7 @@ class Engine(DeepSpeedSurface):
             handles.append(module.register_forward_hook(post_forward, with_kwargs=True, always_call=True))
             if not self.spec.modules[m].is_leaf:
                 module._parameters = ParamDict(module._parameters, m, on_param_read)
-        for p, hooked in enumerate(self.state.calls.tables.hooked):  # [Note: leaf modules]
+        for p, hooked in enumerate(self.call_tables.hooked):  # [Note: leaf modules]
             if hooked:
                 handles.append(self.tables.params[p].register_post_accumulate_grad_hook(
                     outside_graph(self._make_grad_hook(p))))
@@ -268,18 +280,30 @@ class Engine(DeepSpeedSurface):
         self.apply(PreBackwardRan(m))
 
     def _post_backward(self, m: int) -> None:
-        own = self.state.calls.tables.leaf_own_of[m]  # () unless m is a leaf
+        own = self.call_tables.leaf_own_of[m]  # () unless m is a leaf
         self.apply(PostBackwardRan(m, self._with_grad(own) if own else frozenset()))
 
     def _make_grad_hook(self, p: int):
         engine = weakref.ref(self)
 
         def hook(param: nn.Parameter) -> None:
-            engine().apply(GradReady(p, str(param.grad.dtype).removeprefix("torch."), torch._C._current_graph_task_id()))
+            e = engine()
+            e.apply(GradReady(p, str(param.grad.dtype).removeprefix("torch."), e._graph_task()))
         return hook
 
+    def _graph_task(self) -> int:
+        """The running graph task, numbered from 0 in the order this pass met it: what the core
+        needs (whether two reports share a task) without torch's process-wide ids, which differ
+        every backward and would make each pass's events new ([Note: a pass forgets],
+        fz3/core/replay.py). Renumbered at each pass's start."""
+        tasks, t = self.graph_tasks, torch._C._current_graph_task_id()
+        local = tasks.get(t)
+        if local is None:
+            local = tasks[t] = len(tasks)
+        return local
+
     def _end_of_backward(self) -> None:
-        self.apply(BackwardEnded(self._with_grad(self.state.calls.tables.leaf_own)))
+        self.apply(BackwardEnded(self._with_grad(self.call_tables.leaf_own)))
 
     def _with_grad(self, ps) -> frozenset[int]:
         """Of the leaf params `ps`, those autograd gave a grad (what the core cannot see: they
@@ -327,6 +351,7 @@ class Engine(DeepSpeedSurface):
         """[Note: saved views of gathered params] (saved.py) watch this pass's saves; rank 0's
         buffers are every rank's (buffers.py)."""
         self.buffers.sync()
+        self.graph_tasks.clear()
         self.saved.begin()
         self.store.clear_grad_due()
         checks.requires_grad_unchanged(self.tables, self.store.trainable)
@@ -366,17 +391,18 @@ class Engine(DeepSpeedSurface):
         DeepSpeed's, but for its counters ([Note: DeepSpeed's counters], surface.py)."""
         self._refuse_if_stopped()
         self.step_applied = False
-        boundary = at_boundary(self.grads_state, config=self.config)
+        boundary = at_boundary(replay.view(self.cell).grads, config=self.config)  # micro_step: no shift
         if boundary:
             self._step_at_boundary(lr_kwargs)
         self._count_step(boundary)
 
     def _step_at_boundary(self, lr_kwargs: dict | None) -> None:
         self.grad_norm = norm = global_grad_norm(self.store, self.interp.all_reduce_sum)
-        leaf_own = self.state.calls.tables.leaf_own
-        got = self.interp.any_rank(calls.leaf_grads_seen(self.state))  # () without leaf modules
+        leaf_own = self.call_tables.leaf_own
+        # got == window, micro_step, applied: relations and flags, exact in the view
+        got = self.interp.any_rank(calls.leaf_grads_seen(replay.view(self.cell)))  # () without leaves
         self.apply(Stepped(self.interp.finite(norm), frozenset(p for p, g in zip(leaf_own, got) if g)))
-        self.step_applied = self.grads_state.applied
+        self.step_applied = replay.view(self.cell).grads.applied
         if self.step_applied and self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.step_log.step(self)
@@ -399,10 +425,12 @@ class Engine(DeepSpeedSurface):
     def stats(self) -> dict[str, object]:
         st = self.params_state
         out: dict[str, object] = {k: self.interp.counts[k] for k in COUNTERS}  # 0 if none yet
+        view = replay.view(self.cell)
         out.update(live_numel=st.live_numel, peak_live_numel=st.peak_live_numel,
                    trace=TraceMode(st.trace.mode).name, trace_invalidations=st.trace.invalidations,
-                   micro_step=self.grads_state.micro_step, optimizer_steps=self.optimizer_steps,
-                   skipped_steps=self.grads_state.skipped,
+                   micro_step=view.grads.micro_step, optimizer_steps=self.optimizer_steps,
+                   skipped_steps=view.grads.skipped, replayed_events=self.cell.replayed,
+                   replay_schedules=len(self.cell.schedules),
                    **memory_stats(self), **compile_stats(self))
         return out
 

@@ -194,6 +194,7 @@ class NaiveParams:
                 self.traces[self.kind].reset()
             self.trace = self.traces[self.kind]
             self.pass_gathered, self.pass_freed = set(), set()
+            self.issued = set()  # nothing is in flight (the sweep): a pass's handles may count from 0
             self.rules.start_pass(self.trace.mode is TraceMode.COMPLETE, self.trace.units)
         self._after(kind, m, fetching, effects)
 
@@ -252,7 +253,7 @@ class NaiveParams:
     def _gather(self, e: AllGather, kind: str) -> None:
         ps = e.params
         assert ps and list(ps) == sorted(set(ps)), f"{e}: params must be non-empty, sorted, unique"
-        assert e.handle not in self.issued, f"{e}: handle reused"
+        assert e.handle not in self.issued, f"{e}: handle reused within a pass"
         for p in ps:
             assert self.status[p] is NA, f"{e}: p{p} is already {self.status[p].name}"
         m, tr = self.module, self.trace

@@ -164,6 +164,35 @@ def resumed(state: GradState, *, window: int, backward: int, skipped: int = 0) -
         window=window, backward=backward, skipped=skipped)
 
 
+def new_pass(state: GradState) -> GradState:
+    """A forward pass starts: forget what no later transition can read, so that the state a
+    steady-state pass starts from is the same every step but for the backward and window
+    counters ([Note: a pass forgets], fz3/core/replay.py).
+
+    Every read of a param's record compares a field with the current counter: `reported` (and
+    with it `task` and `bucket`) with `backward`, `written` and `got` with `window`; counters
+    only grow. So a field that differs from its counter now differs from it for good, and
+    NEVER says the same: such fields become NEVER. Bucket ids restart at 0 when no bucket is
+    open and no record is of this backward (no id can still be met). O(params), once a pass."""
+    b, w = state.backward, state.window
+    changes: dict[int, ParamGrad] = {}
+    current = False
+    for p, pg in enumerate(state.params.current()):
+        if pg.reported == b:
+            current = True
+            continue
+        if pg.written == w or pg.got == w:
+            new = ParamGrad(NEVER, NEVER, NEVER, w if pg.written == w else NEVER, w if pg.got == w else NEVER)
+        else:
+            new = UNSEEN
+        if new != pg:
+            changes[p] = new
+    params = state.params.set_many(changes)
+    if current or state.buckets:
+        return state._replace(params=params)
+    return state._replace(params=params, next_bucket=0)
+
+
 def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str = "float32",
                graph_task: int = 0, stand_in: bool = False) -> tuple[GradState, tuple[GradEffect, ...]]:
     """Place `param`'s ready grad (a `dtype` tensor) in the IPG bucket of its comm dtype

@@ -141,6 +141,13 @@ class ParamState(NamedTuple):
                              module_rows=self.module_rows.set_many({m: tuple(r) for m, r in (modules or {}).items()}))
 
 
+def copied(st: ParamState) -> ParamState:
+    """`st` in vectors of its own: the same values, sharing no PVec lineage with `st` (an old
+    version reaches every later version's diffs, pvec.py; fz3/core/replay.py [Note: schedules
+    keep their own lineage]). O(params + modules)."""
+    return st._replace(param_rows=PVec(st.param_rows.current()), module_rows=PVec(st.module_rows.current()))
+
+
 def initial_state(spec: ModelSpec) -> ParamState:
     """Every param NOT_AVAILABLE, no trace yet."""
     return ParamState(spec, PVec([_NA_ROW] * len(spec.params)), PVec([_IDLE_ROW] * len(spec.modules)),

@@ -50,6 +50,7 @@ def reset_step(st: ParamState, *, config: Config, grad_enabled: bool = True, tra
     tx = Txn(st)
     sweep(tx, force=True)
     _idle_modules(tx)
+    tx.next_handle = 0  # nothing is in flight after the sweep: [Note: a pass forgets]
     tx.trace = reset(tx.trace, lambda m: unit_params(tx, m), lambda p: st.spec.params[p].numel,
                      config.max_reuse_distance, kind=pass_kind(grad_enabled, training), aborted=aborted)
     return tx.commit()
