@@ -12,8 +12,9 @@ Categories (exclusive time: a nested timed call is charged to its own category, 
     reduce_issue     pack (rank-interleave) + issue        reduce_finish unpack + partition writes
     bucket_copy      param.grad -> IPG bucket
     optimizer        optimizer.step() on the fp32 shards   step_other    bind_grads, refresh shards
-    core             fz3.core's events (fz3/core/calls.py: enter, leave, grad_ready, ...: every
-                     decision and the lifecycle transitions under them)
+    core             fz3.core's events: the engine's door (fz3/core/replay.py: a steady-state
+                     event answered from its schedule) and fz3/core/calls.py's steps under it
+                     (enter, leave, grad_ready, ...: every decision and the lifecycle transitions)
     shell            Engine hooks, the event door and effect dispatch, wrap_tensors (autograd
                      Function apply)
 Before fz3, the same ranks time the plain model (local batch, AdamW, no communication): the
@@ -87,6 +88,8 @@ def instrument(timers: Timers) -> None:
     for name in ("enter", "read", "leave", "raised", "pre_backward", "post_backward", "grad_ready",
                  "end_of_backward", "stepped"):  # the core's events: every decision and transition
         setattr(calls, name, timers.wrap("core", getattr(calls, name)))
+    import fz3.core.replay as replay  # the engine's door: a replayed event never reaches calls.*
+    replay.update = timers.wrap("core", replay.update)
     eng.at_boundary = timers.wrap("core", eng.at_boundary)
     for name in ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_on_param_read",
                  "_end_of_backward", "apply", "_run", "_begin_pass"):

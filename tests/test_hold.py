@@ -64,7 +64,7 @@ def test_optimizer_step_inside_gathered_parameters():
     d.forward([[0, [1, 2]]], inputs=0)
     d(finish_backward)
     h = d.st.next_handle
-    assert d(end_of_step) == [Free((0, 1)), AllGather(h, (0, 1), False, True), Wait(h)]
+    assert d(end_of_step) == [Free((0, 1), True), AllGather(h, (0, 1), False, True), Wait(h)]  # held: again
     assert d.st.params[0].users == 1 and d.statuses() == "AA"
     assert d(unhold, (0,), stale=False) == [Free((0,))]
 

@@ -35,8 +35,7 @@ def _gpt():
 def _free_pooled(engine) -> int:
     """Bytes the pool keeps that nobody uses."""
     from fz3.data.pool import _users
-    return sum(t.numel() * t.element_size() for held in engine.interp.buffers_pool.buffers.values()
-               for t in held if _users(t) == 0)
+    return sum(t.numel() * t.element_size() for t in engine.interp.buffers_pool.kept() if _users(t) == 0)
 
 
 def _train(rank: int, world: int, config: dict) -> dict:

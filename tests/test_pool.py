@@ -82,8 +82,8 @@ def test_eviction_of_one_buffer_among_equal_sizes():
     a.fill_(1), b.fill_(2)
     del b  # the second is free, the first still in use
     pool.take(40, torch.float32)  # room for 40 needs the free 16 gone
-    assert pool.bytes == 56 * 4 and len(pool.buffers[(16, torch.float32)]) == 1
-    assert a.untyped_storage().data_ptr() == pool.buffers[(16, torch.float32)][0].untyped_storage().data_ptr()
+    assert pool.bytes == 56 * 4 and len(pool.kept((16, torch.float32))) == 1
+    assert a.untyped_storage().data_ptr() == pool.kept((16, torch.float32))[0].untyped_storage().data_ptr()
 
 
 def test_discard_stops_keeping_a_buffer_its_users_still_hold():
@@ -110,7 +110,7 @@ def test_release_drops_every_free_buffer():
 
 def pooled(pool: BufferPool) -> list[int]:
     """The storages the pool keeps, by data pointer."""
-    return [ptr(t) for held in pool.buffers.values() for t in held]
+    return [ptr(t) for t in pool.kept()]
 
 
 def test_every_hit_is_counted():
@@ -213,3 +213,21 @@ def test_a_discard_and_a_miss_walk_no_buffers(monkeypatch):
     pool.take(1001, torch.float32)
     assert len(asked) == 200  # 199 of the first sizes (one discarded) and the 1000: all free, dropped
     assert pool.bytes == 1001 * 4
+
+
+def test_takes_of_one_size_ask_one_buffer_each(monkeypatch):
+    """[Note: pool bookkeeping]: 100 buffers of one size (the full values of 100 equal params),
+    all freed, then taken again one by one: each take asks the buffer at the front of its size's
+    queue, which is free, where asking from the start of a list asked 1, 2, ..., 100 (5050)."""
+    from fz3.data import pool as pool_module
+    pool = BufferPool(torch.device("cpu"), limit_bytes=1 << 30)
+    held = [pool.take(32, torch.float32) for _ in range(100)]
+    asked: list[int] = []
+    real = pool_module._users
+    monkeypatch.setattr(pool_module, "_users", lambda t: asked.append(t.numel()) or real(t))
+    for _ in range(3):  # three steps: free every value, take them all again
+        del held[:]
+        held = [pool.take(32, torch.float32) for _ in range(100)]
+    assert len(asked) == 300 and pool.hits == 300 and pool.misses == 100, (len(asked), pool.hits, pool.misses)
+    held.append(pool.take(32, torch.float32))  # all 100 in use: one look at each, then a miss
+    assert len(asked) == 400 and pool.misses == 101

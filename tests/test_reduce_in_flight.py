@@ -78,7 +78,7 @@ def _reduce_buffers(rank: int, world: int) -> list[tuple[int, int]]:
 
         def look(engine) -> None:  # the gathers' buffers (all_gather p2p) are one per param
             sizes = {p.numel for p in engine.store.spec.params}
-            pooled = [t for held in engine.interp.buffers_pool.buffers.values() for t in held]
+            pooled = engine.interp.buffers_pool.kept()
             most[0] = max(most[0], sum(t.numel() not in sizes and t.numel() != GROUP_MOST for t in pooled))
             most[1] = max(most[1], sum(t.numel() == GROUP_MOST for t in pooled))
 

@@ -36,8 +36,8 @@ def _in_use_bytes(engine) -> int:
     while a gather is in flight: a prefetch for the backward) are not a param's memory."""
     from fz3.core.messages import GROUP_MOST
     from fz3.data.pool import _users
-    return sum(t.numel() * t.element_size() for held in engine.interp.buffers_pool.buffers.values()
-               for t in held if _users(t) > 0 and t.numel() != GROUP_MOST)
+    return sum(t.numel() * t.element_size() for t in engine.interp.buffers_pool.kept()
+               if _users(t) > 0 and t.numel() != GROUP_MOST)
 
 
 def _run(rank: int, world: int) -> dict:

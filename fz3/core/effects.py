@@ -53,10 +53,11 @@ class Wait(NamedTuple):
 class Free(NamedTuple):
     """Drop these params' full values; only the shards stay. DeepSpeed: `partition()`.
 
-    `refetch`: the module that let them go will fetch them again in this pass (a forward
-    release of a module whose backward gathers it again), so an interpreter that pools memory
-    may keep theirs for that gather. Otherwise their next gather is the next pass's, and memory
-    kept until then would sit idle through the backward's peak: it goes back at once.
+    `refetch`: they are gathered again before the pass is over (a forward release of a module
+    whose backward gathers it again; the step's refresh of the persistent params, right after),
+    so an interpreter that pools memory may keep theirs for that gather. Otherwise their next
+    gather is the next pass's, and memory kept until then would sit idle through the backward's
+    peak: it goes back at once.
     """
 
     params: tuple[ParamId, ...]

@@ -74,9 +74,10 @@ def end_of_step(st: ParamState, *, config: Config) -> tuple[ParamState, Effects]
     drain(tx)
     live = sorted({p for p in tx.gathered if tx.status(p) == AVAILABLE})
     tx.gathered = Log()
-    free(tx, tuple(live))
     held = set(st.held)
     again = tuple(p for p in live if st.spec.params[p].persistent or p in held)
+    free(tx, tuple(p for p in live if p not in set(again)))
+    free(tx, again, refetch=True)  # gathered again below: their memory may serve that gather
     if again:
         gather(tx, again, prefetch=False, forward=True, fetched_for=(-1,) * len(again))
         wait(tx, tx.inflight[-1].handle)
