@@ -21,6 +21,8 @@ Before fz3, the same ranks time the plain model (local batch, AdamW, no communic
 compute floor that DDP adds one all-reduce to.
 
 Monkeypatches only this process's classes and torch.distributed functions; fz3's source is untouched.
+
+    python bench/breakdown.py --model deep --world 2 [--device cuda]   # one launch, the table
 """
 from __future__ import annotations
 
@@ -192,3 +194,39 @@ def worker(rank: int, world: int, model_name: str, config: dict, warmup: int, st
                     "cumtime_ms_per_step": 1e3 * ct / max(profile_steps, 1)})
     return {"rank": rank, "step_times": measured, "floor_times": floor, "per_step": per_step,
             "calls_per_step": calls, "cprofile_top": top, "stats": dict(engine.stats())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python bench/breakdown.py [--model deep] [--world 2] [--steps 30] [--device cpu|cuda]
+    [--config JSON]: one launch, rank 0's table (ms per step by category) and hottest frames."""
+    import argparse
+    import json
+    import os
+    import statistics
+    import sys
+    ap = argparse.ArgumentParser(description="where an fz3 step's time goes, per category")
+    ap.add_argument("--model", default="deep")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--config", default="{}", help="fz3 Config / Options fields, as JSON")
+    args = ap.parse_args(argv)
+    os.environ["FZ3_DEVICE"] = os.environ["FZ3_BENCH_DEVICE"] = args.device  # the ranks inherit them
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fz3.launch
+    out = fz3.launch.run(worker, world_size=args.world, args=(args.model, json.loads(args.config), args.warmup,
+                                                               args.steps), timeout=600, threads=1)[0]
+    print(f"{args.model}, world {args.world}, {args.device}: step median "
+          f"{1e3 * statistics.median(out['step_times']):.2f} ms (the plain model alone: "
+          f"{1e3 * statistics.median(out['floor_times']):.2f} ms); replayed events {out['stats'].get('replayed_events')}")
+    for k, v in sorted(out["per_step"].items(), key=lambda kv: -kv[1]):
+        print(f"  {k:14s} {1e3 * v:8.2f} ms   calls {out['calls_per_step'].get(k, 0):.0f}")
+    print("hottest frames (ms per step: own, cumulative; calls per step):")
+    for t in out["cprofile_top"][:20]:
+        print(f"  {t['tottime_ms_per_step']:6.2f} {t['cumtime_ms_per_step']:7.2f} {t['calls_per_step']:6.0f}  {t['func']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -20,8 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def _inference_tensors(engine) -> list[str]:
     """Where an inference tensor sits in what outlives a pass: pool, params, shards, grads."""
-    found = [f"pool {key}" for key, held in engine.interp.buffers_pool.buffers.items()
-             for t in held if t.is_inference()]
+    found = [f"pool {(t.numel(), t.dtype)}" for t in engine.interp.buffers_pool.kept() if t.is_inference()]
     found += [f"param {n}" for n, p in zip(engine.tables.names, engine.tables.params) if p.data.is_inference()]
     found += [f"master {i}" for i, m in enumerate(engine.store.masters) if m.is_inference()]
     found += [f"shard {i}" for i, s in enumerate(engine.store.shards) if s.is_inference()]

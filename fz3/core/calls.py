@@ -193,11 +193,20 @@ def enter(st: Lifecycle, m: ModuleId, *, config: Config, grad: bool, grad_inputs
     return Lifecycle(params, grads, calls._replace(stack=calls.stack + (frame,))), tuple(effects) + eff
 
 
+def running(st: Lifecycle) -> ModuleId:
+    """The module whose call is innermost open, or -1: a read of its own params changes nothing
+    (`read`'s first rule), so the shell does not report those (every module reads its own params
+    at each call: 197 events a step on the deep narrow GPT, issue #27)."""
+    stack = st.calls.stack
+    return stack[-1].module if stack else ModuleId(-1)
+
+
 def read(st: Lifecycle, owner: ModuleId, p: ParamId, *, config: Config, grad: bool = True
          ) -> tuple[Lifecycle, tuple]:
     """The running call read param `p` off module `owner`'s _parameters (nn.MultiheadAttention
     reads out_proj.weight without calling out_proj): not its own, so it borrows it (external).
-    `grad`: grad mode is on."""
+    `grad`: grad mode is on. A read by the owner's own running call changes nothing (`running`:
+    the shell sends none)."""
     stack = st.calls.stack
     if not stack or stack[-1].module == owner:
         return st, ()

@@ -132,6 +132,8 @@ class Engine(DeepSpeedSurface):
         self.cell = replay.start(Lifecycle(initial_state(self.spec), init_grad_state(
             self.spec, in_place_reduce_scatter=in_place, hold_budget=hold), initial_calls(self.spec, self.store.trainable)))
         self.call_tables = replay.view(self.cell).calls.tables  # static: read by hooks
+        self.running = [-1]  # the module whose call is innermost open (calls.running): its
+        # _parameters (ParamDict) report no read of its own params
         # no event has run yet (engine.compile() checks it). A flag, not the first state kept for
         # an identity check: an old state keeps every later version's diffs alive (pvec.py), so
         # holding the first one grew the heap by every change ever made (~0.5 MiB a step, deep GPT)
@@ -170,16 +172,17 @@ class Engine(DeepSpeedSurface):
 
     # ---- running events ---------------------------------------------------------------------
 
-    def apply(self, event, tree=None):
+    def apply(self, event, tree=None, flat=None):
         """Run one core event (fz3/core/events.py) on the current state, then its effects, in
         order: the interpreter's, and the hook effects here (they may rewrap `tree`, the call's
-        inputs or outputs, which is returned). Every event goes through this door: the hooks',
-        and fz3's features' (Hold, Unhold, ShardsReplaced, Resumed)."""
+        inputs or outputs, which is returned; `flat`: `flatten(tree)` if the hook made it, so the
+        call's tensors are walked once). Every event goes through this door: the hooks', and
+        fz3's features' (Hold, Unhold, ShardsReplaced, Resumed)."""
         if self.stopped is not None:  # the one check a hook pays for it
             self._refuse_if_stopped()
         self.cell, effects = self.update(self.cell, event, config=self.config)
         self.untouched = False
-        tree = self._run(effects, tree)
+        tree = self._run(effects, tree, flat)
         if self.options.debug_checks:
             checks.after_event(self.state, effects, self.config)
         return tree
@@ -216,7 +219,7 @@ class Engine(DeepSpeedSurface):
             "fz3.initialize again, then resume from your last checkpoint with engine.load_checkpoint(save_dir) "
             f"(or train from the start). The DivergenceError was:\n{first}") from self.stopped
 
-    def _run(self, effects, tree):
+    def _run(self, effects, tree, flat=None):
         batch = []
         for e in effects:
             if type(e) not in _HOOK_TYPES:  # a set lookup: most effects are the interpreter's
@@ -225,7 +228,9 @@ class Engine(DeepSpeedSurface):
             if batch:
                 self.interp.run(batch)
                 batch = []
-            tree = self._hook_effect(e, tree)
+            new = self._hook_effect(e, tree, flat)
+            if new is not tree:  # rewrapped or cast: its leaves are not `flat`'s any more
+                tree, flat = new, None
         if batch:
             self.interp.run(batch)
         return tree
@@ -241,7 +246,7 @@ class Engine(DeepSpeedSurface):
             handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True, prepend=True))
             handles.append(module.register_forward_hook(post_forward, with_kwargs=True, always_call=True))
             if not self.spec.modules[m].is_leaf:
-                module._parameters = ParamDict(module._parameters, m, on_param_read)
+                module._parameters = ParamDict(module._parameters, m, on_param_read, self.running)
         for p, hooked in enumerate(self.call_tables.hooked):  # [Note: leaf modules]
             if hooked:
                 handles.append(self.tables.params[p].register_post_accumulate_grad_hook(
@@ -258,20 +263,31 @@ class Engine(DeepSpeedSurface):
                 module._parameters = dict(module._parameters)
 
     def _pre_forward(self, module, args, kwargs):
-        grad = torch.is_grad_enabled()
-        return self.apply(Enter(self.module_ids[id(module)], grad, grad and needs_grad(flatten((args, kwargs))[0]),
-                                torch._C._current_graph_task_id() != -1, module.training, self.saved.position()),
-                          (args, kwargs))
+        m, grad, tree, flat = self.module_ids[id(module)], torch.is_grad_enabled(), (args, kwargs), None
+        # an inert call's inputs matter to nobody: the core wraps them only for calls that are not
+        # ([Note: inert modules], fz3/core/calls.py), so they are not walked
+        if grad and not self.call_tables.inert[m]:
+            flat = flatten(tree)
+        out = self.apply(Enter(m, grad, flat is not None and needs_grad(flat[0]),
+                               torch._C._current_graph_task_id() != -1, module.training, self.saved.position()),
+                         tree, flat)
+        self.running[0] = calls.running(replay.view(self.cell))
+        return out
 
     def _post_forward(self, module, args, kwargs, output):
         if output is None and sys.exc_info()[1] is not None:  # raised: [Note: a forward that raised]
             if self.stopped is not None:
                 return None  # the DivergenceError goes on out; refusing here would only be silenced
-            return self.apply(Raised(self.module_ids[id(module)], torch._C._current_graph_task_id() != -1))
-        leaves = flatten(output)[0]
-        return self.apply(Leave(self.module_ids[id(module)], torch.is_grad_enabled() and needs_grad(leaves),
-                                tuple(self.param_ids[id(t)] for t in leaves if id(t) in self.param_ids),
-                                self.saved.log, torch._C._current_graph_task_id() != -1), output)
+            out = self.apply(Raised(self.module_ids[id(module)], torch._C._current_graph_task_id() != -1))
+            self.running[0] = calls.running(replay.view(self.cell))
+            return out
+        flat = flatten(output)
+        leaves = flat[0]
+        out = self.apply(Leave(self.module_ids[id(module)], torch.is_grad_enabled() and needs_grad(leaves),
+                               tuple(self.param_ids[id(t)] for t in leaves if id(t) in self.param_ids),
+                               self.saved.log, torch._C._current_graph_task_id() != -1), output, flat)
+        self.running[0] = calls.running(replay.view(self.cell))
+        return out
 
     def _on_param_read(self, owner: int, param: nn.Parameter) -> None:
         self.apply(Read(owner, self.param_ids[id(param)], torch.is_grad_enabled()))
@@ -312,16 +328,16 @@ class Engine(DeepSpeedSurface):
 
     # ---- hook effects: what the core asks of torch ------------------------------------------------
 
-    def _hook_effect(self, e, tree):
+    def _hook_effect(self, e, tree, flat=None):
         """Run one hook effect (fz3/core/hook_effects.py); -> the call's tensors, rewrapped if
-        it wraps them."""
+        it wraps them (`flat`: their flattening, if made already)."""
         match e:
             case GradIn(p):
                 self.store.grad_in(p)
             case WrapInputs(m):
-                return wrap_tensors(tree, PostBackward, lambda: self._post_backward(m))[0]
+                return wrap_tensors(tree, PostBackward, lambda: self._post_backward(m), flat)[0]
             case WrapOutputs(m):
-                return wrap_tensors(tree, PreBackward, lambda: self._pre_backward(m))[0]
+                return wrap_tensors(tree, PreBackward, lambda: self._pre_backward(m), flat)[0]
             case GradDue(params):
                 self.store.grad_due.update(params)
             case ClearGradDue():

@@ -76,11 +76,12 @@ def needs_grad(leaves: list) -> bool:
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
 
 
-def wrap_tensors(tree: Any, fn: type[torch.autograd.Function], on_backward: Callable[[], None]
-                 ) -> tuple[Any, bool]:
+def wrap_tensors(tree: Any, fn: type[torch.autograd.Function], on_backward: Callable[[], None],
+                 flat: tuple[list, Any] | None = None) -> tuple[Any, bool]:
     """Pass the grad-requiring tensors of a pytree (non-tensor leaves kept) through one `fn`
-    node. -> (new tree, whether any was wrapped)."""
-    return wrap_leaves(tree, *flatten(tree), fn, on_backward)
+    node. `flat`: `flatten(tree)` if the caller has it (its leaves are consumed). -> (new tree,
+    whether any was wrapped)."""
+    return wrap_leaves(tree, *(flat if flat is not None else flatten(tree)), fn, on_backward)
 
 
 def wrap_leaves(tree: Any, leaves: list, treedef: Any, fn: type[torch.autograd.Function],
@@ -105,14 +106,19 @@ def wrap_leaves(tree: Any, leaves: list, treedef: Any, fn: type[torch.autograd.F
 class ParamDict(dict):
     """A registered module's `_parameters`: reading a param during some *other* module's
     forward tells the shell, which registers it as an external param of the running module.
-    DeepSpeed: ZeROOrderedDict."""
+    `running[0]` is the module whose call is innermost open, -1 outside every call
+    (fz3.core.calls.running, kept by the engine): a read by the owner's own call, or by no call,
+    is told nothing, the core would do nothing with it. DeepSpeed: ZeROOrderedDict."""
 
-    def __init__(self, params: dict, module_id: int, on_read: Callable[[int, torch.nn.Parameter], None]):
+    def __init__(self, params: dict, module_id: int, on_read: Callable[[int, torch.nn.Parameter], None],
+                 running: list[int]):
         super().__init__(params)
-        self.module_id, self.on_read = module_id, on_read
+        self.module_id, self.on_read, self.running = module_id, on_read, running
 
     def __getitem__(self, name: str):
         p = dict.__getitem__(self, name)
         if p is not None:
-            self.on_read(self.module_id, p)
+            running = self.running[0]
+            if running != self.module_id and running >= 0:
+                self.on_read(self.module_id, p)
         return p

@@ -295,7 +295,13 @@ class NaiveParams:
             self.live -= self.numel[p]
         self.pass_freed |= set(ps)
         self.rules.freed(ps)
-        # refetch: the module releasing them has a backward fetch still to come in this pass
+        # refetch: the module releasing them has a backward fetch still to come in this pass, or
+        # the step frees them to gather them again at once (persistent or held)
+        if kind == "end_of_step":
+            again = [p in self.persistent or self.holds[p] > 0 for p in ps]
+            assert len(set(again)) == 1 and e.refetch == again[0], (
+                f"{e} during end_of_step: refetch should say that they are gathered again ({again})")
+            return
         refetch = kind in ("release", "post_backward") and self.pre[self.module] > 0
         assert e.refetch == refetch, f"{e} during {kind} of m{self.module}: refetch should be {refetch}"
 

@@ -26,8 +26,8 @@ class LiveWatch:
         self.detail = ""
         engine.apply = self  # the hooks call self.apply(event, tree): the instance's comes first
 
-    def __call__(self, event, tree=None):
-        out = self.run(event, tree)
+    def __call__(self, event, tree=None, flat=None):
+        out = self.run(event, tree, flat)
         self.check()
         return out
 
