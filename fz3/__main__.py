@@ -143,7 +143,8 @@ def _check(args) -> int:
                            seed=args.seed, options=fz3.Options(broadcast_buffers=not args.no_broadcast_buffers),
                            optimizer=args.optimizer, rtol=args.rtol, atol=args.atol, bf16=args.bf16)
     except CheckInputError as e:
-        raise UsageError(str(e).replace("build()", f"{args.target}()")) from None
+        one_line = " ".join(str(e).split())  # a torch error the model raised may span lines
+        raise UsageError(one_line.replace("build()", f"{args.target}()")) from None
     print(report.summary())
     return 0 if report.ok else 1
 
