@@ -62,7 +62,7 @@ def compare(ex: Example, ref: Reference, ranks: Sequence[RankRun], again: Option
     order_cause = _rank_order_cause(ranks, modules)
     if first is not None:
         found.append((first.micro, _error_failure(ex, first, gas, order_cause, diagnosis)))
-    cause = _written_cause(ref) or order_cause
+    cause = _written_cause(ref) or released_cause(diagnosis) or order_cause
     found += _losses(ex, ref, ranks, tol, cause, out)
     found += _params(ex, ref, ranks, tol, cause, out)
     found += _buffers(ex, ref, ranks, tol, broadcast)
@@ -73,7 +73,7 @@ def compare(ex: Example, ref: Reference, ranks: Sequence[RankRun], again: Option
     if first is None:
         found += _streams(ex, ranks, order_cause)
         if again is not None:
-            found += _determinism(ex, ranks, again)
+            found += _determinism(ex, ranks, again, released_cause(diagnosis))
     out.failures = [f for _, f in sorted(found, key=lambda wf: wf[0])]
     out.warnings = _warnings(ex, ref, ranks, modules, broadcast)
     return out
@@ -117,8 +117,9 @@ def released_cause(e: Optional[BaseException]) -> str:
     return (f"{str(e).split(': ', 1)[0]}. fz3 gathers a param for the forward of the module that owns it, and "
             "for reads it sees (an attribute read of another module's param makes it external to the reader); "
             "this read came through a reference it cannot see (a list, a dict, a closure, a tensor kept from "
-            "before fz3.initialize). Read it as an attribute of its module inside forward (self.owner.weight), "
-            "or keep it persistent (param_persistence_threshold >= its numel)")
+            "before fz3.initialize), and found an empty tensor or a placeholder's values. Read it as an attribute "
+            "of its module inside forward (self.owner.weight), or keep it persistent "
+            "(param_persistence_threshold >= its numel)")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> torch.Tensor:
@@ -231,11 +232,11 @@ def _effect(effects: list, k: int, run: RankRun) -> str:
     return f"{type(e).__name__}({', '.join(parts)})"
 
 
-def _determinism(ex, ranks, again) -> list:
+def _determinism(ex, ranks, again, released: str) -> list:
     gas = ex.config.gradient_accumulation_steps
-    cause = ("something besides the inputs, the weights and the seeded torch generator decides what the model "
-             "runs: a Python global or counter, time, an unseeded random source (random, numpy), iteration "
-             "over a set")
+    cause = released or ("something besides the inputs, the weights and the seeded torch generator decides what "
+                         "the model runs: a Python global or counter, time, an unseeded random source (random, "
+                         "numpy), iteration over a set")
     for one, two in zip(ranks, again):
         if two.error is not None:
             return [(two.micro, Failure("determinism", ex, f"the second run raised {type(two.error).__name__}: "

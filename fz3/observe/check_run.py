@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from fz3.config.config import COMM_DTYPES, Config
 from fz3.config.options import Options
+from fz3.core.param.state import AVAILABLE
 from fz3.data.store import DTYPES
 from fz3.interpreters.threads import run_threads
 from fz3.observe.check_build import CheckInputError, Subject, check_loss, copies, rank_batch, unique_params
@@ -298,7 +299,9 @@ def _rank(rank: int, world_size: int, subject: Subject, job: Job, models: list[n
             model.register_forward_pre_hook(lambda m, a: out.passes[out.micro].append(_buffers(m)))
         names = [name for name, _ in unique_params(model)]
         gas, n = job.config.gradient_accumulation_steps, len(subject.batches)
-        with ReleasedReads(engine, watch) if job.diagnose else contextlib.nullcontext():
+        reads = ReleasedReads(engine, watch) if job.diagnose else None
+        own = reads.fz3 if reads is not None else contextlib.nullcontext
+        with reads if reads is not None else contextlib.nullcontext():
             for i in range(job.micro_steps):
                 out.micro = watch.micro = i
                 out.passes.append([])
@@ -306,10 +309,12 @@ def _rank(rank: int, world_size: int, subject: Subject, job: Job, models: list[n
                 torch.manual_seed(seed_for(job.seed, i, rank))
                 loss = subject.loss_fn(model, batch)
                 engine.backward(loss)
-                engine.step()
+                with own():
+                    engine.step()
                 out.losses.append(loss.item())
                 if (i + 1) % gas == 0:
-                    state = engine.full_state_dict()  # every rank: it gathers
+                    with own():
+                        state = engine.full_state_dict()  # every rank: it gathers
                     if rank == 0:
                         out.params.append({name: state[name].float() for name in names})
         out.stats = engine.stats()
@@ -323,32 +328,52 @@ def _rank(rank: int, world_size: int, subject: Subject, job: Job, models: list[n
 
 
 class ReleasedParamRead(RuntimeError):
-    """A torch call failed on a param fz3 had released (its .data is empty between uses)."""
+    """The model read a param that fz3 had not gathered (the diagnosis run's finding)."""
+
+
+METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "is_floating_point", "is_complex", "element_size",
+                      "data_ptr", "untyped_storage", "requires_grad_", "register_hook",
+                      "register_post_accumulate_grad_hook", "__hash__", "__repr__", "__format__"})
+"""Tensor functions that read no values: a released param may be asked them."""
 
 
 class ReleasedReads(TorchFunctionMode):
-    """While on, a torch call that raises is checked for a released param among its arguments,
-    and the error then names the param and the modules running (fz3.check's diagnosis run)."""
+    """fz3.check's diagnosis run: a torch call of the model's (not one fz3 makes itself, inside
+    engine.apply, step or full_state_dict) that reads a param fz3 has not gathered raises
+    ReleasedParamRead, naming the param and the modules whose forward runs. Such a read fails
+    (a released param's .data is empty) or, for a param whose grad is still due, reads a
+    placeholder's values without failing; the engine can see neither, as the read came through a
+    reference its hooks do not watch (a list, a closure). Slow: every torch call comes here."""
 
     def __init__(self, engine, watch: Watch) -> None:
         super().__init__()
-        self.engine, self.watch = engine, watch
+        self.engine, self.watch, self.inside = engine, watch, 0
+        inner = engine.apply
+
+        def apply(event, tree=None):
+            with self.fz3():
+                return inner(event, tree)
+        engine.apply = apply  # the hooks call self.apply: the instance's attribute comes first
+
+    @contextlib.contextmanager
+    def fz3(self):
+        self.inside += 1
+        try:
+            yield
+        finally:
+            self.inside -= 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        try:
-            return func(*args, **(kwargs or {}))
-        except ReleasedParamRead:
-            raise
-        except Exception as e:
-            names = self._released((args, kwargs))
-            if not names:
-                raise
-            where = " > ".join(self.watch.active()) or "no module's forward (outside every fz3 unit)"
-            raise ReleasedParamRead(f"{getattr(func, '__name__', func)} read param {names[0]!r} while fz3 had it "
-                                    f"released (its .data empty between uses), in {where}: {e}") from e
+        name = getattr(func, "__name__", str(func))
+        if not self.inside and name not in METADATA:
+            released = self._released((args, kwargs))
+            if released:
+                where = " > ".join(self.watch.active()) or "no module's forward (outside every fz3 unit)"
+                raise ReleasedParamRead(f"{name} read param {released[0]!r} while fz3 had it released (not "
+                                        f"gathered), in {where}")
+        return func(*args, **(kwargs or {}))
 
     def _released(self, tree) -> list[str]:
-        store, ids = self.engine.store, self.engine.param_ids
+        ids, st = self.engine.param_ids, self.engine.params_state
         return [self.engine.tables.names[ids[id(t)]] for t in pytree.flatten(tree)[0]
-                if isinstance(t, torch.Tensor) and id(t) in ids and t.numel() == 0
-                and store.shapes[ids[id(t)]].numel() > 0]
+                if isinstance(t, torch.Tensor) and id(t) in ids and st.status(ids[id(t)]) != AVAILABLE]
