@@ -284,6 +284,36 @@ def test_a_second_run_that_differs_is_a_determinism_failure(monkeypatch):
     assert "effect 3 of the micro-step" in failure.detail and "something besides the inputs" in failure.cause
 
 
+def test_a_core_that_prefetches_past_the_budget_fails_I1(monkeypatch):
+    """Planted: the watch holds the ranks to a live budget of 0 while their core prefetches up to
+    the config's 1e9, as a core ignoring max_live_parameters would."""
+    from fz3.observe import check_watch
+    real = check_watch.Watch.__init__
+
+    def tight(self, engine):
+        real(self, engine)
+        self.budget = 0
+
+    monkeypatch.setattr(check_watch.Watch, "__init__", tight)
+    report = fz3.check(clean, world_sizes=(2,), examples=1, config=fz3.Config(param_persistence_threshold=0))
+    failure = report.failures[0]
+    assert failure.check == "I1 live budget", report.summary()
+    assert "over max_live_parameters=0" in failure.detail and "micro-step 1" in failure.detail  # prefetch: pass 2
+
+
+def test_counters_left_after_a_backward_fail_I2(monkeypatch):
+    from fz3.core.param.invariants import InvariantError
+    from fz3.observe import check_watch
+
+    def planted(state):
+        raise InvariantError("module block has pre_backward=1, grads_remaining=0 after the pass")
+
+    monkeypatch.setattr(check_watch, "check_quiescent", planted)
+    report = fz3.check(clean, world_sizes=(1,), examples=1)
+    assert [(f.check, f.rank) for f in report.failures] == [("I2 counts", 0)]
+    assert "micro-step 0, after the backward: module block has pre_backward=1" in report.failures[0].detail
+
+
 # ---- shrinking -------------------------------------------------------------------------------------
 
 BASE = fz3.Config()
