@@ -324,7 +324,23 @@ def _rank(rank: int, world_size: int, subject: Subject, job: Job, models: list[n
         if watch is not None:
             out.effects, out.entered, out.callers = watch.effects, watch.entered, watch.callers
             out.i1, out.i2 = watch.i1, watch.i2
+            # [Note: an engine's hooks keep it alive] A param's grad hook is a closure over the
+            # engine, held by the param's C++ hook list, which Python's collector cannot see: the
+            # model, its engine, shards and optimizer state outlive the run. The check runs many
+            # engines in one process, so each goes once its rank is done.
+            watch.engine._uninstall()
+    out.error = _without_frames(out.error)
     return out
+
+
+def _without_frames(e: Optional[BaseException]) -> Optional[BaseException]:
+    """The error as reported, its tracebacks dropped: their frames hold the rank's model and engine."""
+    link, seen = e, set()
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return e
 
 
 class ReleasedParamRead(RuntimeError):
