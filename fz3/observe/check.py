@@ -14,7 +14,8 @@ user's, and does anything in it break that? (issue #28)
         v
     reference in one process, fz3's arithmetic (memoised per world size, gas, dtypes)
     fz3.initialize on W thread ranks, every core event watched (I1, I2, effects)  (check_run.py,
-    the same again (determinism), or a diagnosis run after an error               check_watch.py)
+    the same again (determinism); after a failure without a known cause, once     check_watch.py)
+    more with every torch call watched (a read of a param fz3 had released)
         |
     compare: losses, params, buffers, I1, I2, determinism, divergence, errors   (check_compare.py)
         |  a failing example
@@ -234,18 +235,15 @@ class Runner:
         broadcast = self.settings.options.broadcast_buffers
         try:
             ranks = on_ranks(self.subject, self.job(ex))
+            again = on_ranks(self.subject, self.job(ex)) if first_error(ranks) is None else None
+            got = compare(ex, ref, ranks, again, tol, self.modules, broadcast)
+            if _unexplained(got):  # once more, every torch call watched for a read of a released param
+                diagnosis = _error_of(on_ranks(self.subject, self.job(ex, diagnose=True)))
+                if diagnosis is not None:
+                    got = compare(ex, ref, ranks, again, tol, self.modules, broadcast, diagnosis)
         except TimeoutError as e:
-            got = Compared(failures=[Failure("error", ex, f"{e}: a rank never finished (a model waiting on "
-                                             "something of its own, or a hang)")], exact=False)
-            self.outcomes[ex] = got
-            return got
-        first = first_error(ranks)
-        again = on_ranks(self.subject, self.job(ex)) if first is None else None
-        got = compare(ex, ref, ranks, again, tol, self.modules, broadcast)
-        if _unexplained(got):  # run it again, every torch call watched for a read of a released param
-            diagnosis = _error_of(on_ranks(self.subject, self.job(ex, diagnose=True)))
-            if diagnosis is not None:
-                got = compare(ex, ref, ranks, again, tol, self.modules, broadcast, diagnosis)
+            got = Compared(failures=(Failure("error", ex, f"{e}: a rank never finished (a model waiting on "
+                                             "something of its own, or a hang)"),), exact=False)
         self.warnings.extend(got.warnings)
         self.outcomes[ex] = got
         return got
@@ -266,8 +264,8 @@ def _error_of(ranks) -> BaseException | None:
 
 def _guard_size(subject: Subject, numel: int, settings: Settings) -> None:
     """Refuse, before copying anything, a model whose check would hold more than the limit."""
-    worlds = len(set(settings.world_sizes))
-    need = estimate_bytes(numel, max(settings.world_sizes), settings.steps, references=2 * worlds)
+    references = len(set(settings.world_sizes)) * 2 * (2 if settings.bf16 else 1)  # W x gas 1, 2 x dtypes
+    need = estimate_bytes(numel, max(settings.world_sizes), settings.steps, references)
     if need > settings.memory_limit:
         gib = 2**30
         raise CheckInputError(

@@ -71,9 +71,9 @@ def take(build: Callable[[], tuple]) -> Subject:
         got = build()
     except Exception as e:  # the user's code: say what raised, no traceback
         raise CheckInputError(f"build() raised {type(e).__name__}: {e}") from e
-    if not (isinstance(got, tuple) and len(got) in (2, 3) and isinstance(got[0], nn.Module)):
-        what = f"a tuple of {len(got)}" if isinstance(got, tuple) else type(got).__name__
-        first = f" whose first item is a {type(got[0]).__name__}" if isinstance(got, tuple) and got else ""
+    if not (isinstance(got, (tuple, list)) and len(got) in (2, 3) and isinstance(got[0], nn.Module)):
+        what = f"a tuple of {len(got)}" if isinstance(got, (tuple, list)) else type(got).__name__
+        first = f" whose first item is a {type(got[0]).__name__}" if isinstance(got, (tuple, list)) and got else ""
         raise CheckInputError(f"build() must return {SHAPES}, the first an nn.Module; got {what}{first}")
     model = got[0]
     if len(got) == 3:
@@ -101,12 +101,13 @@ def _kind(x: object) -> str:
 
 def _rows(batch, i: int) -> int:
     """B: dim 0 of the batch's first tensor that has one."""
-    leaves = pytree.flatten(batch)[0]
-    for x in leaves:
-        if isinstance(x, torch.Tensor) and x.dim() >= 1:
-            if x.device.type != "cpu":
-                raise CheckInputError(f"example batch {i} holds a tensor on {x.device}; fz3.check runs on the "
-                                      "CPU: build the batches there")
+    tensors = [x for x in pytree.flatten(batch)[0] if isinstance(x, torch.Tensor)]
+    for x in tensors:
+        if x.device.type != "cpu":
+            raise CheckInputError(f"example batch {i} holds a tensor on {x.device}; fz3.check runs on the CPU: "
+                                  "build the batches there")
+    for x in tensors:
+        if x.dim() >= 1:
             if x.shape[0] < 1:
                 raise CheckInputError(f"example batch {i} has 0 rows (its first tensor is {tuple(x.shape)})")
             return x.shape[0]

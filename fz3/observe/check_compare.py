@@ -21,7 +21,7 @@ the numbers were, and warnings.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -40,13 +40,16 @@ class Tolerance:
     atol: float
 
 
-@dataclass
+@dataclass(frozen=True)
 class Compared:
-    failures: list[Failure] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    """One example's verdict: its failures in the order they happened, its warnings, and how
+    close the numbers came (exact: every loss and param equal bit for bit)."""
+
+    failures: tuple[Failure, ...] = ()
+    warnings: tuple[str, ...] = ()
     exact: bool = True
-    loss_dev: float = 0.0
-    param_dev: float = 0.0
+    loss_dev: float = 0.0  # largest relative deviation of a loss
+    param_dev: float = 0.0  # largest absolute deviation of a param element
 
 
 def compare(ex: Example, ref: Reference, ranks: Sequence[RankRun], again: Optional[Sequence[RankRun]],
@@ -55,7 +58,6 @@ def compare(ex: Example, ref: Reference, ranks: Sequence[RankRun], again: Option
     """`again`: the second run of the example (None: not run, as after an error); `modules`:
     (path, class) of the model's modules, for the leaf to name; `diagnosis`: the error of the
     run with ReleasedReads on, after an error."""
-    out = Compared()
     gas = ex.config.gradient_accumulation_steps
     found: list[tuple[float, Failure]] = []  # (when, failure)
     first = first_error(ranks)
@@ -63,9 +65,9 @@ def compare(ex: Example, ref: Reference, ranks: Sequence[RankRun], again: Option
     if first is not None:
         found.append((first.micro, _error_failure(ex, first, gas, order_cause, diagnosis)))
     cause = _written_cause(ref) or released_cause(diagnosis) or order_cause
-    found += _losses(ex, ref, ranks, tol, cause, out)
-    found += _params(ex, ref, ranks, tol, cause, out)
-    found += _buffers(ex, ref, ranks, tol, broadcast)
+    losses, losses_exact, loss_dev = _losses(ex, ref, ranks, tol, cause)
+    params, params_exact, param_dev = _params(ex, ref, ranks, tol, cause)
+    found += losses + params + _buffers(ex, ref, ranks, tol, broadcast)
     for check, attr in (("I1 live budget", "i1"), ("I2 counts", "i2")):
         hit = next((r for r in ranks if getattr(r, attr)), None)
         if hit is not None:
@@ -74,9 +76,9 @@ def compare(ex: Example, ref: Reference, ranks: Sequence[RankRun], again: Option
         found += _streams(ex, ranks, order_cause)
         if again is not None:
             found += _determinism(ex, ranks, again, released_cause(diagnosis))
-    out.failures = [f for _, f in sorted(found, key=lambda wf: wf[0])]
-    out.warnings = _warnings(ex, ref, ranks, modules, broadcast)
-    return out
+    return Compared(tuple(f for _, f in sorted(found, key=lambda wf: wf[0])),
+                    tuple(_warnings(ex, ref, ranks, modules, broadcast)), losses_exact and params_exact,
+                    loss_dev, param_dev)
 
 
 def first_error(ranks: Sequence[RankRun]) -> Optional[RankRun]:
@@ -128,32 +130,36 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: Tolerance) -> torch.Tenso
     return ok | (got == want) | (got.isnan() & want.isnan())
 
 
-def _losses(ex, ref: Reference, ranks, tol, cause, out: Compared) -> list:
+def _losses(ex, ref: Reference, ranks, tol, cause) -> tuple[list, bool, float]:
+    """The first loss beyond the tolerance (as a failure), whether all were equal, the largest
+    relative deviation."""
     gas = ex.config.gradient_accumulation_steps
+    exact, dev = True, 0.0
     for i, row in enumerate(ref.losses):
         for r, run in enumerate(ranks):
             if i >= len(run.losses):
                 continue
             got, want = run.losses[i], row[r]
-            same = got == want or (math.isnan(got) and math.isnan(want))
-            out.exact = out.exact and same
-            if not same:
-                out.loss_dev = max(out.loss_dev, abs(got - want) / max(abs(want), 1e-12))
+            if not (got == want or (math.isnan(got) and math.isnan(want))):
+                exact, dev = False, max(dev, abs(got - want) / max(abs(want), 1e-12))
             if not bool(_close(torch.tensor(got), torch.tensor(want), tol)):
                 return [(i, Failure("losses", ex, f"{got!r} on the ranks, {want!r} in one process "
-                                    f"(|diff| {abs(got - want):.3g})", i // gas + 1, i, r, cause=cause))]
-    return []
+                                    f"(|diff| {abs(got - want):.3g})", i // gas + 1, i, r, cause=cause))], False, dev
+    return [], exact, dev
 
 
-def _params(ex, ref: Reference, ranks, tol, cause, out: Compared) -> list:
+def _params(ex, ref: Reference, ranks, tol, cause) -> tuple[list, bool, float]:
+    """The first param beyond the tolerance after a step (in model order), whether all were
+    equal, the largest absolute deviation of an element."""
     gas = ex.config.gradient_accumulation_steps
+    exact, dev = True, 0.0
     for s, (got_state, want_state) in enumerate(zip(ranks[0].params, ref.params)):
         for name, want in want_state.items():
             got = got_state[name]
             diff = (got.double() - want.double()).abs()
             if not torch.equal(got, want):
-                out.exact = False
-                out.param_dev = max(out.param_dev, float(diff.nan_to_num(math.inf).max()) if diff.numel() else 0.0)
+                exact = False
+                dev = max(dev, float(diff.nan_to_num(math.inf).max()) if diff.numel() else 0.0)
             bad = ~_close(got, want, tol)
             if bool(bad.any()):
                 k = int(torch.where(bad.reshape(-1), diff.reshape(-1).nan_to_num(math.inf), -1.0).argmax())
@@ -162,8 +168,8 @@ def _params(ex, ref: Reference, ranks, tol, cause, out: Compared) -> list:
                 g, w = got.reshape(-1)[k].item(), want.reshape(-1)[k].item()
                 detail = (f"{int(bad.sum())} of {got.numel()} elements differ after the step; the largest at "
                           f"{name}{index}: {g!r} on the ranks, {w!r} in one process")
-                return [((s + 1) * gas - 0.5, Failure("params", ex, detail, s + 1, None, 0, name, cause))]
-    return []
+                return [((s + 1) * gas - 0.5, Failure("params", ex, detail, s + 1, None, 0, name, cause))], False, dev
+    return [], exact, dev
 
 
 def _buffers(ex, ref: Reference, ranks, tol, broadcast: bool) -> list:
