@@ -194,12 +194,14 @@ def test_a_hugging_face_model_as_model_and_example_inputs_passes():
     assert report.derived_loss and "derived from the output" in report.summary()
 
 
-def test_bf16_is_drawn_when_asked_and_compared_with_its_tolerance():
+def test_bf16_is_drawn_when_asked_and_its_reference_computes_in_bf16_too():
     report = fz3.check(clean, world_sizes=(1, 2), examples=8, bf16=True)
     assert report.ok, report.summary()
-    assert any(r.example.config.compute_dtype == "bf16" for r in report.results)
+    bf16 = [r for r in report.results if r.example.config.compute_dtype == "bf16"]
+    assert any(r.example.world_size == 2 for r in bf16) and all(r.exact for r in bf16), report.summary()
     assert report.tolerance["bf16"] == (2e-2, 6e-3)
-    assert all(r.example.config.compute_dtype == "fp32" for r in fz3.check(clean, world_sizes=(1,), examples=8).results)
+    unasked = fz3.check(clean, world_sizes=(1,), examples=8).results
+    assert all(r.example.config.compute_dtype == "fp32" for r in unasked)
 
 
 # ---- planted hazards, each with its cause ----------------------------------------------------------
@@ -394,6 +396,8 @@ def _bad_loss(model, x):
     (lambda: (nn.Linear(4, 4), (torch.zeros(6, 3),)), {}, "does not run in one process on the CPU"),
     (raises_in_forward, {}, "does not run in one process on the CPU: model(*example_inputs) raised RuntimeError"),
     (lambda: (nn.Linear(4, 4, device="meta"), torch.zeros(6, 4)), {}, "on the meta device"),
+    (lambda: (nn.Linear(4, 4).double(), torch.zeros(6, 4, dtype=torch.float64)), {},
+     "param 'weight' is torch.float64: fz3 keeps fp32 master shards"),
     (huge, {}, "too big to check in one process here"),
     (lambda: (nn.Linear(4, 4), torch.zeros(5, 4)), {"world_sizes": (2, 3)}, "no world size in [2, 3] divides"),
     (clean, {"examples": 0}, "examples must be an int >= 1"),

@@ -159,7 +159,7 @@ def output_loss(out) -> torch.Tensor:
 
 
 def check_model(model: nn.Module) -> None:
-    """The model can be trained here: real values on the CPU, not yet sharded, something to train."""
+    """The model can be trained here: real fp32 values on the CPU, not yet sharded, something to train."""
     if has_meta(model):
         raise CheckInputError("the model is on the meta device (no values); fz3.check trains it, so build it on the "
                               "CPU (for a model too big for that: python -m fz3 plan, fz3.plan)")
@@ -170,6 +170,11 @@ def check_model(model: nn.Module) -> None:
     if registry.managed(model.parameters()) is not None or any(shard_of(p) is not None for p in model.parameters()):
         raise CheckInputError("the model is already sharded (fz3.initialize or fz3.Init); build() must return a "
                               "plain model, built without fz3.Init")
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != torch.float32:
+            raise CheckInputError(f"the model's param {name!r} is {p.dtype}: fz3 keeps fp32 master shards and "
+                                  "computes in Config.compute_dtype ('fp32' or 'bf16'), so build the model in fp32 "
+                                  "(for bf16 compute: compute_dtype='bf16' in the config, or --bf16 to draw it)")
     if not any(p.requires_grad for p in model.parameters()):
         raise CheckInputError("the model has no parameter that requires grad: nothing to train or check")
 
