@@ -19,6 +19,7 @@ as tests/test_check.py:FUNCTION.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -212,6 +213,7 @@ def test_a_param_written_in_forward_outside_autograd_is_named():
     first = report.failures[0]
     assert first.check in ("params", "losses") and first.step == 1, report.summary()
     assert "'gain'" in first.cause and "outside autograd" in first.cause
+    assert str(first).startswith(f"{first.check}: step 1") and "on W=" in str(first) and "likely cause" in str(first)
     shrunk = report.results[0].shrunk.example
     assert (shrunk.world_size, shrunk.steps, shrunk.config) == (1, 1, fz3.Config())
 
@@ -419,6 +421,13 @@ def test_a_world_size_the_batch_does_not_divide_is_skipped_and_said():
     assert [r.example.world_size for r in report.results] == [1, 2]
     assert any("W=3" in s and "do not divide" in s for s in report.skipped), report.summary()
     assert "not checked:" in report.summary()
+
+
+def test_a_loss_that_is_not_finite_is_undecided_not_a_pass():
+    nan = [torch.full((6, 4), math.nan)]
+    report = fz3.check(lambda: (nn.Linear(4, 1), nan, _mse), world_sizes=(1, 2), examples=2)
+    assert not report.failures and not report.ok, report.summary()
+    assert any("the loss is not finite in one process" in u for u in report.undecided)
 
 
 def test_nothing_on_two_ranks_is_undecided_not_a_pass():

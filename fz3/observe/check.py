@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Union
@@ -179,6 +180,13 @@ def _check(build: Callable[[], tuple], settings: Settings, initialize: Callable)
     if any(w > 1 for w in settings.world_sizes) and not any(r.example.world_size > 1 for r in results):
         undecided.append("no example ran on more than one rank, so nothing checked sharding across ranks: give "
                          "more examples or batches whose size divides by a world size > 1")
+    for (world, gas, dtype, *_), ref in sorted(runner.references.items(), key=lambda kv: repr(kv[0])):
+        bad = next((i for i, row in enumerate(ref.losses) if not all(math.isfinite(x) for x in row)), None)
+        if bad is not None:
+            undecided.append(f"the loss is not finite in one process (W={world}, gradient_accumulation_steps={gas}, "
+                             f"{dtype}, micro-step {bad}): equal NaNs say nothing; lower the learning rate or fix "
+                             "the model's numbers")
+            break
     if subject.whole:
         notes.append(f"passed whole to every rank (not split by rows): {', '.join(subject.whole)}")
     return CheckReport(

@@ -56,6 +56,12 @@ class Failure:
         where = self.where()
         return f"{self.check}: {where + ': ' if where else ''}{self.detail}"
 
+    def __str__(self) -> str:
+        ex = self.example
+        text = (f"{self.describe()}\n  on W={ex.world_size}, {ex.steps} step{'s' if ex.steps != 1 else ''}, "
+                f"{config_source(ex.config)}")
+        return text + (f"\n  likely cause: {self.cause}" if self.cause else "")
+
 
 @dataclass(frozen=True)
 class ExampleResult:
