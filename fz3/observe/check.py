@@ -155,7 +155,43 @@ def _check(build: Callable[[], tuple], settings: Settings, initialize: Callable)
     _guard_size(subject, numel, settings)
     check_model(subject.model)
     _smoke(subject, settings, torch.float32)
-    skipped, notes = [], []
+    space, bf16, skipped = _space(subject, settings)
+    runner = Runner(subject, settings, initialize)
+    results = []
+    for k, ex in enumerate(draw(space, settings.seed, settings.examples)):
+        results.append(_result(k, ex, runner, space))
+    undecided = _undecided(settings, results, runner)
+    notes = [f"passed whole to every rank (not split by rows): {', '.join(subject.whole)}"] if subject.whole else []
+    return CheckReport(
+        model=type(subject.model).__name__, params=numel, base=settings.config,
+        world_sizes=tuple(settings.world_sizes), steps=settings.steps, seed=settings.seed,
+        optimizer=settings.optimizer_name(),
+        tolerance={d: (settings.tolerance(d).rtol, settings.tolerance(d).atol) for d in ("fp32", "bf16")[:1 + bf16]},
+        results=tuple(results), warnings=tuple(dict.fromkeys(runner.warnings)), skipped=tuple(skipped),
+        undecided=tuple(undecided), derived_loss=subject.derived, seconds=time.perf_counter() - start,
+        notes=tuple(notes))
+
+
+def _undecided(settings: Settings, results: list[ExampleResult], runner: "Runner") -> list[str]:
+    """What the examples cannot say ("never a silent pass")."""
+    out = []
+    if any(w > 1 for w in settings.world_sizes) and not any(r.example.world_size > 1 for r in results):
+        out.append("no example ran on more than one rank, so nothing checked sharding across ranks: give more "
+                   "examples or batches whose size divides by a world size > 1")
+    for (world, gas, dtype, *_), ref in sorted(runner.references.items(), key=lambda kv: repr(kv[0])):
+        bad = next((i for i, row in enumerate(ref.losses) if not all(math.isfinite(x) for x in row)), None)
+        if bad is not None:
+            out.append(f"the loss is not finite in one process (W={world}, gradient_accumulation_steps={gas}, "
+                       f"{dtype}, micro-step {bad}): equal NaNs say nothing; lower the learning rate or fix the "
+                       "model's numbers")
+            break
+    return out
+
+
+def _space(subject: Subject, settings: Settings) -> tuple[Space, bool, list[str]]:
+    """What may be drawn: the world sizes the batches divide, bf16 if asked and the model runs in
+    it; -> (space, bf16 drawn, what is not checked and why)."""
+    skipped = []
     bf16 = settings.bf16 or settings.config.compute_dtype == "bf16"
     if bf16:
         why = _bf16_trouble(subject, settings)
@@ -171,32 +207,7 @@ def _check(build: Callable[[], tuple], settings: Settings, initialize: Callable)
     if not worlds:
         raise CheckInputError(f"no world size in {list(settings.world_sizes)} divides the batches' sizes "
                               f"{sorted(set(subject.rows))}: give batches whose dim 0 divides by the world sizes")
-    space = Space.around(settings.config, worlds, settings.steps, numels(subject.model), bf16=bf16)
-    runner = Runner(subject, settings, initialize)
-    results = []
-    for k, ex in enumerate(draw(space, settings.seed, settings.examples)):
-        results.append(_result(k, ex, runner, space))
-    undecided = []
-    if any(w > 1 for w in settings.world_sizes) and not any(r.example.world_size > 1 for r in results):
-        undecided.append("no example ran on more than one rank, so nothing checked sharding across ranks: give "
-                         "more examples or batches whose size divides by a world size > 1")
-    for (world, gas, dtype, *_), ref in sorted(runner.references.items(), key=lambda kv: repr(kv[0])):
-        bad = next((i for i, row in enumerate(ref.losses) if not all(math.isfinite(x) for x in row)), None)
-        if bad is not None:
-            undecided.append(f"the loss is not finite in one process (W={world}, gradient_accumulation_steps={gas}, "
-                             f"{dtype}, micro-step {bad}): equal NaNs say nothing; lower the learning rate or fix "
-                             "the model's numbers")
-            break
-    if subject.whole:
-        notes.append(f"passed whole to every rank (not split by rows): {', '.join(subject.whole)}")
-    return CheckReport(
-        model=type(subject.model).__name__, params=numel, base=settings.config,
-        world_sizes=tuple(settings.world_sizes), steps=settings.steps, seed=settings.seed,
-        optimizer=settings.optimizer_name(),
-        tolerance={d: (settings.tolerance(d).rtol, settings.tolerance(d).atol) for d in ("fp32", "bf16")[:1 + bf16]},
-        results=tuple(results), warnings=tuple(dict.fromkeys(runner.warnings)), skipped=tuple(skipped),
-        undecided=tuple(undecided), derived_loss=subject.derived, seconds=time.perf_counter() - start,
-        notes=tuple(notes))
+    return Space.around(settings.config, worlds, settings.steps, numels(subject.model), bf16=bf16), bf16, skipped
 
 
 def _result(k: int, ex: Example, runner: "Runner", space: Space) -> ExampleResult:

@@ -2,6 +2,8 @@
 
     ref = reference(subject, job)        # plain PyTorch, the arithmetic fz3 does ([Note: ...])
     ranks = on_ranks(subject, job)       # fz3.initialize on W thread ranks; RankRun per rank
+    on_ranks(subject, replace(job, diagnose=True))   # the same, every torch call of the model
+                                         # watched for a read of a param fz3 had released
 
 Both train `job.steps` optimizer steps of gradient_accumulation_steps micro-steps; micro-step i
 takes example batch i % n, split among the ranks (fz3/observe/check_build.py), and draws its
@@ -98,7 +100,6 @@ class RankRun:
     i2: Optional[str] = None
     micro: int = -1  # the micro-step running (or last run)
     error: Optional[BaseException] = None
-    stats: dict = field(default_factory=dict)
     param_names: tuple[str, ...] = ()  # by ParamId, for the effects' params
 
 
@@ -294,35 +295,19 @@ def on_ranks(subject: Subject, job: Job) -> list[RankRun]:
 
 
 def _rank(rank: int, world_size: int, subject: Subject, job: Job, models: list[nn.Module]) -> RankRun:
+    """One thread rank: its engine, the example's micro-steps, what it saw; an error is recorded,
+    with the micro-step it stopped at, not raised."""
     out = RankRun(rank)
     model, watch = models[rank], None
     try:
         engine = job.initialize(model, job.optimizer(model.parameters()), job.config, options=job.options)
         out.param_names = tuple(engine.tables.names)
         watch = Watch(engine)
-        if any(True for _ in model.buffers()):
+        if any(True for _ in model.buffers()):  # after fz3's own pre-hook: what its broadcast left
             model.register_forward_pre_hook(lambda m, a: out.passes[out.micro].append(_buffers(m)))
-        names = [name for name, _ in unique_params(model)]
-        gas, n = job.config.gradient_accumulation_steps, len(subject.batches)
         reads = ReleasedReads(engine, watch) if job.diagnose else None
-        own = reads.fz3 if reads is not None else contextlib.nullcontext
         with reads if reads is not None else contextlib.nullcontext():
-            for i in range(job.micro_steps):
-                out.micro = watch.micro = i
-                out.passes.append([])
-                batch = rank_batch(subject.batches[i % n], subject.rows[i % n], rank, world_size)
-                torch.manual_seed(seed_for(job.seed, i, rank))
-                loss = subject.loss_fn(model, batch)
-                engine.backward(loss)
-                with own():
-                    engine.step()
-                out.losses.append(loss.item())
-                if (i + 1) % gas == 0:
-                    with own():
-                        state = engine.full_state_dict()  # every rank: it gathers
-                    if rank == 0:
-                        out.params.append({name: state[name].float() for name in names})
-        out.stats = engine.stats()
+            _train(out, engine, watch, subject, job, reads.fz3 if reads is not None else contextlib.nullcontext)
     except BaseException as e:  # noqa: BLE001 - reported with the rank's micro-step
         out.error = e
     finally:
@@ -337,6 +322,29 @@ def _rank(rank: int, world_size: int, subject: Subject, job: Job, models: list[n
                 watch.engine._uninstall()
     out.error = _without_frames(out.error)
     return out
+
+
+def _train(out: RankRun, engine, watch: Watch, subject: Subject, job: Job, own) -> None:
+    """The micro-steps, as a training loop runs them; `own()` marks fz3's own calls for the
+    diagnosis run. Rank 0 keeps the consolidated params after each optimizer step."""
+    rank, world_size, model = engine.rank, engine.world_size, engine.module
+    names = [name for name, _ in unique_params(model)]
+    gas, n = job.config.gradient_accumulation_steps, len(subject.batches)
+    for i in range(job.micro_steps):
+        out.micro = watch.micro = i
+        out.passes.append([])
+        batch = rank_batch(subject.batches[i % n], subject.rows[i % n], rank, world_size)
+        torch.manual_seed(seed_for(job.seed, i, rank))
+        loss = subject.loss_fn(model, batch)
+        engine.backward(loss)
+        with own():
+            engine.step()
+        out.losses.append(loss.item())
+        if (i + 1) % gas == 0:
+            with own():
+                state = engine.full_state_dict()  # every rank: it gathers
+            if rank == 0:
+                out.params.append({name: state[name].float() for name in names})
 
 
 def _without_frames(e: Optional[BaseException]) -> Optional[BaseException]:
