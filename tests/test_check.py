@@ -403,7 +403,7 @@ def _bad_loss(model, x):
     (huge, {}, "too big to check in one process here"),
     (lambda: (nn.Linear(4, 4), torch.zeros(5, 4)), {"world_sizes": (2, 3)}, "no world size in [2, 3] divides"),
     (clean, {"examples": 0}, "examples must be an int >= 1"),
-    (clean, {"config": {"zero_optimization": {}}}, "config must be a fz3.Config"),
+    (clean, {"config": "ds.json"}, "config must be a fz3.Config"),
 ])
 def test_bad_input_names_what_was_expected(build, kwargs, message):
     with pytest.raises(CheckInputError) as e:
