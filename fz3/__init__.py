@@ -7,6 +7,7 @@
     loss = f(engine(batch)); engine.backward(loss); engine.step()
     print(fz3.plan(model, cfg, world_size=64, example_inputs=(batch,)))   # before any of it
     with fz3.timeline(engine, "run.json"): ...  # what it did; fz3.DivergenceError if ranks diverge
+    assert fz3.check(build).ok                 # this model on N thread ranks against one process
 
 The shell's names load on first use, so `import fz3.core` stays free of torch.
 """
@@ -16,12 +17,12 @@ from fz3.config import Config, Options
 moved.install()  # the old import paths of modules that moved (fz3/moved.py)
 
 __all__ = ["Config", "Options", "Init", "initialize", "gathered_parameters", "set_leaf_modules", "load_weights", "plan",
-           "timeline", "DivergenceError"]
+           "timeline", "DivergenceError", "check"]
 
 _LAZY = {"Init": "fz3.build.init", "initialize": "fz3.api", "gathered_parameters": "fz3.io.consolidate",
          "set_leaf_modules": "fz3.shell.tables", "load_weights": "fz3.io.weights",
          "plan": "fz3.observe.plan", "timeline": "fz3.observe.timeline",
-         "DivergenceError": "fz3.interpreters.agreement"}
+         "DivergenceError": "fz3.interpreters.agreement", "check": "fz3.api"}
 
 
 def __getattr__(name: str):

@@ -10,14 +10,23 @@
         communication and the core, and the live bytes over time.
     python -m fz3 consolidate CKPT_DIR OUT.safetensors [--tag TAG]
         A sharded checkpoint -> one fp32 safetensors file (DeepSpeed's zero_to_fp32).
+    python -m fz3 check MODULE:FUNCTION [--world-sizes 1,2,3] [--examples N] [--steps K]
+                        [--config ds.json] [--seed S] [--optimizer sgd|adamw|adam] [--rtol R]
+                        [--atol A] [--bf16] [--no-broadcast-buffers]
+        FUNCTION() returns (model, example_batches, loss_fn) or (model, example_inputs). The model
+        trains under configs drawn around the given one on thread ranks and in one process, and
+        fz3.check's report is printed: per example pass, or the first step and param where they
+        differ, with the smallest failing config as fz3.Config(...) (docs/check.md). Exit status
+        0: every example passed; 1: a failure was found, or something could not be decided.
     python -m fz3 verify [--examples N] [--steps K] [--machines params,grads,layout,calls]
         The Hypothesis machines against their naive models, N examples each (up to K rules per
         example), then what each invariant covered: checks and situations. Exit status 1 with
         the shrunk counterexample when a property fails (fz3/testing/verify.py).
 
 Usage errors (an unknown command, a MODULE:FUNCTION that does not import or returns the wrong
-thing, an invalid config, a world size < 1) print one line naming the value and what is allowed
-and exit with status 2, without a traceback.
+thing, an invalid config, a world size < 1, for check a model that does not run on the CPU or is
+too big to check here) print one line naming the value and what is allowed and exit with status
+2, without a traceback.
 """
 from __future__ import annotations
 
@@ -35,7 +44,7 @@ class UsageError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fz3", description="fz3: ZeRO-3 as pure state transitions")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,timeline,consolidate,verify}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,check,timeline,consolidate,verify}")
     p = sub.add_parser("plan", help="what a run will do, per step and per rank, before it runs")
     p.add_argument("target", metavar="MODULE:FUNCTION", help="FUNCTION() -> (model, example_inputs)")
     p.add_argument("--world-size", type=int, required=True, help="ranks to plan for (>= 1)")
@@ -44,6 +53,22 @@ def main(argv: list[str] | None = None) -> int:
                    "records the trace, the next prefetch along it)")
     p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd (default adamw)")
     p.add_argument("--backend", default=None, help="gloo | nccl | hccl (default: this machine's)")
+    k = sub.add_parser("check", help="does this model train the same on N thread ranks as in one process?")
+    k.add_argument("target", metavar="MODULE:FUNCTION",
+                   help="FUNCTION() -> (model, example_batches, loss_fn) or (model, example_inputs)")
+    k.add_argument("--world-sizes", default="1,2,3", help="comma-separated (default 1,2,3)")
+    k.add_argument("--examples", type=int, default=12, help="examples to run (default 12: your config on each "
+                   "world size, then drawn configs)")
+    k.add_argument("--steps", type=int, default=2, help="optimizer steps per example (default 2)")
+    k.add_argument("--config", default=None, help="a DeepSpeed JSON config to draw around (default: DeepSpeed's "
+                   "defaults)")
+    k.add_argument("--seed", type=int, default=0, help="the same seed draws the same examples (default 0)")
+    k.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9, lr 1e-2) | adamw | adam (default sgd)")
+    k.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance, fp32 (default 1e-5)")
+    k.add_argument("--atol", type=float, default=1e-6, help="absolute tolerance, fp32 (default 1e-6)")
+    k.add_argument("--bf16", action="store_true", help="also draw bf16 compute (looser tolerance)")
+    k.add_argument("--no-broadcast-buffers", action="store_true",
+                   help="run with fz3.Options(broadcast_buffers=False), as your training will")
     t = sub.add_parser("timeline", help="draw fz3.timeline's JSON file as a PNG (matplotlib)")
     t.add_argument("json", help="the file fz3.timeline wrote")
     t.add_argument("png", help="the picture to write")
@@ -63,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             return _timeline(args)
         if args.command == "verify":
             return _verify(args)
+        if args.command == "check":
+            return _check(args)
         return _plan(args)
     except UsageError as e:
         print(f"python -m fz3 {args.command}: {e}", file=sys.stderr)
@@ -102,6 +129,26 @@ def _verify(args) -> int:
     return 1 if report.failure is not None else 0
 
 
+def _check(args) -> int:
+    import fz3
+    from fz3.observe.check_build import CheckInputError
+    try:
+        worlds = tuple(int(w) for w in args.world_sizes.split(",") if w.strip())
+    except ValueError:
+        raise UsageError(f"--world-sizes {args.world_sizes!r}: give comma-separated ints, e.g. 1,2,3") from None
+    config = _config(args.config)
+    build = _function(args.target)
+    try:
+        report = fz3.check(build, world_sizes=worlds, examples=args.examples, steps=args.steps, config=config,
+                           seed=args.seed, options=fz3.Options(broadcast_buffers=not args.no_broadcast_buffers),
+                           optimizer=args.optimizer, rtol=args.rtol, atol=args.atol, bf16=args.bf16)
+    except CheckInputError as e:
+        one_line = " ".join(str(e).split())  # a torch error the model raised may span lines
+        raise UsageError(one_line.replace("build()", f"{args.target}()")) from None
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
 def _timeline(args) -> int:
     from fz3.observe.timeline_draw import DrawError, draw
     try:
@@ -134,6 +181,19 @@ def _config(path: str | None):
 def _call(target: str):
     """Import MODULE (a dotted name or a .py file) and call FUNCTION() -> (model, example_inputs)."""
     from torch import nn
+    fn = _function(target)
+    try:
+        got = fn()
+    except Exception as e:
+        raise UsageError(f"{target}() raised {type(e).__name__}: {e}") from None
+    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], nn.Module)):
+        raise UsageError(f"{target}() must return (model, example_inputs), an nn.Module and its inputs; "
+                         f"got {type(got).__name__}")
+    return got
+
+
+def _function(target: str):
+    """FUNCTION of MODULE:FUNCTION, MODULE a dotted name or a .py file; not called."""
     module_name, sep, fn_name = target.rpartition(":")
     if not sep or not module_name or not fn_name:
         raise UsageError(f"{target!r} is not MODULE:FUNCTION (e.g. mypkg.models:small_gpt or models.py:small_gpt)")
@@ -154,14 +214,7 @@ def _call(target: str):
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise UsageError(f"{module_name!r} has no function {fn_name!r}")
-    try:
-        got = fn()
-    except Exception as e:
-        raise UsageError(f"{target}() raised {type(e).__name__}: {e}") from None
-    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], nn.Module)):
-        raise UsageError(f"{target}() must return (model, example_inputs), an nn.Module and its inputs; "
-                         f"got {type(got).__name__}")
-    return got
+    return fn
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""fz3's public entry point: `initialize(model, optimizer, cfg) -> Engine`."""
+"""fz3's public entry points: `initialize(model, optimizer, cfg) -> Engine`, and `check(build)`,
+which runs the user's model through initialize on thread ranks against one process."""
 from __future__ import annotations
 
 import torch
@@ -16,6 +17,7 @@ from fz3.interpreters.transport import Transport, TorchTransport
 from fz3.io.engine_methods import ValueMovers
 from fz3.shell import engine as lifecycle
 from fz3.config.options import Options, given
+from fz3.observe.check_report import CheckReport
 
 
 class Engine(ValueMovers, lifecycle.Engine):
@@ -97,3 +99,29 @@ def _sync_from_rank0(model: nn.Module, transport: Transport) -> None:
     whole = [p for p in model.parameters() if shard_of(p) is None]
     for t in whole + list(model.buffers()):
         transport.broadcast(t.data, src=0)
+
+
+def check(build, *, world_sizes=(1, 2, 3), examples: int = 12, steps: int = 2, config=None, seed: int = 0,
+          options: Options | None = None, optimizer="sgd", rtol: float = 1e-5, atol: float = 1e-6,
+          bf16: bool = False) -> CheckReport:
+    """Does the model `build()` makes train the same on N ranks as in one process, under configs
+    drawn around `config` (a fz3.Config, or a DeepSpeed dict for Config.from_deepspeed)?
+    `build()` returns (model, example_batches, loss_fn), loss_fn(model, batch) -> scalar loss,
+    or (model, example_inputs), the loss then derived from the output (fz3/observe/check_build.py).
+    `examples` examples, each `steps` optimizer steps on one of `world_sizes` thread ranks
+    (fz3.launch.run_threads) against one process doing fz3's arithmetic, then checked: losses,
+    params (rtol, atol; looser with bf16 compute, drawn only when `bf16` or `config` says so),
+    buffers, I1, I2, determinism, divergence. A failing example is shrunk to the smallest that
+    still fails. `options`: the fz3.Options the run will use; `optimizer`: "sgd" (momentum 0.9,
+    lr 1e-2), "adamw", "adam" or callable(params). -> CheckReport (.ok, .failures, .summary()).
+    Bad input raises fz3.observe.check_build.CheckInputError (a ValueError) naming what was
+    expected. `python -m fz3 check MODULE:FUNCTION` is the same from the command line
+    (docs/check.md)."""
+    from fz3.observe.check import Settings, check as run_check
+    if isinstance(config, dict):
+        config = Config.from_deepspeed(config)
+    settings = Settings(world_sizes=tuple(world_sizes) if isinstance(world_sizes, (list, tuple)) else world_sizes,
+                        examples=examples, steps=steps, config=Config() if config is None else config, seed=seed,
+                        options=Options() if options is None else options, optimizer=optimizer, rtol=rtol,
+                        atol=atol, bf16=bf16)
+    return run_check(build, settings, initialize=initialize)

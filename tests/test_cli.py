@@ -1,4 +1,5 @@
-"""python -m fz3: the plan printed for a model given as MODULE:FUNCTION, the verification run with
+"""python -m fz3: the plan printed for a model given as MODULE:FUNCTION, the check of a model on
+thread ranks against one process (exit 0 pass, 1 a failure found), the verification run with
 what each invariant covered, and usage errors as one line naming the value, exit status 2, no
 traceback (fz3/__main__.py)."""
 from __future__ import annotations
@@ -57,6 +58,15 @@ def test_plan_takes_models_that_make_tensors_or_read_their_data(target, guessed)
     (("consolidate", "/nonexistent/ckpt", "out.safetensors", "--tag", "t1"),
      "checkpoint folder /nonexistent/ckpt/t1 does not exist"),
     (("verify", "--examples", "0"), "examples must be >= 1, got 0"),
+    (("check", "no_such_module_fz3:f"), "cannot import 'no_such_module_fz3'"),
+    (("check", "tests/test_check.py:nope"), "has no function 'nope'"),
+    (("check", "fz3.config.config:Config"), "fz3.config.config:Config() must return (model, example_batches, "
+                                            "loss_fn) or (model, example_inputs)"),
+    (("check", "tests/test_check.py:raises_in_forward"), "does not run in one process on the CPU"),
+    (("check", "tests/test_check.py:huge"), "too big to check in one process here"),
+    (("check", "tests/test_check.py:clean", "--world-sizes", "0"), "world_sizes must be a non-empty list of ints"),
+    (("check", "tests/test_check.py:clean", "--world-sizes", "two"), "--world-sizes 'two': give comma-separated"),
+    (("check", "tests/test_check.py:clean", "--optimizer", "lion"), "optimizer must be one of sgd, adamw, adam"),
     (("verify", "--machines", "params,nope"), "machines ['params', 'nope']: choose from"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(args, message, capsys, monkeypatch):
@@ -93,6 +103,32 @@ def test_a_config_that_is_not_valid_is_named(tmp_path):
     bad.write_text("{not json")
     got = _run("plan", TARGET, "--world-size", "2", "--config", str(bad))
     assert got.returncode == 2 and "is not JSON" in got.stderr
+
+
+@pytest.mark.parametrize("target, code, says", [
+    ("tests/test_check.py:clean", 0, "OK: 3 examples passed"),
+    ("tests/test_check.py:written", 1, "FAILED: 3 of 3 examples"),
+])
+def test_check_exits_0_when_every_example_passes_and_1_on_a_failure(target, code, says, capsys, monkeypatch):
+    from fz3.__main__ import main
+    monkeypatch.chdir(ROOT)
+    got = main(["check", target, "--examples", "3"])
+    out = capsys.readouterr().out
+    assert got == code, out
+    assert says in out and "fz3 check: " in out
+    if code:
+        assert "likely cause: param 'gain' changed during a forward and backward" in out
+        assert "smallest failing example" in out and "    fz3.Config()" in out
+
+
+def test_the_check_command_runs_as_a_command(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 9}}))
+    got = _run("check", "tests/test_check.py:clean", "--world-sizes", "2", "--examples", "2", "--steps", "1",
+               "--config", str(cfg), "--seed", "3")
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "your config: fz3.Config(reduce_bucket_size=9, gradient_clipping=1.0)" in got.stdout  # from_deepspeed
+    assert "OK: 2 examples passed" in got.stdout
 
 
 def test_verify_runs_every_machine_and_says_what_each_invariant_covered():

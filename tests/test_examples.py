@@ -1,6 +1,6 @@
 """The teaching examples run alone, in one process, and print what they claim to show
 (examples/01_func_spec.py, 02_effect_log.py, 03_grad_buckets.py, 04_simulated_engine.py,
-05_plan.py, 06_timeline.py;
+05_plan.py, 06_timeline.py, 07_check.py;
 issue #12's reading path)."""
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ EXPECT = {
     "04_simulated_engine.py": "matches single-process training: True",
     "05_plan.py": "on 64 ranks",
     "06_timeline.py": "wrote /tmp/fz3_run.json",
+    "07_check.py": "the smallest failing example: 1 rank(s), 1 step(s), fz3.Config(param_persistence_threshold=",
 }
 
 

@@ -3,7 +3,8 @@ semantics, and the real engine and interpreter run on it exactly as on gloo proc
 
     transport   point-to-point messages match per tag in posting order; collectives sum in rank
                 order; ranks calling different collectives fail; a world where no rank can go on
-                is reported at once, naming what each waits for; a rank that raises is named
+                is reported at once, naming what each waits for; a rank that raises is named;
+                private_rng gives each rank a generator stream of its own
     engine      the parity models (tests/support/parity.py) trained on 2 thread ranks give the same
                 losses and params, bit for bit, as on 2 gloo processes; divergence is
                 caught there too
@@ -96,6 +97,26 @@ def _raises(rank: int, world: int) -> None:
 def test_the_rank_that_raised_is_named_not_the_ones_it_stopped():
     with pytest.raises(RuntimeError, match="rank 2 raised ValueError: rank two's own error"):
         launch.run_threads(_raises, 3)
+
+
+def _draws(rank: int, world: int) -> list:
+    """Draw, wait for the others in a collective (the turn passes), draw again."""
+    first = torch.rand(2).tolist()
+    threads.current().all_reduce(torch.zeros(1))
+    return first + torch.rand(2).tolist()
+
+
+def test_private_rng_gives_each_rank_its_own_stream_and_keeps_the_callers():
+    torch.manual_seed(5)
+    alone = torch.rand(4).tolist()  # one stream from seed 5, drawn without interruption
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    outs = launch.run_threads(_draws, 3, private_rng=True)
+    assert outs == [alone] * 3  # each rank's stream starts from the caller's state, others draw between
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(5)
+    shared = launch.run_threads(_draws, 3)  # the default: one stream, the ranks' draws interleave
+    assert shared[0][:2] == alone[:2] and shared[1] != alone
 
 
 # ---- the engine ---------------------------------------------------------------------------------

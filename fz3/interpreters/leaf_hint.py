@@ -28,8 +28,6 @@ def leaf_hint(names: Sequence[str],
     params' names by ParamId; `modules`: (path, class) of every module. The parent named is the
     nearest that is called: a container (ModuleList, ModuleDict) never is, so is never a unit.
     DeepSpeed: set_z3_leaf_modules, which its users must find for themselves."""
-    called = {path: cls.__name__ for path, cls in modules if cls.forward is not torch.nn.Module.forward}
-
     def hint(where: Mapping[int, Sequence[int]]) -> str:
         ranks: dict[str, set[int]] = {}  # module path -> the ranks whose collective has its params
         for r in sorted(where):
@@ -37,12 +35,10 @@ def leaf_hint(names: Sequence[str],
             for p in sorted({first, last}) if n > 0 else ():
                 if 0 <= p < len(names):
                     ranks.setdefault(names[p].rpartition(".")[0], set()).add(r)
-        parent = _common_parent(list(ranks)) if len(ranks) > 1 else ""
-        while parent and parent not in called:
-            parent = parent.rpartition(".")[0]
-        if not parent:
+        found = leaf_parent(list(ranks), modules) if len(ranks) > 1 else None
+        if found is None:
             return ""
-        cls = called[parent]
+        parent, cls = found
         seen = "; ".join(f"{m!r} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, sorted(rs)))}"
                          for m, rs in ranks.items())
         return (f"These are modules under one parent, {parent!r} ({cls}): {seen}. If {parent!r} picks which "
@@ -51,6 +47,18 @@ def leaf_hint(names: Sequence[str],
                 f"deepspeed.utils.set_z3_leaf_modules(model, [{cls}]), or zero_optimization.leaf_module). "
                 "A leaf is one fetch unit that every rank gathers and reduces whole, whichever submodules run.")
     return hint
+
+
+def leaf_parent(paths: Sequence[str], modules: Sequence[tuple[str, type]]) -> tuple[str, str] | None:
+    """(path, class name) of the nearest module that is, or is an ancestor of, each of the module
+    `paths` and is called (its class defines forward; a ModuleList never is), other than the
+    model itself; None when that is only the model. The module to make a leaf when those paths
+    are the submodules a parent picked from its data (fz3.check names it too)."""
+    called = {path: cls.__name__ for path, cls in modules if cls.forward is not torch.nn.Module.forward}
+    parent = _common_parent(list(paths)) if paths else ""
+    while parent and parent not in called:
+        parent = parent.rpartition(".")[0]
+    return (parent, called[parent]) if parent else None
 
 
 def _common_parent(paths: Sequence[str]) -> str:

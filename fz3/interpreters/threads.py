@@ -29,6 +29,14 @@ divergence check names it as that rank's leaving: its fz3.DivergenceError comes 
 WorldFailed), and run_threads returns each rank's result or re-raises the first error, naming
 its rank. A wait never times out: no rank can go on is found at once, and a rank stuck in code
 of its own holds the turn until run_threads' `timeout_s`, the world's `timeout()`.
+
+[Note: a private RNG per rank] The ranks share the process's CPU generator, so a rank's dropout
+masks depend on what the other ranks drew while it waited. `run_threads(..., private_rng=True)`
+gives each rank a stream of its own, as a process rank has: a rank saves the generator's state
+when it hands the turn on and restores its own when it gets the turn back (the ranks take turns,
+so one generator serves them all). Every stream starts from the caller's state, and the caller's
+state is restored when the run ends. fz3.check uses it to seed rank r's micro-step i alike on the
+thread ranks and in its one-process reference.
 """
 from __future__ import annotations
 
@@ -55,10 +63,15 @@ class WorldFailed(RuntimeError):
 class ThreadWorld:
     """What the ranks share: posted messages and collective calls, and whose turn it is."""
 
-    def __init__(self, world_size: int, timeout_s: float = 600.0) -> None:
+    def __init__(self, world_size: int, timeout_s: float = 600.0, private_rng: bool = False) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.timeout_s = world_size, timeout_s
+        # [Note: a private RNG per rank]: rank -> its CPU generator state while another rank runs
+        self.rng: Optional[dict[int, torch.Tensor]] = None
+        if private_rng:
+            start = torch.get_rng_state()
+            self.rng = {r: start for r in range(world_size)}
         self.cv = threading.Condition()
         self.messages: dict[tuple, torch.Tensor] = {}  # (src, dst, tag, k) -> a copy of what was sent
         self.sends: Counter = Counter()  # (src, dst, tag) -> sends posted
@@ -79,6 +92,7 @@ class ThreadWorld:
     def start(self, rank: int) -> None:
         with self.cv:
             self.cv.wait_for(lambda: self.turn == rank or self.failed is not None)
+            self._take_rng(rank)
 
     def finish(self, rank: int) -> None:
         with self.cv:
@@ -93,11 +107,19 @@ class ThreadWorld:
         if ready():
             return
         self.waiting[rank] = (ready, what)
+        if self.rng is not None:
+            self.rng[rank] = torch.get_rng_state()
         self._pass_turn(rank)
         self.cv.wait_for(lambda: self.turn == rank or self.failed is not None)
+        self._take_rng(rank)
         del self.waiting[rank]
         if not ready():
             raise WorldFailed(f"thread world: rank {rank} {what}, abandoned: {self.failed}")
+
+    def _take_rng(self, rank: int) -> None:
+        """The rank that got the turn draws from its own stream ([Note: a private RNG per rank])."""
+        if self.rng is not None:
+            torch.set_rng_state(self.rng[rank])
 
     def _pass_turn(self, me: int) -> None:
         """The next rank after `me`, in rank order, that can go on runs; if none can, the world
@@ -257,14 +279,17 @@ def _sum(xs: list) -> torch.Tensor:
 
 
 def run_threads(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 600.0,
-                threads: int = 1) -> list:
+                threads: int = 1, private_rng: bool = False) -> list:
     """fn(rank, world_size, *args) on `world_size` threads, each a rank of one ThreadWorld;
     -> [result of rank 0, ...]. The first error a rank raised is re-raised, naming the rank
     (a rank that only stopped because another failed is not the first); a run past `timeout_s`
     raises TimeoutError. torch's intra-op threads are set to `threads` meanwhile, as
     fz3.launch.run sets each rank's (the blocking of a CPU matmul, so its last bits, depends on
-    them: with the same count, a thread rank computes what a process rank does, bit for bit)."""
-    world = ThreadWorld(world_size, timeout_s)
+    them: with the same count, a thread rank computes what a process rank does, bit for bit).
+    `private_rng`: each rank draws from a CPU generator stream of its own, each starting from
+    the caller's state, which is restored at the end ([Note: a private RNG per rank])."""
+    caller_rng = torch.get_rng_state() if private_rng else None
+    world = ThreadWorld(world_size, timeout_s, private_rng)
     results: list = [None] * world_size
     errors: dict[int, BaseException] = {}
 
@@ -293,6 +318,8 @@ def run_threads(fn: Callable[..., Any], world_size: int, args: tuple = (), *, ti
             t.join(max(0.0, deadline - time.monotonic()))
     finally:
         torch.set_num_threads(before)
+        if caller_rng is not None:
+            torch.set_rng_state(caller_rng)
     running = [r for r, t in enumerate(ranks) if t.is_alive()]
     if running:
         world.fail(f"fz3.launch.run_threads: past {timeout_s:.0f} s")

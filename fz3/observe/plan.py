@@ -85,7 +85,7 @@ def plan(model: nn.Module, config: Config | None = None, *, world_size: int, exa
     _check(model, config, world_size, optimizer, steps, backend)
     backend = backend or _default_backend()
     fakes = Fakes(model)
-    args, kwargs = _inputs(fakes.model, example_inputs)
+    args, kwargs = bind_inputs(fakes.model, example_inputs)
     with fakes:
         engine = _engine(fakes.model, config, world_size, backend, options)
     state_rate = _optimizer_state_rate(optimizer)  # on real probes
@@ -219,9 +219,10 @@ def _state_bytes(rate: tuple[int, int], store, params) -> int:
     return sum(const + per_elem * store.masters[p].numel() for p in params)
 
 
-def _inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
+def bind_inputs(model: nn.Module, example_inputs, caller: str = "fz3.plan") -> tuple[tuple, dict]:
     """(args, kwargs), trailing positional args forward does not take dropped (fz3/observe/fake.py
-    makes them fakes that keep their values)."""
+    makes them fakes that keep their values). fz3.check calls a model on its example_inputs the
+    same way; `caller` names the one asking in the errors."""
     if isinstance(example_inputs, dict):
         args, kwargs = (), dict(example_inputs)
     elif isinstance(example_inputs, (tuple, list)):
@@ -229,7 +230,7 @@ def _inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
     elif isinstance(example_inputs, torch.Tensor):
         args, kwargs = (example_inputs,), {}
     else:
-        raise TypeError(f"fz3.plan: example_inputs must be a tuple of args, a dict of kwargs or a tensor, "
+        raise TypeError(f"{caller}: example_inputs must be a tuple of args, a dict of kwargs or a tensor, "
                         f"got {type(example_inputs).__name__}")
     try:
         sig = inspect.signature(model.forward)
@@ -240,7 +241,7 @@ def _inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
         while n and not _binds(sig, args[:n], kwargs):
             n -= 1  # a trailing target the model does not take
         if not n and not _binds(sig, (), kwargs):
-            raise TypeError(f"fz3.plan: {type(model).__name__}.forward{sig} cannot take example_inputs "
+            raise TypeError(f"{caller}: {type(model).__name__}.forward{sig} cannot take example_inputs "
                             f"({len(args)} positional, keywords {sorted(kwargs)})")
         args = args[:n]
     return args, kwargs
