@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter, deque
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -153,7 +153,22 @@ class DistInterpreter:
         return self._run(effects)
 
     def _run(self, effects: Iterable[object]) -> None:
-        for e in effects:
+        effects = effects if isinstance(effects, (list, tuple)) else list(effects)
+        i, n = 0, len(effects)
+        while i < n:
+            e = effects[i]
+            i += 1
+            if type(e) is WritePartition:  # a bucket's writes, together: [Note: writes in one call]
+                j = i
+                while j < n and type(effects[j]) is WritePartition and effects[j].bucket == e.bucket:
+                    j += 1
+                writes, i = effects[i - 1:j], j
+                pending = self._pending(e.bucket)
+                if pending is not None:
+                    pending.deferred.extend(writes)
+                else:
+                    self._write(e.bucket, writes)
+                continue
             match e:
                 case AllGather(handle=h, params=ps, prefetch=pre):
                     self._all_gather(h, ps, pre)
@@ -167,10 +182,8 @@ class DistInterpreter:
                     self._hold_grad(e)
                 case ReduceBucket():
                     self._reduce(e)
-                case WritePartition(bucket=b) | DropGrads(bucket=b) if self._pending(b) is not None:
+                case DropGrads(bucket=b) if self._pending(b) is not None:
                     self._pending(b).deferred.append(e)
-                case WritePartition(bucket=b, param=p, mode=mode):
-                    self._write(b, p, mode)
                 case DropGrads(bucket=b):
                     self._drop(b)
                 case WaitReduce():
@@ -358,14 +371,17 @@ class DistInterpreter:
         self.reduced[bucket] = pending.finish()
         self._run(pending.deferred)
 
-    def _write(self, bucket: BucketId, p: int, mode: str) -> None:
+    def _write(self, bucket: BucketId, writes: Sequence[WritePartition]) -> None:
+        """[Note: writes in one call] A bucket's WritePartition effects come together, one per
+        slot: its copies are one torch._foreach_copy_, its adds one _foreach_add_ (each param is
+        in a bucket once, so the order among them does not matter). One call per param cost
+        ~6 us each: a sixth of the deep narrow GPT's reduce, 196 small grads a step."""
         self.store.ensure_partitions()
-        part = self.store.partitions[p]
-        reduced = self.reduced[bucket][p]
-        if mode == "copy":
-            part.copy_(reduced)
-        else:
-            part.add_(reduced)
+        parts, reduced = self.store.partitions, self.reduced[bucket]
+        for mode, op in (("copy", torch._foreach_copy_), ("add", torch._foreach_add_)):
+            ps = [w.param for w in writes if w.mode == mode]
+            if ps:
+                op([parts[p] for p in ps], [reduced[p] for p in ps])
 
     def _drop(self, bucket: BucketId) -> None:
         self.reduced.pop(bucket, None)

@@ -314,12 +314,6 @@ def _rank(rank: int, world_size: int, subject: Subject, job: Job, models: list[n
         if watch is not None:
             out.effects, out.entered, out.callers = watch.effects, watch.entered, watch.callers
             out.i1, out.i2 = watch.i1, watch.i2
-            # [Note: an engine's hooks keep it alive] A param's grad hook is a closure over the
-            # engine, held by the param's C++ hook list, which Python's collector cannot see: the
-            # model, its engine, shards and optimizer state outlive the run. The check runs many
-            # engines in one process, so each goes once its rank is done.
-            with contextlib.suppress(Exception):  # cleanup only: what the rank did is recorded
-                watch.engine._uninstall()
     out.error = _without_frames(out.error)
     return out
 
@@ -380,9 +374,9 @@ class ReleasedReads(TorchFunctionMode):
         self.engine, self.watch, self.inside = engine, watch, 0
         inner = engine.apply
 
-        def apply(event, tree=None):
+        def apply(event, tree=None, flat=None):
             with self.fz3():
-                return inner(event, tree)
+                return inner(event, tree, flat)
         engine.apply = apply  # the hooks call self.apply: the instance's attribute comes first
 
     @contextlib.contextmanager

@@ -24,6 +24,7 @@ otherwise), so a watch costs a list append per event on most configs.
 """
 from __future__ import annotations
 
+from fz3.core import replay
 from fz3.core.events import BackwardEnded, Enter, Leave, Raised
 from fz3.core.param.invariants import InvariantError, check_quiescent
 from fz3.core.param.state import NOT_AVAILABLE, unit_of
@@ -46,8 +47,9 @@ class Watch:
         self.inner = engine.update
         engine.update = self.update  # the instance's attribute: the engine's own calls come here
 
-    def update(self, state, event, *, config):
-        new, effects = self.inner(state, event, config=config)
+    def update(self, cell, event, *, config):
+        new, effects = self.inner(cell, event, config=config)
+        params = replay.view(new).params  # the core's cell (fz3/core/replay.py); params: exact
         self.effects.setdefault(self.micro, []).extend(effects)
         kind = type(event)
         if kind is Enter:
@@ -57,11 +59,11 @@ class Watch:
         elif kind is Leave or kind is Raised:
             if event.module in self.stack:
                 del self.stack[len(self.stack) - 1 - self.stack[::-1].index(event.module)]
-        if self.i1 is None and new.params.live_numel > self.budget:
-            self._live_budget(new.params, kind.__name__)
+        if self.i1 is None and params.live_numel > self.budget:
+            self._live_budget(params, kind.__name__)
         if self.i2 is None and kind is BackwardEnded:
             try:
-                check_quiescent(new.params)
+                check_quiescent(params)
             except InvariantError as e:
                 self.i2 = f"micro-step {self.micro}, after the backward: {e}"
         return new, effects
