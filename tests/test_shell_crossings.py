@@ -7,6 +7,7 @@ its tensors, counted on thread ranks.
   - a call's inputs and outputs are each walked once (flatten), where the pre-forward, the
     inputs' wrap and the outputs' wrap each walked them again; an inert call's inputs (its
     params persistent: no autograd node) are not walked at all
+  - what autograd saves is watched only where a pass frees params (fz3.core.calls.saves_matter)
 """
 from __future__ import annotations
 
@@ -49,7 +50,13 @@ def _count(rank: int, world: int, threshold: int) -> dict:
     def walking(tree):
         walks["flatten"] += 1
         return flatten(tree)
+    pack = engine.saved.pack
+
+    def packing(t):
+        walks["pack"] += 1
+        return pack(t)
     engine.update = counting
+    engine.saved.pack = packing  # taken when the next pass opens the saved-tensor hooks
     engine_module.flatten = walking
     try:
         engine.backward(engine(x).square().mean())
@@ -59,7 +66,7 @@ def _count(rank: int, world: int, threshold: int) -> dict:
     names = engine.tables.module_names
     return {"events": dict(events), "walks": walks["flatten"], "calls": events["Enter"],
             "borrowed": sorted(names[m] for m in range(len(names)) if engine.params_state.externals(m)),
-            "inert": sum(engine.call_tables.inert)}
+            "inert": sum(engine.call_tables.inert), "packs": walks["pack"]}
 
 
 def test_own_param_reads_send_no_event_and_borrowed_ones_do():
@@ -77,3 +84,10 @@ def test_each_call_walks_its_inputs_and_outputs_once():
     out = launch.run_threads(_count, 1, args=(10**6,))[0]  # every param persistent: a, b, mha and
     # out_proj are inert; the first three are called, their inputs not walked
     assert out["inert"] == 4 and out["walks"] == 2 * out["calls"] - 3, out
+
+
+def test_saves_are_watched_only_where_a_pass_frees_params():
+    out = launch.run_threads(_count, 1, args=(0,))[0]
+    assert out["packs"] > 0, out
+    out = launch.run_threads(_count, 1, args=(10**6,))[0]  # every param persistent: nothing freed
+    assert out["packs"] == 0, out

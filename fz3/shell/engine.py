@@ -105,7 +105,7 @@ class Engine(DeepSpeedSurface):
         self.boundary_override: bool | None = None
         self.batch = BatchSizes(None, None)
         self.gather_16bit_weights_on_model_save = False
-        self.saved = SavedParams(self.store, self.tables.names, self.param_ids)
+        self.saved = SavedParams(self.store, self.tables.names, self.param_ids, watch=calls.saves_matter(self.spec))
         # the core's one door (fz3.timeline times what goes through it); debug_checks also holds
         # every event a schedule answers against `events.update`
         self.update = functools.partial(replay.update, check=options.debug_checks, keep=options.replay)

@@ -37,8 +37,9 @@ class SavedView(NamedTuple):
 class SavedParams:
     """The pack / unpack pair for torch.autograd.graph.saved_tensors_hooks, over a tensor store."""
 
-    def __init__(self, store, names: list[str], param_ids: dict[int, int]) -> None:
+    def __init__(self, store, names: list[str], param_ids: dict[int, int], watch: bool = True) -> None:
         self.store, self.names, self.param_ids = store, names, param_ids
+        self.watch = watch  # fz3.core.calls.saves_matter: no hooks where no param is ever freed
         self.log: Log[int] = Log()  # params saved for backward in this pass, in order (the core
         # reads which ones a call saved: [Note: backward reads no param], fz3/core/calls.py)
         self.hooks: torch.autograd.graph.saved_tensors_hooks | None = None  # open in a root forward
@@ -46,7 +47,7 @@ class SavedParams:
     def begin(self) -> None:
         """A root forward starts: a fresh log, and the hooks open (until `end`)."""
         self.log = Log()
-        if self.hooks is None:
+        if self.hooks is None and self.watch:
             # [Note: hooks outside the graph] (compiled.py): a compiled region's saves come here too
             self.hooks = torch.autograd.graph.saved_tensors_hooks(outside_graph(self.pack), outside_graph(self.unpack))
             self.hooks.__enter__()
