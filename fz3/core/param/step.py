@@ -76,7 +76,8 @@ def end_of_step(st: ParamState, *, config: Config) -> tuple[ParamState, Effects]
     tx.gathered = Log()
     held = set(st.held)
     again = tuple(p for p in live if st.spec.params[p].persistent or p in held)
-    free(tx, tuple(p for p in live if p not in set(again)))
+    kept = set(again)
+    free(tx, tuple(p for p in live if p not in kept))
     free(tx, again, refetch=True)  # gathered again below: their memory may serve that gather
     if again:
         gather(tx, again, prefetch=False, forward=True, fetched_for=(-1,) * len(again))
