@@ -236,7 +236,7 @@ def _full(rp: Replay, event, config: Config, check: bool, keep: bool) -> tuple[R
     if rec is not None:
         rec = Recording(rec.before, rec.events.extend((event,)), rec.after.extend((new,)),
                         rec.effects.extend((effects,)))
-    elif keep and starts_pass(event) and _worth_recording(rp, new):
+    elif keep and starts_pass(event) and _worth_recording(rp, st, new):
         rec = Recording(st, Log((event,)), Log((new,)), Log((effects,)))
     return rp._replace(state=new, recording=rec), effects
 
@@ -276,10 +276,13 @@ def _close(rp: Replay, st: Lifecycle) -> tuple[Replay, Lifecycle]:
                        wasted=rp.wasted + 1), st
 
 
-def _worth_recording(rp: Replay, new: Lifecycle) -> bool:
+def _worth_recording(rp: Replay, before: Lifecycle, new: Lifecycle) -> bool:
     """A pass on a COMPLETE trace (its prefetch decided by the plan, as every later pass of its
-    kind will be); after WASTED recordings in a row that never played, one pass in RETRY."""
-    if new.params.trace.mode is not TraceMode.COMPLETE:
+    kind will be) that also starts where a pass on a COMPLETE trace ended: the first pass after
+    the recording one starts from a state holding that recording, which no later pass does, so
+    its schedule would never play and only take memory. After WASTED recordings in a row that
+    never played, one pass in RETRY."""
+    if new.params.trace.mode is not TraceMode.COMPLETE or before.params.trace.mode is not TraceMode.COMPLETE:
         return False
     return rp.wasted < WASTED or rp.passes % RETRY == 0
 

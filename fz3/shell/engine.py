@@ -447,6 +447,7 @@ class Engine(DeepSpeedSurface):
                    micro_step=view.grads.micro_step, optimizer_steps=self.optimizer_steps,
                    skipped_steps=view.grads.skipped, replayed_events=self.cell.replayed,
                    replay_schedules=len(self.cell.schedules),
+                   replay_events_kept=sum(len(s.events) for s in self.cell.schedules),
                    **memory_stats(self), **compile_stats(self))
         return out
 
