@@ -165,6 +165,11 @@ class Engine(DeepSpeedSurface):
         return self.state.grads
 
     @property
+    def skipped(self) -> int:
+        """Steps skipped for a non-finite grad norm (no counter a replay shifts: O(1))."""
+        return replay.view(self.cell).grads.skipped
+
+    @property
     def optimizer_steps(self) -> int:
         """The accumulation windows closed, skipped steps included (DeepSpeed's global_steps
         counts those too; stats()["skipped_steps"] says how many)."""
@@ -445,7 +450,7 @@ class Engine(DeepSpeedSurface):
         out.update(live_numel=st.live_numel, peak_live_numel=st.peak_live_numel,
                    trace=TraceMode(st.trace.mode).name, trace_invalidations=st.trace.invalidations,
                    micro_step=view.grads.micro_step, optimizer_steps=self.optimizer_steps,
-                   skipped_steps=view.grads.skipped, replayed_events=self.cell.replayed,
+                   skipped_steps=self.skipped, replayed_events=self.cell.replayed,
                    replay_schedules=len(self.cell.schedules),
                    replay_events_kept=sum(len(s.events) for s in self.cell.schedules),
                    **memory_stats(self), **compile_stats(self))

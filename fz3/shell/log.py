@@ -125,7 +125,7 @@ def skipped_step(engine, step: int, first: str | None) -> None:
     LOG.warning("fz3 rank %d: optimizer step %d skipped: the global gradient norm is %s; %s. The "
                 "weights, the optimizer state and the lr scheduler did not change (skipped steps: %d). "
                 "A NaN or inf loss on any rank reaches every rank through the reduce.", engine.rank,
-                step, engine.get_global_grad_norm(), where, engine.grads_state.skipped)
+                step, engine.get_global_grad_norm(), where, engine.skipped)
 
 
 def not_saved_16bit(engine, path: str) -> None:

@@ -149,11 +149,11 @@ class DeepSpeedSurface:
     @property
     def global_steps(self) -> int:
         """Accumulation boundaries stepped through, skipped steps included."""
-        return self.grads_state.window
+        return self.optimizer_steps
 
     @property
     def skipped_steps(self) -> int:
-        return self.grads_state.skipped
+        return self.skipped
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next step() closes an accumulation window ([Note: DeepSpeed's counters]),

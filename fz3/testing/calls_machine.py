@@ -239,10 +239,18 @@ class CallsMachine(RuleBasedStateMachine):
             elif kind == "raise":
                 detail = data.draw(st.integers(2, forward_ticks(program)), label="raise at tick")
         self.last = which, kind, detail
-        self.log = []
+        self.passes_of(which, kind, detail, times)
+
+    def passes_of(self, which: int, kind: str, detail: object, times: int) -> None:
+        """`times` passes of program `which`, logged; a failure notes the regression to paste."""
+        self.logged([], lambda: [self.run_pass(which, kind, detail) for _ in range(times)])
+
+    def logged(self, log: list[str], run) -> None:
+        """`run()` with `log` as the step log noted after it, and on a failure the events so far
+        as a regression test."""
+        self.log = log
         try:
-            for _ in range(times):
-                self.run_pass(which, kind, detail)
+            run()
         except BaseException:
             note(self.regression())
             raise
@@ -252,14 +260,8 @@ class CallsMachine(RuleBasedStateMachine):
     @precondition(lambda self: at_boundary(self.state.grads, config=self.config))
     @rule(finite=st.sampled_from([True, True, False]))
     def optimizer_step(self, finite: bool) -> None:
-        self.log = [f"optimizer step (grad norm {'finite' if finite else 'not finite'})"]
-        try:
-            self.sim.fire(Stepped(finite))
-        except BaseException:
-            note(self.regression())
-            raise
-        finally:
-            note("\n".join(self.log))
+        self.logged([f"optimizer step (grad norm {'finite' if finite else 'not finite'})"],
+                    lambda: self.sim.fire(Stepped(finite)))
 
     def run_pass(self, which: int, kind: str, detail: object = None) -> None:
         backward = kind in ("complete", "partial")

@@ -83,13 +83,4 @@ class ReplayMachine(CallsMachine):
         """The last pass `times` times more (a first one if none ran)."""
         if self.last is None:
             self.last = 0, "complete", None
-        which, kind, detail = self.last
-        self.log = []
-        try:
-            for _ in range(times):
-                self.run_pass(which, kind, detail)
-        except BaseException:
-            note(self.regression())
-            raise
-        finally:
-            note("\n".join(self.log))
+        self.passes_of(*self.last, times)
