@@ -301,6 +301,3 @@ def _check(rp: Replay, event, after: Lifecycle, effects: tuple, d: Shift, config
         f"fz3 replay: {event!r} was answered with {effects}, update gives {want_effects}")
     assert shifted(after, d) == want, f"fz3 replay: {event!r} left another state than update does"
 
-
-__all__ = ["Replay", "Schedule", "Shift", "start", "update", "view", "current", "shift_of", "shifted",
-           "starts_pass", "KEEP"]

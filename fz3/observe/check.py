@@ -54,8 +54,8 @@ import torch
 
 from fz3.config.config import Config
 from fz3.config.options import Options
-from fz3.observe.check_build import (CheckInputError, Subject, check_loss, check_model, copies, divides,
-                                     estimate_bytes, numels, rank_batch, take)
+from fz3.observe.check_build import (CheckInputError, Subject, check_model, copies, divides, estimate_bytes,
+                                     loss_backward, numels, rank_batch, take)
 from fz3.observe.check_compare import Compared, Tolerance, compare, first_error
 from fz3.observe.check_draw import Example, Space, draw, shrink
 from fz3.observe.check_report import CheckReport, ExampleResult, Failure
@@ -306,14 +306,8 @@ def _smoke(subject: Subject, settings: Settings, dtype: torch.dtype) -> None:
     rng = torch.get_rng_state()
     torch.manual_seed(seed_for(settings.seed, 0, 0))
     try:
-        loss = subject.loss_fn(twin, rank_batch(subject.batches[0], subject.rows[0], 0, 1))
-        check_loss(loss, how)
-        loss.backward()
-    except CheckInputError:
-        raise
-    except Exception as e:
-        raise CheckInputError(f"the model does not run in one process on the CPU: {how} raised "
-                              f"{type(e).__name__}: {e}") from e
+        loss_backward(subject.loss_fn, twin, rank_batch(subject.batches[0], subject.rows[0], 0, 1), how,
+                      f"the model does not run in one process on the CPU: {how} raised")
     finally:
         torch.set_rng_state(rng)
 

@@ -190,6 +190,20 @@ def check_loss(loss: object, where: str) -> None:
                               "torch.no_grad): there is nothing to backpropagate")
 
 
+def loss_backward(loss_fn: Callable, model: nn.Module, batch: Any, how: str, failure: str) -> torch.Tensor:
+    """`loss_fn(model, batch)`, checked to be a scalar loss (`how` names the call), and its
+    backward; any other error is a CheckInputError: `failure`, then the error. -> the loss."""
+    try:
+        loss = loss_fn(model, batch)
+        check_loss(loss, how)
+        loss.backward()
+    except CheckInputError:
+        raise
+    except Exception as e:
+        raise CheckInputError(f"{failure} {type(e).__name__}: {e}") from e
+    return loss
+
+
 def unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(first name, param) of every distinct param, in named_parameters() order."""
     return list(model.named_parameters())

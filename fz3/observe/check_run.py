@@ -49,7 +49,7 @@ from fz3.config.options import Options
 from fz3.core.param.state import AVAILABLE
 from fz3.data.store import DTYPES
 from fz3.interpreters.threads import run_threads
-from fz3.observe.check_build import CheckInputError, Subject, check_loss, copies, rank_batch, unique_params
+from fz3.observe.check_build import CheckInputError, Subject, copies, loss_backward, rank_batch, unique_params
 from fz3.observe.check_watch import Watch
 from fz3.shell import pytree
 
@@ -162,15 +162,9 @@ def _micro_step(subject: Subject, job: Job, model: nn.Module, named, buffers: "B
         before = [p.detach().clone() for _, p in named]
         buffers.begin(i, r)
         torch.manual_seed(seed_for(job.seed, i, r))
-        try:
-            loss = subject.loss_fn(model, rank_batch(batch, rows, r, W))
-            check_loss(loss, "loss_fn(model, batch)")
-            loss.backward()
-        except CheckInputError:
-            raise
-        except Exception as e:
-            raise CheckInputError(f"the model raised in plain PyTorch, in one process (micro-step {i}, rank {r}'s "
-                                  f"slice of example batch {i % n}): {type(e).__name__}: {e}") from e
+        loss = loss_backward(subject.loss_fn, model, rank_batch(batch, rows, r, W), "loss_fn(model, batch)",
+                             f"the model raised in plain PyTorch, in one process (micro-step {i}, rank {r}'s "
+                             f"slice of example batch {i % n}):")
         buffers.end(r)
         losses.append(loss.item())
         for k, (name, p) in enumerate(named):

@@ -273,24 +273,25 @@ class Engine(DeepSpeedSurface):
         # ([Note: inert modules], fz3/core/calls.py), so they are not walked
         if grad and not self.call_tables.inert[m]:
             flat = flatten(tree)
-        out = self.apply(Enter(m, grad, flat is not None and needs_grad(flat[0]),
-                               torch._C._current_graph_task_id() != -1, module.training, self.saved.position()),
-                         tree, flat)
-        self.running[0] = calls.running(replay.view(self.cell))
-        return out
+        return self._call_event(Enter(m, grad, flat is not None and needs_grad(flat[0]),
+                                      torch._C._current_graph_task_id() != -1, module.training,
+                                      self.saved.position()), tree, flat)
 
     def _post_forward(self, module, args, kwargs, output):
         if output is None and sys.exc_info()[1] is not None:  # raised: [Note: a forward that raised]
             if self.stopped is not None:
                 return None  # the DivergenceError goes on out; refusing here would only be silenced
-            out = self.apply(Raised(self.module_ids[id(module)], torch._C._current_graph_task_id() != -1))
-            self.running[0] = calls.running(replay.view(self.cell))
-            return out
+            return self._call_event(Raised(self.module_ids[id(module)], torch._C._current_graph_task_id() != -1))
         flat = flatten(output)
         leaves = flat[0]
-        out = self.apply(Leave(self.module_ids[id(module)], torch.is_grad_enabled() and needs_grad(leaves),
-                               tuple(self.param_ids[id(t)] for t in leaves if id(t) in self.param_ids),
-                               self.saved.log, torch._C._current_graph_task_id() != -1), output, flat)
+        return self._call_event(Leave(self.module_ids[id(module)], torch.is_grad_enabled() and needs_grad(leaves),
+                                      tuple(self.param_ids[id(t)] for t in leaves if id(t) in self.param_ids),
+                                      self.saved.log, torch._C._current_graph_task_id() != -1), output, flat)
+
+    def _call_event(self, event, tree=None, flat=None):
+        """`apply` for an event that opens or closes a call, then the running module its
+        ParamDicts compare with (calls.running)."""
+        out = self.apply(event, tree, flat)
         self.running[0] = calls.running(replay.view(self.cell))
         return out
 
