@@ -21,6 +21,11 @@ torch AdamW, fp32, 2 ranks x 1 intra-op thread, as bench/compare.py. The systems
                     fully_shard(block), then fully_shard(model) (systems/fsdp2_compiled.py)
     ddp             DDP eager (systems/ddp.py)
     ddp-compiled    torch.compile(DDP(model)), optimize_ddp at its default (systems/ddp_compiled.py)
+    local, local-blocks, local-model
+                    (--systems only) no data parallelism: each rank steps its own copy of the model
+                    on its local batch, no communication, eager / blocks compiled / the whole model
+                    compiled (systems/local.py): what the compiler buys the compute alone here,
+                    the ceiling of any system's speed-up at those units
 
 Launches are interleaved: round r runs every system once per model, in reverse order on odd
 rounds, each a fresh 2-rank launch (fz3.launch.run); warm-up steps are discarded. Step time = the
@@ -64,8 +69,10 @@ sys.path.insert(0, HERE)  # systems.* (spawned ranks inherit sys.path)
 
 import compare  # noqa: E402  (machine_info)
 
-LABELS = ["fz3", "fz3-compiled", "fsdp2", "fsdp2-compiled", "ddp", "ddp-compiled", "fz3-blocks"]
-EAGER_OF = {"fz3-compiled": "fz3", "fsdp2-compiled": "fsdp2", "ddp-compiled": "ddp"}
+LABELS = ["fz3", "fz3-compiled", "fsdp2", "fsdp2-compiled", "ddp", "ddp-compiled", "fz3-blocks",
+          "local", "local-blocks", "local-model"]
+EAGER_OF = {"fz3-compiled": "fz3", "fsdp2-compiled": "fsdp2", "ddp-compiled": "ddp",
+            "local-blocks": "local", "local-model": "local"}
 MD_BEGIN, MD_END = "<!-- compile:begin -->", "<!-- compile:end -->"
 LOSS_RTOL = 1e-4  # compiled vs eager loss, relative: fp32 reordering stays far below it over a few steps
 TARGETS = {"speedup": 1.1, "vs_fsdp2": 0.8}  # fz3 eager / fz3 compiled >=; fz3 compiled / fsdp2 compiled <=
@@ -80,6 +87,9 @@ def systems_table(fz3_compile: str) -> dict[str, dict]:
         "ddp": {"module": "ddp", "options": {}},
         "ddp-compiled": {"module": "ddp_compiled", "options": {}},
         "fz3-blocks": {"module": "fz3_blocks", "options": {"config": {}}},  # eager, fz3-compiled's units
+        "local": {"module": "local", "options": {"compile": None}},  # no communication: the compute alone
+        "local-blocks": {"module": "local", "options": {"compile": "blocks"}},
+        "local-model": {"module": "local", "options": {"compile": "model"}},
     }
 
 
@@ -225,6 +235,9 @@ def summarize(res: dict, models: list[str]) -> dict:
             ratios["blocks_speedup"] = med("fz3-blocks") / med("fz3-compiled")
             if med("fz3"):
                 ratios["units_speedup"] = med("fz3") / med("fz3-blocks")
+        for k in ("blocks", "model"):  # the compiler on the compute alone, no communication
+            if med("local") and med(f"local-{k}"):
+                ratios[f"local_{k}_speedup"] = med("local") / med(f"local-{k}")
         if "fz3" in per and "fz3-compiled" in per:
             ratios["fz3c_rss_over_fz3"] = per["fz3-compiled"]["peak_rss_mib"] / per["fz3"]["peak_rss_mib"]
         out[model] = {"systems": per, "ratios": ratios}
@@ -296,6 +309,9 @@ def markdown(res: dict) -> str:
         for k, name in (("fsdp2_speedup", "FSDP2"), ("ddp_speedup", "DDP")):
             if k in r:
                 parts.append(f"{name} speed-up from compile {r[k]:.2f}×")
+        for k, name in (("local_blocks_speedup", "blocks compiled"), ("local_model_speedup", "the whole model compiled")):
+            if k in r:
+                parts.append(f"the compute alone (local, no communication) with {name} {r[k]:.2f}×")
         lines += ["Ratios (medians): " + "; ".join(parts) + ".", ""]
     return "\n".join(lines)
 
