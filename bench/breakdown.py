@@ -98,7 +98,8 @@ def instrument(timers: Timers) -> None:
         setattr(eng.Engine, name, timers.wrap("shell", getattr(eng.Engine, name)))
     eng.wrap_tensors = timers.wrap("shell", hooks.wrap_tensors)
     eng.Engine.step = timers.wrap("step_other", eng.Engine.step)
-    for name, cat in (("run", "shell"), ("_all_gather", "gather_issue"), ("_wait", "gather_unpack"),
+    for name, cat in (("run", "shell"), ("_all_gather", "gather_issue"), ("_refresh", "gather_issue"),
+                      ("_wait", "gather_unpack"),
                       ("_copy_to_bucket", "bucket_copy"), ("_hold_grad", "bucket_copy"), ("_reduce", "reduce_issue"),
                       ("_complete_oldest", "reduce_finish"), ("_write", "reduce_finish")):
         setattr(DistInterpreter, name, timers.wrap(cat, getattr(DistInterpreter, name)))
@@ -108,15 +109,17 @@ def instrument(timers: Timers) -> None:
         setattr(TorchTransport, name, _timed_work(getattr(TorchTransport, name), timers.wrap(cat, lambda w: w.wait())))
     # all_reduce carries reduces, and on gloo large all-gathers too: charge it by its issuer
     in_gather = [False]
-    issue_gather = DistInterpreter._all_gather
 
-    def all_gather(self, *args, **kwargs):
-        in_gather[0] = True
-        try:
-            return issue_gather(self, *args, **kwargs)
-        finally:
-            in_gather[0] = False
-    DistInterpreter._all_gather = all_gather
+    def gathering(issue):
+        def gather(self, *args, **kwargs):
+            in_gather[0] = True
+            try:
+                return issue(self, *args, **kwargs)
+            finally:
+                in_gather[0] = False
+        return gather
+    DistInterpreter._all_gather = gathering(DistInterpreter._all_gather)
+    DistInterpreter._refresh = gathering(DistInterpreter._refresh)  # the step's, in place
     as_gather = _timed_work(dist.all_reduce, timers.wrap("gather_wait", lambda w: w.wait()))
     as_reduce = _timed_work(dist.all_reduce, timers.wrap("reduce_wait", lambda w: w.wait()))
     dist.all_reduce = lambda *a, **k: (as_gather if in_gather[0] else as_reduce)(*a, **k)

@@ -66,6 +66,88 @@ def test_a_carrier_gathers_full_values_and_reduces_each_rank_its_slice(name, wor
             assert torch.equal(part, layout.shard(total[p], world)[r]), (name, r, p)
 
 
+def _refresh(rank: int, world: int, name: str) -> dict:
+    """A carrier's refresh into full values filled with garbage: -> what they hold after, and
+    whether they are still the same tensors."""
+    import fz3
+    from fz3.interpreters.carriers import CARRIERS
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(i, o) for i, o in SIZES))
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            fz3.Config(param_persistence_threshold=0))
+    it = engine.interp
+    carrier = CARRIERS[name](it.gather.ctx)
+    ps = tuple(range(len(engine.spec.params)))
+    fulls = [torch.full((s.numel,), float("nan")) for s in engine.spec.params]
+    kept = [f.data_ptr() for f in fulls]
+    for _ in range(2):  # the second by the layout the first made (p2p)
+        work, then = carrier.refresh(ps, [it.store.shards[p] for p in ps], fulls)
+        if work is not None:
+            work.wait()
+        then()
+    return {"fulls": [f.clone() for f in fulls], "in_place": [f.data_ptr() for f in fulls] == kept,
+            "full": [t.detach().reshape(-1).clone() for t in _fulls(engine)]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", ["p2p", "native", "all_reduce"])
+def test_a_carrier_refreshes_full_values_where_they_lie(name, world):
+    """effects.Refresh: the step's gather of the persistent params writes into the full values
+    they have (no buffer taken, no param set again)."""
+    for r, out in enumerate(launch.run_threads(_refresh, world, args=(name,))):
+        assert out["in_place"], (name, r)
+        for got, want in zip(out["fulls"], out["full"]):
+            assert torch.equal(got, want), (name, r)
+
+
+def _persistent_steps(rank: int, world: int) -> dict:
+    """Three steps with every param persistent, then a hold over a step and its release: where
+    the params' full values lie after each step, and what the p2p carrier keeps."""
+    import fz3
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config())
+    ptrs, layouts, values = [], [], []
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()
+        ptrs.append([p.data_ptr() for p in model.parameters()])
+        layouts.append(engine.interp.gather.layout[1])
+        values.append(all(torch.equal(p.detach(), v) for p, v in zip(model.parameters(),
+                                                                      engine.full_state_dict().values())))
+    return {"ptrs": ptrs, "layouts": layouts, "values": values}
+
+
+def test_the_step_refreshes_persistent_params_in_place_by_one_layout():
+    """After the step the persistent params keep their memory (the same data_ptr every step),
+    hold the new values, and the p2p carrier's layout is made once, then reused."""
+    for out in launch.run_threads(_persistent_steps, 2):
+        assert out["ptrs"][0] == out["ptrs"][1] == out["ptrs"][2]
+        assert all(out["values"])
+        assert out["layouts"][0] is not None and out["layouts"][0] is out["layouts"][1] is out["layouts"][2]
+
+
+def _forgotten(rank: int, world: int) -> dict:
+    """A non-persistent param held by gathered_parameters over a step is refreshed; once the hold
+    goes and it is freed, the p2p carrier no longer keeps a view of its full value."""
+    import fz3
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            fz3.Config(param_persistence_threshold=0))
+    w = model[0].weight
+    with fz3.gathered_parameters([w]):
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()
+        during = engine.interp.gather.layout[1] is not None
+    return {"during": during, "after": engine.interp.gather.layout[1]}
+
+
+def test_a_freed_param_leaves_no_view_in_the_carrier():
+    for out in launch.run_threads(_forgotten, 2):
+        assert out["during"] and out["after"] is None
+
+
 def _route(rank: int, world: int, carrier: str) -> dict:
     """A backward's grads (reverse param order, buckets of 12 elements) through the core with the
     interpreter's `in_place_reduce_scatter`, run by that interpreter; -> what it did."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from fz3.config.config import Config
-from fz3.core.effects import AllGather, Free, Wait
+from fz3.core.effects import AllGather, Free, Refresh, Wait
 from fz3.core.param.fetch import fetch
 from fz3.core.param.hold import hold, unhold
 from fz3.core.param.invariants import check_quiescent
@@ -56,15 +56,14 @@ def test_unhold_leaves_params_an_active_module_uses():
 
 
 def test_optimizer_step_inside_gathered_parameters():
-    """end_of_step frees every stale full param; a held one is gathered again with the
+    """end_of_step frees every stale full param; a held one is refreshed in place with the
     persistent ones and keeps its hold (regression: it was freed and its users zeroed)."""
     d = Driver(*MODEL, config=CFG)
     d(hold, (0,))
     d(reset_step)
     d.forward([[0, [1, 2]]], inputs=0)
     d(finish_backward)
-    h = d.st.next_handle
-    assert d(end_of_step) == [Free((0, 1), True), AllGather(h, (0, 1), False, True), Wait(h)]  # held: again
+    assert d(end_of_step) == [Refresh((0, 1))]  # held (and persistent): gathered again where they lie
     assert d.st.params[0].users == 1 and d.statuses() == "AA"
     assert d(unhold, (0,), stale=False) == [Free((0,))]
 

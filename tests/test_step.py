@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fz3.core.param.backward import fetch_for_backward, register_external, release_after_backward
 from fz3.config.config import Config
-from fz3.core.effects import AllGather, Free, Wait
+from fz3.core.effects import AllGather, Free, Refresh, Wait
 from fz3.core.param.fetch import fetch
 from fz3.core.param.hold import hold, unhold
 from fz3.core.ids import TraceMode
@@ -71,7 +71,7 @@ def test_reset_step_drains_inflight_prefetch_and_closes_the_pass():
     assert d.st.trace.mode is TraceMode.RECORD and d.st.trace.invalidations == 1  # ended early
 
 
-def test_end_of_step_frees_everything_and_regathers_persistent():
+def test_end_of_step_frees_everything_and_refreshes_persistent():
     d = Driver(*MODEL, config=cfg())
     d(reset_step)
     d(fetch, 0, forward=True)
@@ -80,9 +80,10 @@ def test_end_of_step_frees_everything_and_regathers_persistent():
     d(finish_backward)
     assert d.statuses() == "AAN"
     h = d.st.next_handle
-    # the persistent p0 is freed as one to gather again at once (its memory may serve that gather)
-    assert d(end_of_step) == [Free((1,)), Free((0,), True), AllGather(h, (0,), False, True), Wait(h)]
+    # the persistent p0 stays where it lies and is gathered again into it: nothing freed or set
+    assert d(end_of_step) == [Free((1,)), Refresh((0,))]
     assert d.statuses() == "ANN" and d.live == 2
+    assert d.st.next_handle == h and d.st.params[0].fetched_for == -1
     check_quiescent(d.st)
 
 
@@ -104,8 +105,8 @@ def test_gradient_accumulation_keeps_the_trace():
     assert d.st.trace.mode is TraceMode.COMPLETE and d.st.trace.invalidations == 0
 
 
-def test_end_of_step_regathers_held_params_for_no_step():
-    """A param a gathered_parameters holds across the optimizer step is gathered again marked
+def test_end_of_step_refreshes_held_params_for_no_step():
+    """A param a gathered_parameters holds across the optimizer step is refreshed, marked
     fetched_for -1 (for no step): on the next COMPLETE pass, once the hold is gone, the release
     of the module at step 0 frees it like any param, not as one prefetched for a later step."""
     d = Driver([("w", 4)], [("", [], False), ("m", [0], False)], config=cfg())
@@ -114,8 +115,7 @@ def test_end_of_step_regathers_held_params_for_no_step():
         d(fetch, 1, forward=True)
         d(release, 1)
     d(hold, (0,))
-    h = d.st.next_handle
-    assert d(end_of_step) == [Free((0,), True), AllGather(h, (0,), False, True), Wait(h)]  # held: again
+    assert d(end_of_step) == [Refresh((0,))]  # held: gathered again where it lies
     assert d.st.params[0].fetched_for == -1 and d.st.params[0].users == 1
     d(reset_step)
     assert d.st.trace.mode is TraceMode.COMPLETE

@@ -2,6 +2,7 @@
 
     params[p]      the user's nn.Parameter; .data is the full value while AVAILABLE, an empty
                    tensor otherwise (autograd keeps the same Parameter object throughout)
+    full[p]        that full value, flat (numel,), while AVAILABLE; None otherwise
     masters[p]     fp32 shard (s,), an nn.Parameter the user's optimizer steps on
     shards[p]      compute-dtype shard (s,) the gathers read; *is* masters[p] in fp32 mode
     partitions[p]  fp32 grad partition (s,): a view of one flat buffer, also masters[p].grad
@@ -57,6 +58,7 @@ class TensorStore:
         self.grad_due: set[int] = set()  # freed params whose grad autograd has yet to accumulate
         self.full_spans: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (offset, numel, param)
         self.full_key: dict[int, int] = {}  # param -> the storage its full value lies in
+        self.full: list[torch.Tensor | None] = [None] * len(params)
         for p in range(len(self.params)):
             self.free(p)
 
@@ -76,6 +78,7 @@ class TensorStore:
         """Param p becomes AVAILABLE: its .data is the gathered full value (numel,)."""
         self.params[p].data = flat.view(self.shapes[p])
         self._forget(p)
+        self.full[p] = flat
         key = flat.untyped_storage()._cdata  # the storage: meta tensors (fz3.plan) have no data_ptr
         self.full_spans.setdefault(key, []).append((flat.storage_offset(), flat.numel(), p))
         self.full_key[p] = key
@@ -114,6 +117,7 @@ class TensorStore:
             self.grad_in(p)
 
     def _forget(self, p: int) -> None:
+        self.full[p] = None
         key = self.full_key.pop(p, None)
         if key is not None:
             spans = [s for s in self.full_spans[key] if s[2] != p]

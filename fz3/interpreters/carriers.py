@@ -82,6 +82,16 @@ class Carrier:
         peer that leaves mid-collective is a DivergenceError, at the post or the work's wait."""
         return post() if posted is None else self.ctx.agreement.issue(posted, post)
 
+    def forget(self, ps: Sequence[int]) -> None:
+        """`ps` were freed (P2P drops what it kept of their full values)."""
+
+    def refresh(self, ps: Sequence[int], shards: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor]):
+        """Gather `ps` into `fulls`, the full values they have (effects.Refresh). -> (work or
+        None, then): once the work is waited, then() finishes. Here: a gather as any other,
+        copied into place."""
+        work, got, keep = self.gather(ps, shards)
+        return work, lambda: torch._foreach_copy_(list(fulls), got())  # keep: alive until then
+
 
 class P2P(Carrier):
     name = "p2p"
@@ -96,6 +106,14 @@ class P2P(Carrier):
         super().__init__(ctx)
         self.tags = itertools.count(1)  # message tags unchecked: the same sequence on every rank (SPMD)
         self.grouped: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}  # params -> groups
+        self.layout: tuple[tuple[int, ...], Optional[p2p.GatherLayout]] = ((), None)  # the last refresh's
+
+    def forget(self, ps: Sequence[int]) -> None:
+        """`ps` were freed: a layout over any of them goes, so its views of their full values do
+        not keep that memory (a pooled buffer no one could take)."""
+        key = self.layout[0]
+        if key and not set(key).isdisjoint(ps):
+            self.layout = ((), None)
 
     def stage(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A packed group's staging buffer: cut from a pooled one of GROUP_MOST elements, the most
@@ -143,6 +161,20 @@ class P2P(Carrier):
         with it.on(it.gather_stream):
             work = p2p.all_gather(fulls, shards, it.comm, tag=tag, groups=self.groups(ps), take=self.stage)
         return self.posted(work, posted), (lambda: fulls), None
+
+    def refresh(self, ps: Sequence[int], shards: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor]):
+        """The peers' shards received straight into `fulls` (p2p.all_gather writes in place), by
+        the layout made the last time these params were refreshed into these same full values:
+        every step's refresh after the first (p2p.GatherLayout)."""
+        it = self.ctx
+        key, layout = self.layout
+        if key != tuple(ps) or not layout.same_fulls(fulls):
+            layout = p2p.GatherLayout(fulls, it.rank, it.world_size, self.groups(ps))
+            self.layout = (tuple(ps), layout)
+        posted, tag = self.tag(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
+        with it.on(it.gather_stream):
+            work = p2p.all_gather(fulls, shards, it.comm, tag=tag, take=self.stage, layout=layout)
+        return self.posted(work, posted), _nothing
 
     def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
         it = self.ctx
@@ -215,6 +247,10 @@ class AllReduce(Carrier):
             work = self.issue(posted, lambda: it.comm.all_reduce(flat, async_op=it.async_op))
         return work, (lambda: dict(zip((s.param for s in e.slots),
                                        collectives.slice_allreduced(flat, spans, it.rank, it.world_size)))), flat
+
+
+def _nothing() -> None:
+    pass
 
 
 def unpack(it: Context, out: torch.Tensor, ps: Sequence[int]) -> list[torch.Tensor]:

@@ -7,6 +7,8 @@
                       the peers' shards were received in place)
     Free              params back to empty .data; their pooled memory goes too unless the
                       core will gather them again in this pass (`refetch`)
+    Refresh           gather into the params' own full values, in place, and wait (the step's
+                      refresh of the persistent params): nothing taken, freed or set
     CopyToBucket      param.grad -> slice of a flat IPG bucket buffer of the effect's (comm)
                       dtype; param.grad = None
     HoldGrad          param.grad, flat and cast to the effect's dtype, kept for the bucket's
@@ -52,7 +54,7 @@ import torch
 
 from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
-                              HoldGrad, ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
+                              HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import BufferPool
 from fz3.interpreters import accounting, agreement, carriers, p2p
@@ -176,6 +178,8 @@ class DistInterpreter:
                     self._wait(h)
                 case Free(params=ps, refetch=refetch):
                     self._free(ps, refetch)
+                case Refresh(params=ps):
+                    self._refresh(ps)
                 case CopyToBucket():
                     self._copy_to_bucket(e)
                 case HoldGrad():
@@ -214,7 +218,20 @@ class DistInterpreter:
         work, fulls, keep = self.gather.gather(ps, shards)
         self.gathers[h] = (work, ps, fulls, keep)  # keep: alive until the work completes
 
+    def _refresh(self, ps: tuple[int, ...]) -> None:
+        shards = [self.store.shards[p] for p in ps]
+        accounting.count_gather(self.counts, carrier=self.gather.name, shard_numel=sum(s.numel() for s in shards),
+                                world_size=self.world_size, element_size=shards[0].element_size(),
+                                prefetch=False)
+        work, then = self.gather.refresh(ps, shards, [self.store.full[p] for p in ps])
+        if work is not None:
+            work.wait()
+        if self.gather_stream is not None:
+            self.device.wait_stream(self.device.current_stream(), self.gather_stream)
+        then()
+
     def _free(self, ps: tuple[int, ...], refetch: bool) -> None:
+        self.gather.forget(ps)
         for p in ps:
             if not refetch:  # next gathered in the next pass: the memory goes now
                 self.buffers_pool.discard(self.store.params[p].data)

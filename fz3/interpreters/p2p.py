@@ -76,45 +76,73 @@ def _defaults(groups, take, n: int):
     return groups, take or (lambda numel, dtype: torch.empty(numel, dtype=dtype))
 
 
+class GatherLayout:
+    """Where `all_gather` puts every byte for given full values: this rank's span of each, and
+    per peer per message group the span it receives into (a group of one param) or the spans a
+    staged group is copied out to. Made from the full values alone, so a gather into the same
+    full values again (the step's refresh of the persistent params, effects.Refresh) reuses it:
+    none of its ~5 slices and spans per param are made again (issue #27: 980 rank_span calls a
+    step on the deep narrow GPT)."""
+
+    __slots__ = ("fulls", "groups", "own", "own_numel", "peers", "receives")
+
+    def __init__(self, fulls: Sequence[torch.Tensor], rank: int, world_size: int,
+                 groups: Sequence[Sequence[int]]) -> None:
+        self.fulls, self.groups = list(fulls), groups
+        spans = [rank_span(f.numel(), rank, world_size) for f in fulls]
+        self.own = [f[lo:hi] for f, (lo, hi) in zip(fulls, spans)]
+        self.own_numel = [hi - lo for lo, hi in spans]
+        self.peers = [j for j in range(world_size) if j != rank]
+        # per peer per group with elements: (peer, numel, the full's span it lands in (alone) or
+        # None (packed), the spans a packed group is copied out to)
+        self.receives: list[tuple[int, int, Optional[torch.Tensor], list[torch.Tensor]]] = []
+        for j in self.peers:
+            for g in groups:
+                parts = [fulls[i][slice(*rank_span(fulls[i].numel(), j, world_size))] for i in g]
+                n = sum(t.numel() for t in parts)
+                if n:
+                    self.receives.append((j, n, parts[0] if len(g) == 1 else None, parts))
+
+    def same_fulls(self, fulls: Sequence[torch.Tensor]) -> bool:
+        """Made for these very full values (the same tensors, in order)."""
+        return len(fulls) == len(self.fulls) and all(a is b for a, b in zip(fulls, self.fulls))
+
+    def run(self, shards: Sequence[torch.Tensor], comm: Transport, *, tag: int, take: Take) -> P2PWork:
+        mine = [shard[:n] for shard, n in zip(shards, self.own_numel)]
+        torch._foreach_copy_(self.own, mine)
+        works, ends, keep, dsts, srcs = [], [], [], [], []
+        sends = 0
+        for j, n, alone, parts in self.receives:
+            into = alone if alone is not None else take(n, parts[0].dtype)
+            works.append(comm.irecv(into, j, tag))
+            ends.append(j)
+            if alone is None:
+                keep.append(into)
+                dsts += parts
+                srcs += into.split([t.numel() for t in parts])
+        for g in self.groups:
+            out = _packed([mine[i] for i in g], take)
+            if out.numel():
+                keep.append(out)
+                for j in self.peers:
+                    works.append(comm.isend(out, j, tag))
+                    ends.append(j)
+                    sends += 1
+        then = (lambda: torch._foreach_copy_(dsts, srcs)) if dsts else None
+        return P2PWork(works, ends, then, keep, sends)
+
+
 def all_gather(fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], comm: Transport, *,
-               tag: int, groups: Optional[Sequence[Sequence[int]]] = None, take: Optional[Take] = None) -> P2PWork:
+               tag: int, groups: Optional[Sequence[Sequence[int]]] = None, take: Optional[Take] = None,
+               layout: Optional[GatherLayout] = None) -> P2PWork:
     """fulls[i] (n_i,) gets param i's full value, shards[i] (s_i,) being this rank's shard.
     One message per peer per group of `groups` (fz3.core.messages): a group of one param is
     received in place, a packed one into a staging buffer (from `take`) and copied out after
-    the wait. No groups: each param alone."""
+    the wait. No groups: each param alone. `layout`: made before for these fulls and groups."""
     groups, take = _defaults(groups, take, len(fulls))
-    rank, world_size = comm.rank, comm.world_size
-    peers = [j for j in range(world_size) if j != rank]
-    mine = []
-    for full, shard in zip(fulls, shards):
-        lo, hi = rank_span(full.numel(), rank, world_size)
-        full[lo:hi].copy_(shard[:hi - lo])
-        mine.append(shard[:hi - lo])
-    works, ends, keep, dsts, srcs = [], [], [], [], []
-    sends = 0
-    for j in peers:
-        for g in groups:
-            spans = [fulls[i][slice(*rank_span(fulls[i].numel(), j, world_size))] for i in g]
-            n = sum(t.numel() for t in spans)
-            if not n:
-                continue
-            into = spans[0] if len(g) == 1 else take(n, spans[0].dtype)
-            works.append(comm.irecv(into, j, tag))
-            ends.append(j)
-            if len(g) > 1:
-                keep.append(into)
-                dsts += spans
-                srcs += into.split([t.numel() for t in spans])
-    for g in groups:
-        out = _packed([mine[i] for i in g], take)
-        if out.numel():
-            keep.append(out)
-            for j in peers:
-                works.append(comm.isend(out, j, tag))
-                ends.append(j)
-                sends += 1
-    then = (lambda: torch._foreach_copy_(dsts, srcs)) if dsts else None
-    return P2PWork(works, ends, then, keep, sends)
+    if layout is None:
+        layout = GatherLayout(fulls, comm.rank, comm.world_size, groups)
+    return layout.run(shards, comm, tag=tag, take=take)
 
 
 def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, comm: Transport, *,

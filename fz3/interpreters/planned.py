@@ -24,7 +24,7 @@ import torch
 
 from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
-                              HoldGrad, ReduceBucket, Wait, WaitReduce, WritePartition, ZeroPartitions)
+                              HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core import messages
 from fz3.core.ids import Handle
 from fz3.interpreters import accounting, carriers
@@ -54,13 +54,10 @@ class PlanInterpreter:
             self.log.append(e)
             match e:
                 case AllGather(handle=h, params=ps, prefetch=pre):
-                    accounting.count_gather(self.counts, carrier=self.gather_by,
-                                            shard_numel=sum(self.spec.params[p].shard_numel for p in ps),
-                                            world_size=self.spec.world_size,
-                                            element_size=self.store.dtype.itemsize, prefetch=pre)
+                    self._count_gather(ps, pre)
                     self.gathers[h] = ps
-                    if self.gather_by == "p2p":
-                        self._count_sends(ps, gather=True)
+                case Refresh(params=ps):  # into the full values they have: nothing to set
+                    self._count_gather(ps, False)
                 case Wait(handle=h):
                     for p in self.gathers.pop(h):
                         self.store.set_full(p, self._full(p))
@@ -98,6 +95,14 @@ class PlanInterpreter:
                     self._completed()
                 case _:
                     raise TypeError(f"PlanInterpreter: unknown effect {e!r}")
+
+    def _count_gather(self, ps, prefetch: bool) -> None:
+        accounting.count_gather(self.counts, carrier=self.gather_by,
+                                shard_numel=sum(self.spec.params[p].shard_numel for p in ps),
+                                world_size=self.spec.world_size, element_size=self.store.dtype.itemsize,
+                                prefetch=prefetch)
+        if self.gather_by == "p2p":
+            self._count_sends(ps, gather=True)
 
     def _count_sends(self, ps, *, gather: bool) -> None:
         """p2p_sends as the point-to-point carrier posts them on this rank (fz3/core/messages.py)."""

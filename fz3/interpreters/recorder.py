@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable
 
-from fz3.core.effects import AllGather, Free, Wait
+from fz3.core.effects import AllGather, Free, Refresh, Wait
 from fz3.core.spec import ModelSpec
 
 
@@ -33,6 +33,10 @@ class Recorder:
                     n = sum(self.spec.params[p].shard_numel for p in ps) * self.spec.world_size
                     self.counts["gathered_numel"] += n
                     self.counts["prefetch" if pre else "on_demand"] += 1
+                case Refresh(params=ps):  # gathered again in place
+                    n = sum(self.spec.params[p].shard_numel for p in ps) * self.spec.world_size
+                    self.counts["gathered_numel"] += n
+                    self.counts["refreshed_params"] += len(ps)
                 case Free(params=ps):
                     self.counts["freed_params"] += len(ps)
                 case Wait():

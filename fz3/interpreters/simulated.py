@@ -29,7 +29,7 @@ import torch
 
 from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
-                              HoldGrad, ReduceBucket, Wait, WaitReduce, WriteMode, WritePartition,
+                              HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WriteMode, WritePartition,
                               ZeroPartitions)
 from fz3.core.ids import BucketId, Handle, ParamId
 from fz3.core.spec import ModelSpec
@@ -96,6 +96,8 @@ class SimulatedWorld:
                     self._wait(h)
                 case Free(params=ps):
                     self._free(ps)
+                case Refresh(params=ps):
+                    self._refresh(ps)
                 case CopyToBucket() | HoldGrad():
                     self._copy_to_bucket(e)
                 case ReduceBucket():
@@ -137,6 +139,16 @@ class SimulatedWorld:
             raise SimulationError(f"Wait on handle {handle}, which is not in flight")
         for full, got in zip(self.full, self.inflight.pop(handle)):
             full.update(got)
+
+    def _refresh(self, params: tuple[ParamId, ...]) -> None:
+        """Gathered again from the shards, in place: each must be gathered already."""
+        for p in params:
+            if p not in self.full[0]:
+                raise SimulationError(f"Refresh of param {p}, which is not gathered")
+        numels = [self.spec.params[p].numel for p in params]
+        outs = collectives.gather_world([[s[p] for p in params] for s in self.shards], numels)
+        for full, out in zip(self.full, outs):
+            full.update(zip(params, out))
 
     def _free(self, params: tuple[ParamId, ...]) -> None:
         for full in self.full:

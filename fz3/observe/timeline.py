@@ -33,7 +33,7 @@ from typing import Iterator
 import torch.distributed as dist
 
 from fz3.core import replay
-from fz3.core.effects import AllGather, ReduceBucket, Wait
+from fz3.core.effects import AllGather, ReduceBucket, Refresh, Wait
 from fz3.core.events import PostBackwardRan, PreBackwardRan, Read
 
 COMPUTE, COMM, CORE = 1, 2, 3
@@ -136,6 +136,10 @@ class Recorder:
                     begin, nbytes, prefetch, n = self.open_gathers.pop(e.handle)
                     self.span(COMM, "all-gather (prefetch)" if prefetch else "all-gather", begin, end,
                               bytes=nbytes, params=n, wait_us=(end - start) / 1000.0)
+                elif isinstance(e, Refresh):  # gathered and waited in one effect
+                    nbytes = sum(spec.params[p].numel for p in e.params) * self.elem
+                    self.span(COMM, "all-gather (refresh)", start, end, bytes=nbytes, params=len(e.params),
+                              wait_us=(end - start) / 1000.0)
                 elif isinstance(e, ReduceBucket):
                     self.open_reduces[e.bucket] = start
                     if not getattr(self.engine.interp, "reduces", ()):  # none in flight: it is done

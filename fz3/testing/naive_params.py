@@ -22,7 +22,7 @@ from collections import Counter
 from typing import Callable, Sequence
 
 from fz3.config.config import Config
-from fz3.core.effects import AllGather, Free, Wait
+from fz3.core.effects import AllGather, Free, Refresh, Wait
 from fz3.core.ids import Status, TraceMode
 from fz3.core.spec import ModelSpec
 from fz3.testing.naive_rules import Liveness
@@ -177,6 +177,7 @@ class NaiveParams:
                                self.unit(m))
         elif kind in FETCHING:
             assert not effects, f"pre_backward of m{m} with no forward call left emitted {effects}"
+        self.refreshed: set[int] = set()
         for e in effects:
             if isinstance(e, AllGather) and e.prefetch:  # the prefetch point: the rules walk here
                 self.rules.predict_prefetch(self.not_available(), self.live)
@@ -225,6 +226,9 @@ class NaiveParams:
             assert all(self.status[p] is AV for p in held), f"held params freed by {kind}"
             left = sorted(p for p, s in self.status.items() if s is not NA and p not in keep)
             assert not left, f"params {left} still gathered after {kind}"
+        if kind == "end_of_step":  # the shards changed: every full value left is a fresh one
+            stale = sorted(p for p, s in self.status.items() if s is AV and p not in self.refreshed)
+            assert not stale, f"params {stale} stay gathered after end_of_step, not refreshed"
         if kind == "finish":  # nothing gathered in the pass leaks past it
             leaked = self.pass_gathered - self.pass_freed - self.exempt()
             assert not leaked, f"params {sorted(leaked)} gathered in the pass and never freed"
@@ -247,6 +251,8 @@ class NaiveParams:
                 del self.handle[p]
         elif isinstance(e, Free):
             self._free(e, kind)
+        elif isinstance(e, Refresh):
+            self._refresh(e, kind)
         else:
             raise AssertionError(f"unexpected effect {e!r} during {kind}")
 
@@ -280,6 +286,17 @@ class NaiveParams:
         self.pass_gathered |= set(ps)
         assert len(self.outstanding) <= 2, f"{len(self.outstanding)} gathers in flight"
 
+    def _refresh(self, e: Refresh, kind: str) -> None:
+        """The step gathers its persistent and held params again where they lie: they stay
+        AVAILABLE, and nothing else is refreshed."""
+        ps = e.params
+        assert ps and list(ps) == sorted(set(ps)), f"{e}: params must be non-empty, sorted, unique"
+        again = self.persistent | {p for p, n in self.holds.items() if n}
+        assert kind == "end_of_step" and set(ps) <= again, f"{e} during {kind}: only the step refreshes ({sorted(again)})"
+        for p in ps:
+            assert self.status[p] is AV, f"{e}: p{p} is {self.status[p].name}, not AVAILABLE"
+        self.refreshed |= set(ps)
+
     def _free(self, e: Free, kind: str) -> None:
         ps = e.params
         assert ps and list(ps) == sorted(set(ps)), f"{e}: params must be non-empty, sorted, unique"
@@ -297,10 +314,9 @@ class NaiveParams:
         self.rules.freed(ps)
         # refetch: the module releasing them has a backward fetch still to come in this pass, or
         # the step frees them to gather them again at once (persistent or held)
-        if kind == "end_of_step":
-            again = [p in self.persistent or self.holds[p] > 0 for p in ps]
-            assert len(set(again)) == 1 and e.refetch == again[0], (
-                f"{e} during end_of_step: refetch should say that they are gathered again ({again})")
+        if kind == "end_of_step":  # what stays is refreshed in place, not freed
+            again = sorted(p for p in ps if p in self.persistent or self.holds[p] > 0)
+            assert not again and not e.refetch, f"{e} during end_of_step frees {again}, which stay"
             return
         refetch = kind in ("release", "post_backward") and self.pre[self.module] > 0
         assert e.refetch == refetch, f"{e} during {kind} of m{self.module}: refetch should be {refetch}"

@@ -23,7 +23,7 @@ SimulatedWorld (fz3/interpreters/simulated.py) shared by all ranks:
 
 After the optimizer step the real shards change (the optimizer on the masters, then
 `store.refresh_shards`): the wrapped refresh submits the new shards as a pseudo-effect,
-`Refresh`, at the same stream position on every rank, and the shadow takes them. The shadow
+`NewShards`, at the same stream position on every rank, and the shadow takes them. The shadow
 checks the collectives and the writes, not the optimizer.
 
 Bitwise equality needs every reduce to give the same bits in any order of summation: the
@@ -50,8 +50,8 @@ class Mismatch(AssertionError):
     """The real interpreter and the shadow disagree (or the ranks' effect streams do)."""
 
 
-@record  # compared by type too: a Refresh is not a WaitReduce (both empty tuples)
-class Refresh(NamedTuple):
+@record  # compared by type too: NewShards is not a WaitReduce (both empty tuples)
+class NewShards(NamedTuple):
     """Pseudo-effect: the optimizer step gave the ranks new shards (never reaches an interpreter)."""
 
 
@@ -112,7 +112,7 @@ class Shadow:
 
         def refresh() -> None:
             real_refresh()
-            self.submit(r, Refresh(), shards=[s.detach().clone() for s in store.shards])
+            self.submit(r, NewShards(), shards=[s.detach().clone() for s in store.shards])
 
         interp.run, store.refresh_shards = run, refresh
 
@@ -152,7 +152,7 @@ class Shadow:
     def _run(self, k: int, e: object, seen: list[dict]) -> None:
         sim = self._world()
         self.done += 1
-        if isinstance(e, Refresh):
+        if isinstance(e, NewShards):
             sim.shards = [s["shards"] for s in seen]
             return
         if any(s["grads"].keys() != seen[0]["grads"].keys() for s in seen):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from fz3.core.effects import AllGather, Free, Wait
+from fz3.core.effects import AllGather, Free, Refresh, Wait
 from fz3.core.ids import Handle, ModuleId, ParamId, Status
 from fz3.core.pvec import Log, PVec
 from fz3.core.spec import ModelSpec
@@ -423,6 +423,22 @@ def free(tx: Txn, pids: tuple[ParamId, ...], refetch: bool = False) -> None:
         numel += spec[p].numel
     tx.live -= numel
     tx.effects.append(Free(pids, refetch))
+
+
+def refresh(tx: Txn, pids: tuple[ParamId, ...]) -> None:
+    """Rewrite the full values of `pids` (all AVAILABLE, sorted) from their shards in place: one
+    gather, waited (effects.Refresh). They stay AVAILABLE and live; each is gathered anew for no
+    trace step (-1), and is in `gathered` for the next sweep."""
+    if not pids:
+        return
+    slots, olds = tx._slots, tx._olds
+    for p in pids:
+        s = slots[p]
+        if p not in olds:
+            olds[p] = s
+        slots[p] = (AVAILABLE, None, s[_USERS], -1, s[_EXTERNAL])
+    tx.gathered = tx.gathered.extend(pids)
+    tx.effects.append(Refresh(pids))
 
 
 def _unit(own: tuple[ParamId, ...], externals: tuple[ParamId, ...]) -> tuple[ParamId, ...]:

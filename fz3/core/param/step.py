@@ -5,7 +5,8 @@
                      zero the per-module backward counters (modules whose post-backward never
                      fired: no grad-requiring input)
     end_of_step      after the optimizer updated the shards: every full param is stale, so all
-                     are freed; the persistent ones that were live are gathered again at once
+                     are freed but the persistent (and held) ones that were live: those are
+                     refreshed in place (effects.Refresh)
     invalidate       a fetch departed from the trace plan: drain, drop wrong prefetches
 
 Each walks only the params gathered since the last sweep (`ParamState.gathered`) and the
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from fz3.config.config import Config
 from fz3.core.ids import ModuleId
-from fz3.core.param.state import AVAILABLE, Effects, ParamState, Txn, drain, free, gather, unit_params, wait
+from fz3.core.param.state import AVAILABLE, Effects, ParamState, Txn, drain, free, refresh, unit_params
 from fz3.core.pvec import Log
 from fz3.core.param.trace import invalidated, pass_kind, reset
 
@@ -67,9 +68,10 @@ def finish_backward(st: ParamState, *, config: Config) -> tuple[ParamState, Effe
 
 
 def end_of_step(st: ParamState, *, config: Config) -> tuple[ParamState, Effects]:
-    """After the optimizer step: free every full param (they are stale), then gather the
-    persistent ones that were live again, and the ones an open gathered_parameters holds
-    (their holds stay counted), in one gather. DeepSpeed: _pre_step / _post_step."""
+    """After the optimizer step: free every full param (they are stale) but the persistent ones
+    that were live and the ones an open gathered_parameters holds (their holds stay counted):
+    those are refreshed in place, in one gather (effects.Refresh). DeepSpeed: _pre_step /
+    _post_step."""
     tx = Txn(st)
     drain(tx)
     live = sorted({p for p in tx.gathered if tx.status(p) == AVAILABLE})
@@ -78,10 +80,9 @@ def end_of_step(st: ParamState, *, config: Config) -> tuple[ParamState, Effects]
     again = tuple(p for p in live if st.spec.params[p].persistent or p in held)
     kept = set(again)
     free(tx, tuple(p for p in live if p not in kept))
-    free(tx, again, refetch=True)  # gathered again below: their memory may serve that gather
-    if again:
-        gather(tx, again, prefetch=False, forward=True, fetched_for=(-1,) * len(again))
-        wait(tx, tx.inflight[-1].handle)
-    for p in held:  # free() dropped every user; a hold is one
+    refresh(tx, again)
+    for p in again:  # no module is using them; a hold is a user
+        tx.set_users(p, 0)
+    for p in held:
         tx.set_users(p, st.held.count(p))
     return tx.commit()
