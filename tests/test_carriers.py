@@ -107,24 +107,28 @@ def _persistent_steps(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config())
-    ptrs, layouts, values = [], [], []
+    ptrs, layouts, values, reduces = [], [], [], []
     for _ in range(3):
         engine.backward(engine(torch.randn(2, 4)).sum())
         engine.step()
         ptrs.append([p.data_ptr() for p in model.parameters()])
         layouts.append(engine.interp.gather.layout[1])
+        reduces.append(dict(engine.interp.reduce_scatter.reduce_layouts))
         values.append(all(torch.equal(p.detach(), v) for p, v in zip(model.parameters(),
                                                                       engine.full_state_dict().values())))
-    return {"ptrs": ptrs, "layouts": layouts, "values": values}
+    return {"ptrs": ptrs, "layouts": layouts, "values": values, "reduces": reduces}
 
 
 def test_the_step_refreshes_persistent_params_in_place_by_one_layout():
     """After the step the persistent params keep their memory (the same data_ptr every step),
-    hold the new values, and the p2p carrier's layout is made once, then reused."""
+    hold the new values, and the p2p carrier's layouts are made once, then reused: the
+    refresh's, and each bucket's reduce's (p2p.ReduceLayout)."""
     for out in launch.run_threads(_persistent_steps, 2):
         assert out["ptrs"][0] == out["ptrs"][1] == out["ptrs"][2]
         assert all(out["values"])
         assert out["layouts"][0] is not None and out["layouts"][0] is out["layouts"][1] is out["layouts"][2]
+        first = out["reduces"][0]
+        assert first and all(r.keys() == first.keys() and all(r[k] is first[k] for k in r) for r in out["reduces"])
 
 
 def _forgotten(rank: int, world: int) -> dict:

@@ -106,6 +106,7 @@ class P2P(Carrier):
         super().__init__(ctx)
         self.tags = itertools.count(1)  # message tags unchecked: the same sequence on every rank (SPMD)
         self.grouped: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}  # params -> groups
+        self.reduce_layouts: dict[tuple[int, ...], p2p.ReduceLayout] = {}  # params -> where a reduce's bytes go
         self.layout: tuple[tuple[int, ...], Optional[p2p.GatherLayout]] = ((), None)  # the last refresh's
 
     def forget(self, ps: Sequence[int]) -> None:
@@ -129,6 +130,17 @@ class P2P(Carrier):
         if got is None:
             spec = self.ctx.spec.params
             got = self.grouped[key] = messages.groups([spec[p].numel for p in key], small=self.ctx.coalesce_numel)
+        return got
+
+    def reduce_layout(self, params: Sequence[int]) -> p2p.ReduceLayout:
+        """Where a reduce of `params` takes and puts its bytes (p2p.ReduceLayout), made once per
+        param set, as its groups are."""
+        key = tuple(params)
+        got = self.reduce_layouts.get(key)
+        if got is None:
+            it = self.ctx
+            got = self.reduce_layouts[key] = p2p.ReduceLayout([it.spec.params[p].numel for p in key], it.rank,
+                                                              it.world_size, self.groups(key))
         return got
 
     def tag(self, kind: int, params: Sequence[int], numel: int):
@@ -179,12 +191,12 @@ class P2P(Carrier):
     def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
         it = self.ctx
         params = [s.param for s in e.slots]
-        keep = it.reduce_buffer(p2p.scratch_numel([g.numel() for g in grads], it.rank, it.world_size),
-                                grads[0].dtype, it.scratch_capacity)
+        layout = self.reduce_layout(params)
+        keep = it.reduce_buffer(layout.scratch_numel, grads[0].dtype, it.scratch_capacity)
         posted, tag = self.tag(agreement.REDUCE, params, sum(s.numel for s in e.slots))
         with it.on(it.reduce_stream):
-            work, reduced = p2p.reduce_scatter(grads, keep, it.comm, tag=tag, groups=self.groups(params),
-                                               take=self.stage)
+            work, reduced = p2p.reduce_scatter(grads, keep, it.comm, tag=tag, take=self.stage,
+                                               layout=layout)
         return self.posted(work, posted), (lambda: dict(zip(params, reduced()))), keep
 
 

@@ -145,50 +145,85 @@ def all_gather(fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], co
     return layout.run(shards, comm, tag=tag, take=take)
 
 
+class ReduceLayout:
+    """Where `reduce_scatter` takes and puts every byte for grads of given sizes, as offsets: this
+    rank's span of each grad, per peer per message group the block of the scratch it receives
+    and the grads' spans it sends. Only sizes: the grads are new tensors at every backward, but
+    a bucket's sizes repeat every step, so the carrier keeps the layout per bucket (made once:
+    no rank_span, no sums at each reduce)."""
+
+    __slots__ = ("own", "receives", "sends", "some", "pads", "scratch_numel")
+
+    def __init__(self, numels: Sequence[int], rank: int, world_size: int, groups: Sequence[Sequence[int]]) -> None:
+        spans = [[rank_span(n, j, world_size) for j in range(world_size)] for n in numels]
+        self.own = [sp[rank] for sp in spans]
+        sizes = [hi - lo for lo, hi in self.own]
+        # per peer per group with elements: (peer, scratch offset, elements, [(grad, offset, elements) ...])
+        self.receives: list[tuple[int, int, int, list[tuple[int, int]]]] = []
+        self.sends: list[tuple[int, list[tuple[int, int, int]]]] = []  # (peer, [(grad, lo, hi) ...])
+        off = 0
+        for j in range(world_size):
+            if j == rank:
+                continue
+            for g in groups:
+                n = sum(sizes[i] for i in g)
+                if n:
+                    self.receives.append((j, off, n, [(i, off + sum(sizes[k] for k in g[:x]), sizes[i])
+                                                      for x, i in enumerate(g)]))
+                    off += n
+        self.scratch_numel = off  # what the peers' partitions take (scratch_numel below)
+        for j in range(world_size):
+            if j == rank:
+                continue
+            for g in groups:
+                parts = [(i, *spans[i][j]) for i in g]
+                if sum(hi - lo for _, lo, hi in parts):
+                    self.sends.append((j, parts))
+        self.some = [i for i, n in enumerate(sizes) if n]
+        self.pads = [shard_numel(n, world_size) - k for n, k in zip(numels, sizes)]
+
+    def run(self, grads: Sequence[torch.Tensor], scratch: torch.Tensor, comm: Transport, *, tag: int,
+            take: Take) -> tuple[P2PWork, Callable[[], list[torch.Tensor]]]:
+        own = [g[lo:hi] for g, (lo, hi) in zip(grads, self.own)]
+        works, ends, keep = [], [], []
+        got: list[list[torch.Tensor]] = []  # per peer, per grad with elements: its slice of the scratch
+        peer, mine = None, None
+        for j, off, n, at in self.receives:
+            works.append(comm.irecv(scratch[off:off + n], j, tag))
+            ends.append(j)
+            if j != peer:
+                peer, mine = j, {}
+                got.append(mine)
+            for i, o, k in at:
+                mine[i] = scratch[o:o + k]
+        for j, parts in self.sends:
+            out = _packed([grads[i][lo:hi] for i, lo, hi in parts], take)
+            keep.append(out)
+            works.append(comm.isend(out, j, tag))
+            ends.append(j)
+        some, pads = self.some, self.pads
+
+        def result() -> list[torch.Tensor]:
+            for mine in got if some else ():  # peer after peer, in rank order
+                torch._foreach_add_([own[i] for i in some], [mine[i] for i in some])
+            return [F.pad(o, (0, pad)) if pad else o for o, pad in zip(own, pads)]  # pad: a copy
+        return P2PWork(works, ends, None, keep, len(self.sends)), result
+
+
 def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, comm: Transport, *,
                    tag: int, groups: Optional[Sequence[Sequence[int]]] = None,
-                   take: Optional[Take] = None) -> tuple[P2PWork, Callable[[], list[torch.Tensor]]]:
+                   take: Optional[Take] = None,
+                   layout: Optional[ReduceLayout] = None) -> tuple[P2PWork, Callable[[], list[torch.Tensor]]]:
     """SUM over ranks of this rank's partition of each flat grad (n_i,). `scratch` holds the
     peers' partitions: (W - 1) * scratch_numel(...) elements, one block per peer per group of
     `groups` (fz3.core.messages), each received by one message; a peer's slices of a packed
     group are staged into one send. -> (work, result): after the work is waited, result() adds
     them into the grads' own partitions (written in place) and returns the partitions,
-    zero-padded to s_i."""
+    zero-padded to s_i. `layout`: made before for grads of these sizes and these groups."""
     groups, take = _defaults(groups, take, len(grads))
-    rank, world_size = comm.rank, comm.world_size
-    peers = [j for j in range(world_size) if j != rank]
-    own = [g[slice(*rank_span(g.numel(), rank, world_size))] for g in grads]
-    works, ends, keep, off = [], [], [], 0
-    got: list[list[torch.Tensor]] = []  # per peer, per grad: its slice of the scratch
-    for j in peers:
-        mine = [scratch[:0]] * len(grads)
-        for g in groups:
-            n = sum(own[i].numel() for i in g)
-            if not n:
-                continue
-            works.append(comm.irecv(scratch[off:off + n], j, tag))
-            ends.append(j)
-            for i in g:
-                mine[i] = scratch[off:off + own[i].numel()]
-                off += own[i].numel()
-        got.append(mine)
-    sends = 0
-    for j in peers:
-        for g in groups:
-            out = _packed([grads[i][slice(*rank_span(grads[i].numel(), j, world_size))] for i in g], take)
-            if out.numel():
-                keep.append(out)
-                works.append(comm.isend(out, j, tag))
-                ends.append(j)
-                sends += 1
-
-    def result() -> list[torch.Tensor]:
-        some = [i for i, o in enumerate(own) if o.numel()]
-        for mine in got if some else ():  # peer after peer, in rank order
-            torch._foreach_add_([own[i] for i in some], [mine[i] for i in some])
-        pads = [shard_numel(g.numel(), world_size) - o.numel() for o, g in zip(own, grads)]
-        return [F.pad(o, (0, pad)) if pad else o for o, pad in zip(own, pads)]  # pad: a copy
-    return P2PWork(works, ends, None, keep, sends), result
+    if layout is None:
+        layout = ReduceLayout([g.numel() for g in grads], comm.rank, comm.world_size, groups)
+    return layout.run(grads, scratch, comm, tag=tag, take=take)
 
 
 def scratch_numel(numels: Sequence[int], rank: int, world_size: int) -> int:
