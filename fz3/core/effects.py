@@ -69,9 +69,10 @@ class Refresh(NamedTuple):
     wait: the optimizer step rewrote the shards, so the full values are stale. They stay
     AVAILABLE throughout, in the same memory (the step's refresh of the persistent params and of
     the ones an open gathered_parameters holds). An all-gather as AllGather + Wait are, but with
-    nothing to allocate and no param to free and set again: issue #27 timed that on the deep
-    narrow GPT, ~200 persistent params, at about 5 ms of a 28 ms step. DeepSpeed: the
-    all-gather of its persistent params after the step (_post_step).
+    nothing to take from the pool, no param to free and set again, and (p2p) the same layout
+    every step: on the deep narrow GPT, ~200 persistent params, the step went from 30.1 to 24.2
+    ms (bench/breakdown.py, issue #27). DeepSpeed: the all-gather of its persistent params after
+    the step (_post_step).
     """
 
     params: tuple[ParamId, ...]
