@@ -107,14 +107,15 @@ class P2P(Carrier):
         self.tags = itertools.count(1)  # message tags unchecked: the same sequence on every rank (SPMD)
         self.grouped: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}  # params -> groups
         self.reduce_layouts: dict[tuple[int, ...], p2p.ReduceLayout] = {}  # params -> where a reduce's bytes go
-        self.layout: tuple[tuple[int, ...], Optional[p2p.GatherLayout]] = ((), None)  # the last refresh's
+        self.layout: Optional[p2p.GatherLayout] = None  # the last refresh's, of these params:
+        self.layout_key: tuple[int, ...] = ()
+        self.layout_params: frozenset[int] = frozenset()
 
     def forget(self, ps: Sequence[int]) -> None:
         """`ps` were freed: a layout over any of them goes, so its views of their full values do
         not keep that memory (a pooled buffer no one could take)."""
-        key = self.layout[0]
-        if key and not set(key).isdisjoint(ps):
-            self.layout = ((), None)
+        if self.layout is not None and not self.layout_params.isdisjoint(ps):  # O(len(ps)): at every Free
+            self.layout, self.layout_key, self.layout_params = None, (), frozenset()
 
     def stage(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A packed group's staging buffer: cut from a pooled one of GROUP_MOST elements, the most
@@ -179,10 +180,10 @@ class P2P(Carrier):
         the layout made the last time these params were refreshed into these same full values:
         every step's refresh after the first (p2p.GatherLayout)."""
         it = self.ctx
-        key, layout = self.layout
-        if key != tuple(ps) or not layout.same_fulls(fulls):
-            layout = p2p.GatherLayout(fulls, it.rank, it.world_size, self.groups(ps))
-            self.layout = (tuple(ps), layout)
+        key, layout = tuple(ps), self.layout
+        if layout is None or key != self.layout_key or not layout.same_fulls(fulls):
+            layout = self.layout = p2p.GatherLayout(fulls, it.rank, it.world_size, self.groups(key))
+            self.layout_key, self.layout_params = key, frozenset(key)
         posted, tag = self.tag(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
         with it.on(it.gather_stream):
             work = p2p.all_gather(fulls, shards, it.comm, tag=tag, take=self.stage, layout=layout)

@@ -159,7 +159,7 @@ class ReduceLayout:
         self.own = [sp[rank] for sp in spans]
         sizes = [hi - lo for lo, hi in self.own]
         # per peer per group with elements: (peer, scratch offset, elements, [(grad, offset, elements) ...])
-        self.receives: list[tuple[int, int, int, list[tuple[int, int]]]] = []
+        self.receives: list[tuple[int, int, int, list[tuple[int, int, int]]]] = []
         self.sends: list[tuple[int, list[tuple[int, int, int]]]] = []  # (peer, [(grad, lo, hi) ...])
         off = 0
         for j in range(world_size):
@@ -168,9 +168,11 @@ class ReduceLayout:
             for g in groups:
                 n = sum(sizes[i] for i in g)
                 if n:
-                    self.receives.append((j, off, n, [(i, off + sum(sizes[k] for k in g[:x]), sizes[i])
-                                                      for x, i in enumerate(g)]))
-                    off += n
+                    at = []
+                    for i in g:
+                        at.append((i, off, sizes[i]))
+                        off += sizes[i]
+                    self.receives.append((j, off - n, n, at))
         self.scratch_numel = off  # what the peers' partitions take (scratch_numel below)
         for j in range(world_size):
             if j == rank:
@@ -186,7 +188,7 @@ class ReduceLayout:
             take: Take) -> tuple[P2PWork, Callable[[], list[torch.Tensor]]]:
         own = [g[lo:hi] for g, (lo, hi) in zip(grads, self.own)]
         works, ends, keep = [], [], []
-        got: list[list[torch.Tensor]] = []  # per peer, per grad with elements: its slice of the scratch
+        got: list[dict[int, torch.Tensor]] = []  # per peer, per grad with elements: its slice of the scratch
         peer, mine = None, None
         for j, off, n, at in self.receives:
             works.append(comm.irecv(scratch[off:off + n], j, tag))
