@@ -131,6 +131,31 @@ def test_the_step_refreshes_persistent_params_in_place_by_one_layout():
         assert first and all(r.keys() == first.keys() and all(r[k] is first[k] for k in r) for r in out["reduces"])
 
 
+def _stale_graph(rank: int, world: int) -> str:
+    """A graph built before a step, backwarded after it: -> the error, or "no error"."""
+    import fz3
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config())
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    kept = engine(torch.randn(2, 4)).sum()
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    try:
+        kept.backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_graph_from_before_the_refresh_fails_loudly_as_in_torch():
+    """The refresh writes the persistent params in place: a graph saved before it must not read
+    the new values silently (plain torch raises the same after optimizer.step())."""
+    for msg in launch.run(_stale_graph, world_size=2, timeout=120):
+        assert "modified by an inplace operation" in msg, msg
+
+
 def _forgotten(rank: int, world: int) -> dict:
     """A non-persistent param held by gathered_parameters over a step is refreshed; once the hold
     goes and it is freed, the p2p carrier no longer keeps a view of its full value."""

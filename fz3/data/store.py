@@ -95,6 +95,13 @@ class TensorStore:
             self.params[p].data = self._empty
         self._forget(p)
 
+    def rewritten(self, ps) -> None:
+        """The full values of `ps` were written in place (effects.Refresh): the params' version
+        counters move, so a graph saved before the step and backwarded after it fails loudly, as
+        torch's own optimizer step makes it, instead of reading the new values. The writes went
+        through views of the buffers, which move the buffers' counters, not the params'."""
+        torch.autograd.graph.increment_version([self.params[p] for p in ps])
+
     def zero_grad(self, p: int) -> None:
         """param.grad = zeros of p's shape, gathered or not: torch checks a grad against .data's
         shape, and a freed param's .data is empty, so its shape is lent for the assignment."""

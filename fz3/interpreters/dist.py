@@ -229,6 +229,7 @@ class DistInterpreter:
         if self.gather_stream is not None:
             self.device.wait_stream(self.device.current_stream(), self.gather_stream)
         then()
+        self.store.rewritten(ps)
 
     def _free(self, ps: tuple[int, ...], refetch: bool) -> None:
         self.gather.forget(ps)
