@@ -94,6 +94,10 @@ def test_span_and_scratch_numel():
     assert [rank_span(0, r, 2) for r in range(2)] == [(0, 0), (0, 0)]
     assert p2p.scratch_numel([7, 1, 0], 0, 3) == 2 * (3 + 1)
     assert p2p.scratch_numel([7, 1, 0], 2, 3) == 2 * 1
+    for rank in range(3):  # the reduce's layout receives as much, packed or not
+        for groups in (((0,), (1,), (2,)), ((0, 1, 2),), ((1, 2), (0,))):
+            layout = p2p.ReduceLayout([7, 1, 0], rank, 3, groups)
+            assert layout.scratch_numel == p2p.scratch_numel([7, 1, 0], rank, 3), (rank, groups)
 
 
 def _subgroup_worker(rank: int, world: int) -> dict | None:
