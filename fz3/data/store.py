@@ -57,7 +57,6 @@ class TensorStore:
         self._nan = torch.full((), float("nan"), dtype=self.dtype, device=device)
         self.grad_due: set[int] = set()  # freed params whose grad autograd has yet to accumulate
         self.full_spans: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (offset, numel, param)
-        self.full_key: dict[int, int] = {}  # param -> the storage its full value lies in
         self.full: list[torch.Tensor | None] = [None] * len(params)
         for p in range(len(self.params)):
             self.free(p)
@@ -79,9 +78,7 @@ class TensorStore:
         self.params[p].data = flat.view(self.shapes[p])
         self._forget(p)
         self.full[p] = flat
-        key = flat.untyped_storage()._cdata  # the storage: meta tensors (fz3.plan) have no data_ptr
-        self.full_spans.setdefault(key, []).append((flat.storage_offset(), flat.numel(), p))
-        self.full_key[p] = key
+        self.full_spans.setdefault(_storage(flat), []).append((flat.storage_offset(), flat.numel(), p))
 
     def free(self, p: int) -> None:
         """Param p becomes NOT_AVAILABLE: only the shard stays (DeepSpeed: partition()). Its
@@ -115,7 +112,7 @@ class TensorStore:
         """Param p's grad was accumulated: if it is freed, its .data becomes empty again."""
         if p in self.grad_due:
             self.grad_due.discard(p)
-            if p not in self.full_key:  # freed: the shape-keeping placeholder goes
+            if self.full[p] is None:  # freed: the shape-keeping placeholder goes
                 self.params[p].data = self._empty
 
     def clear_grad_due(self) -> None:
@@ -124,9 +121,9 @@ class TensorStore:
             self.grad_in(p)
 
     def _forget(self, p: int) -> None:
-        self.full[p] = None
-        key = self.full_key.pop(p, None)
-        if key is not None:
+        flat, self.full[p] = self.full[p], None
+        if flat is not None:
+            key = _storage(flat)
             spans = [s for s in self.full_spans[key] if s[2] != p]
             if spans:
                 self.full_spans[key] = spans
@@ -135,7 +132,7 @@ class TensorStore:
 
     def full_of(self, t: torch.Tensor) -> tuple[int, int] | None:
         """(param, offset of t in its full value) if t lies in a gathered param's full value."""
-        spans = self.full_spans.get(t.untyped_storage()._cdata)
+        spans = self.full_spans.get(_storage(t))
         if spans is not None:
             off = t.storage_offset()
             for start, n, p in spans:
@@ -181,3 +178,8 @@ class TensorStore:
         compute = 0 if self.dtype == torch.float32 else sum(s.numel() for s in self.shards) * 2
         return {"param_shards": master + compute,
                 "grad_partitions": self.grad_flat.untyped_storage().nbytes()}
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The storage `t` lies in, as a key: meta tensors (fz3.plan) have no data_ptr."""
+    return t.untyped_storage()._cdata

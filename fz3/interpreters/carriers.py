@@ -90,7 +90,7 @@ class Carrier:
         None, then): once the work is waited, then() finishes. Here: a gather as any other,
         copied into place."""
         work, got, keep = self.gather(ps, shards)
-        return work, lambda: torch._foreach_copy_(list(fulls), got())  # keep: alive until then
+        return work, lambda: torch._foreach_copy_(fulls, got())  # keep: alive until then
 
 
 class P2P(Carrier):
@@ -170,10 +170,17 @@ class P2P(Carrier):
         # a buffer per param: freeing one frees its memory (a flat buffer for the batch would
         # live until the last of its params is freed)
         fulls = [it.take(it.spec.params[p].numel, shards[0].dtype) for p in ps]
+        layout = p2p.GatherLayout(fulls, it.rank, it.world_size, self.groups(ps))
+        return self._gather_into(ps, shards, fulls, layout), (lambda: fulls), None
+
+    def _gather_into(self, ps: Sequence[int], shards: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor],
+                     layout: p2p.GatherLayout):
+        """Post the gather of `ps` into `fulls` by `layout`; -> its work (None: done)."""
+        it = self.ctx
         posted, tag = self.tag(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
         with it.on(it.gather_stream):
-            work = p2p.all_gather(fulls, shards, it.comm, tag=tag, groups=self.groups(ps), take=self.stage)
-        return self.posted(work, posted), (lambda: fulls), None
+            work = p2p.all_gather(fulls, shards, it.comm, tag=tag, take=self.stage, layout=layout)
+        return self.posted(work, posted)
 
     def refresh(self, ps: Sequence[int], shards: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor]):
         """The peers' shards received straight into `fulls` (p2p.all_gather writes in place), by
@@ -184,10 +191,7 @@ class P2P(Carrier):
         if layout is None or key != self.layout_key or not layout.same_fulls(fulls):
             layout = self.layout = p2p.GatherLayout(fulls, it.rank, it.world_size, self.groups(key))
             self.layout_key, self.layout_params = key, frozenset(key)
-        posted, tag = self.tag(agreement.GATHER, ps, sum(it.spec.params[p].numel for p in ps))
-        with it.on(it.gather_stream):
-            work = p2p.all_gather(fulls, shards, it.comm, tag=tag, take=self.stage, layout=layout)
-        return self.posted(work, posted), _nothing
+        return self._gather_into(ps, shards, fulls, layout), _nothing
 
     def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
         it = self.ctx

@@ -210,24 +210,28 @@ class DistInterpreter:
 
     # ---- parameters ---------------------------------------------------------------------------
 
-    def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
+    def _shards(self, ps: tuple[int, ...], prefetch: bool) -> list[torch.Tensor]:
+        """The shards a gather of `ps` sends, the gather counted."""
         shards = [self.store.shards[p] for p in ps]
         accounting.count_gather(self.counts, carrier=self.gather.name, shard_numel=sum(s.numel() for s in shards),
                                 world_size=self.world_size, element_size=shards[0].element_size(),
                                 prefetch=prefetch)
-        work, fulls, keep = self.gather.gather(ps, shards)
-        self.gathers[h] = (work, ps, fulls, keep)  # keep: alive until the work completes
+        return shards
 
-    def _refresh(self, ps: tuple[int, ...]) -> None:
-        shards = [self.store.shards[p] for p in ps]
-        accounting.count_gather(self.counts, carrier=self.gather.name, shard_numel=sum(s.numel() for s in shards),
-                                world_size=self.world_size, element_size=shards[0].element_size(),
-                                prefetch=False)
-        work, then = self.gather.refresh(ps, shards, [self.store.full[p] for p in ps])
+    def _landed(self, work) -> None:
+        """Wait a gather's work; on a device the compute stream then waits on the gather stream."""
         if work is not None:
             work.wait()
         if self.gather_stream is not None:
             self.device.wait_stream(self.device.current_stream(), self.gather_stream)
+
+    def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
+        work, fulls, keep = self.gather.gather(ps, self._shards(ps, prefetch))
+        self.gathers[h] = (work, ps, fulls, keep)  # keep: alive until the work completes
+
+    def _refresh(self, ps: tuple[int, ...]) -> None:
+        work, then = self.gather.refresh(ps, self._shards(ps, False), [self.store.full[p] for p in ps])
+        self._landed(work)
         then()
         self.store.rewritten(ps)
 
@@ -240,10 +244,7 @@ class DistInterpreter:
 
     def _wait(self, h: Handle) -> None:
         work, ps, fulls, _ = self.gathers.pop(h)
-        if work is not None:
-            work.wait()
-        if self.gather_stream is not None:
-            self.device.wait_stream(self.device.current_stream(), self.gather_stream)
+        self._landed(work)
         for p, full in zip(ps, fulls()):
             self.store.set_full(p, full)
 

@@ -105,7 +105,8 @@ class Shadow:
                     written.update(p for p in e.params if store.partitions[p] is not None)
                 elif isinstance(e, FreePartitions):
                     written.clear()
-                full = {p: store.params[p].detach().reshape(-1).clone() for p in store.full_key}
+                full = {p: store.params[p].detach().reshape(-1).clone()
+                        for p, f in enumerate(store.full) if f is not None}
                 # partitions are settled when no reduce is in flight (its writes wait for it)
                 parts = None if interp.reduces else {p: store.partitions[p].clone() for p in written}
                 self.submit(r, e, grads=grads, full=full, parts=parts)
