@@ -3,9 +3,12 @@
     params[p]      the user's nn.Parameter; .data is the full value while AVAILABLE, an empty
                    tensor otherwise (autograd keeps the same Parameter object throughout)
     full[p]        that full value, flat (numel,), while AVAILABLE; None otherwise
-    masters[p]     fp32 shard (s,), an nn.Parameter the user's optimizer steps on
+    masters[p]     fp32 shard (s,), an nn.Parameter the user's optimizer steps on; a view of
+                   its run's flat buffer (master_runs: a run is one optimizer param group's
+                   trainable params, [Note: flat steps], fz3/shell/flat_step.py)
     shards[p]      compute-dtype shard (s,) the gathers read; *is* masters[p] in fp32 mode
-    partitions[p]  fp32 grad partition (s,): a view of one flat buffer, also masters[p].grad
+    partitions[p]  fp32 grad partition (s,): a view of one flat buffer, laid out by runs (a
+                   run's partitions are one view of it: grad_runs), also masters[p].grad
                    at the optimizer step. The buffer's memory exists from a window's first
                    write to its optimizer step (effects.FreePartitions): in between, its
                    storage is resized to 0 and the views must not be read
@@ -13,6 +16,8 @@
 Sizes: s = ceil(numel / W); rank r owns flat [r*s, (r+1)*s), zero-padded (fz3/core/spec.py).
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -29,7 +34,12 @@ class TensorStore:
     spec and module names (`take_units`): the interpreters read them here."""
 
     def __init__(self, params: list[nn.Parameter], names: tuple[str, ...], shards: list[torch.Tensor], *,
-                 rank: int, world_size: int, compute_dtype: str, device: torch.device) -> None:
+                 rank: int, world_size: int, compute_dtype: str, device: torch.device,
+                 runs: Sequence[Sequence[int]] = ()) -> None:
+        """`runs`: trainable ParamIds whose masters and grad partitions lie side by side, each
+        run in its order, so a run's masters are one flat tensor and so are its partitions (the
+        optimizer's param groups: [Note: flat steps], fz3/shell/flat_step.py). The trainable
+        params in no run follow as one more run, in id order."""
         self.rank, self.world_size = rank, world_size
         self.dtype = DTYPES[compute_dtype]
         self.device = device
@@ -38,18 +48,36 @@ class TensorStore:
         self.module_names: tuple[str, ...] = ()
         self.shapes = [p.shape for p in self.params]
         self.trainable = [p.requires_grad for p in self.params]
-        self.masters: list[nn.Parameter] = [
-            nn.Parameter(shard.to(device=device, dtype=torch.float32, copy=True), requires_grad=p.requires_grad)
-            for p, shard in zip(params, shards)]
+        self.runs = _complete_runs(runs, self.trainable)
+        self.masters: list[nn.Parameter] = [None] * len(params)  # type: ignore[list-item]
+        self.master_runs: list[torch.Tensor] = []  # by run: its masters' flat buffer
+        for run in self.runs:
+            flat = torch.empty(sum(shards[p].numel() for p in run), dtype=torch.float32, device=device)
+            offset = 0
+            for p in run:
+                n = shards[p].numel()
+                flat[offset:offset + n].copy_(shards[p].reshape(-1))
+                self.masters[p] = nn.Parameter(flat[offset:offset + n])
+                offset += n
+            self.master_runs.append(flat)
+        for p, (param, shard) in enumerate(zip(params, shards)):
+            if self.masters[p] is None:  # frozen: in no run, stepped by nobody
+                self.masters[p] = nn.Parameter(shard.to(device=device, dtype=torch.float32, copy=True),
+                                               requires_grad=False)
         self.shards: list[torch.Tensor] = []
         self.refresh_shards()
-        sizes = [m.numel() if t else 0 for m, t in zip(self.masters, self.trainable)]
-        self.grad_flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-        self.partitions: list[torch.Tensor | None] = []
+        self.grad_flat = torch.zeros(sum(self.masters[p].numel() for run in self.runs for p in run),
+                                     dtype=torch.float32, device=device)
+        self.partitions: list[torch.Tensor | None] = [None] * len(params)
+        self.grad_runs: list[torch.Tensor] = []  # by run: its partitions, one view of grad_flat
         offset = 0
-        for n, t in zip(sizes, self.trainable):
-            self.partitions.append(self.grad_flat[offset:offset + n] if t else None)
-            offset += n
+        for run in self.runs:
+            start = offset
+            for p in run:
+                n = self.masters[p].numel()
+                self.partitions[p] = self.grad_flat[offset:offset + n]
+                offset += n
+            self.grad_runs.append(self.grad_flat[start:offset])
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         # the one element a freed param whose grad is due keeps its shape over: NaN, so a read
         # that went past fz3's hooks (a weight reached through a list, a closure) gives NaN, not
@@ -178,6 +206,23 @@ class TensorStore:
         compute = 0 if self.dtype == torch.float32 else sum(s.numel() for s in self.shards) * 2
         return {"param_shards": master + compute,
                 "grad_partitions": self.grad_flat.untyped_storage().nbytes()}
+
+
+def _complete_runs(runs: Sequence[Sequence[int]], trainable: list[bool]) -> list[tuple[int, ...]]:
+    """`runs` checked (trainable ParamIds, each in one run at most), and the trainable params in
+    none of them after, as one more run in id order."""
+    seen: set[int] = set()
+    out = []
+    for run in runs:
+        for p in run:
+            if not 0 <= p < len(trainable) or not trainable[p] or p in seen:
+                raise ValueError(f"TensorStore runs: ParamId {p} is out of range, frozen or in two runs")
+            seen.add(p)
+        out.append(tuple(run))
+    rest = tuple(p for p, t in enumerate(trainable) if t and p not in seen)
+    if rest:
+        out.append(rest)
+    return [run for run in out if run]
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -55,6 +55,7 @@ from fz3.shell.log import StepLog
 from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, needs_grad, wrap_tensors
 from fz3.shell.memory import memory_stats
 from fz3.shell.saved import SavedParams
+from fz3.shell.flat_step import FlatSteps, group_runs
 from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, first_nonfinite, global_grad_norm
 from fz3.config.options import Options
 from fz3.data.store import DTYPES, TensorStore
@@ -88,11 +89,12 @@ class Engine(DeepSpeedSurface):
         self.rank, self.world_size = rank, world_size
         self.tables = read_tables(model, world_size=self.world_size, config=config)
         self.spec = self.tables.spec
+        runs = group_runs(optimizer, self.tables.params)  # each group's masters flat: [Note: flat steps]
         self.store = TensorStore(self.tables.params, tuple(self.tables.names),
                                  shards.initial_shards(self.tables.params, self.tables.names, rank=rank,
                                                      world_size=world_size, device=device.torch_device),
                                  rank=self.rank, world_size=self.world_size,
-                                 compute_dtype=config.compute_dtype, device=device.torch_device)
+                                 compute_dtype=config.compute_dtype, device=device.torch_device, runs=runs)
         self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
         self.make_interpreter = interpreter
         self.hook_handles: list = []
@@ -114,6 +116,7 @@ class Engine(DeepSpeedSurface):
         self.buffers = BufferSync(model, lambda t: self.interp.broadcast(t), enabled=options.broadcast_buffers,
                                   world_size=world_size)  # the interpreter of the units of the time
         bind_optimizer(optimizer, self.tables.params, self.store.masters)
+        self.flat_steps = FlatSteps(optimizer, self.store, runs)
 
     def _take_units(self) -> None:
         """What follows from the fetch units (the tables' modules): the interpreter, the core
@@ -386,7 +389,7 @@ class Engine(DeepSpeedSurface):
         self.store.bind_grads(no_grad)
         if self.config.gradient_clipping > 0:
             clip_grad_norm(self.store, self.config.gradient_clipping, self.grad_norm)
-        self.optimizer.step()
+        self.flat_steps.step(no_grad)  # the optimizer's own step(), its groups flat ([Note: flat steps])
         self.store.refresh_shards()
 
     # ---- public API -------------------------------------------------------------------------

@@ -1,0 +1,221 @@
+"""The optimizer steps each param group as a few flat tensors, not one shard at a time.
+
+[Note: flat steps] A rank's masters are many small shards (197 on the deep benchmark GPT), and
+torch's optimizers step them one at a time on CPU: ~9 small ops each, 3.4 ms of Python a step
+there against 0.13 ms for one flat tensor of the same elements. Adam, AdamW and SGD are
+elementwise: each element's new value depends only on that element, the group's settings and
+the step count. So a group whose params step together can step as flat tensors over its
+masters, and every element comes out bit-identical to the per-shard step (tests/test_flat_step.py
+checks it). DeepSpeed does the same: its optimizer only ever sees one flat fp32 partition per
+group (fp32_partitioned_groups_flat).
+
+    layout     the store lays each group's trainable masters side by side (master_runs), and
+               their grad partitions too (grad_runs): a chunk is a view of each, no copy
+    chunks     whole shards, up to CHUNK elements (a shard larger than that alone): the step's
+               temporaries (Adam's denominator) stay one chunk's size, as they were one shard's
+    the step   the user's optimizer.step() runs, its hooks, scheduler wrapper and settings as
+               they are: for the step, each flat group's "params" are its chunks and its state
+               the chunks' state; then the masters are put back
+    state      per master, as torch keeps it: its elementwise tensors are views of the chunks'
+               (in place, so they are current after every step), its "step" a 0-dim view of
+               one tensor per group, filled after each flat step. optimizer.state_dict(),
+               checkpoints and a later per-shard step read and write them as torch's own
+
+A group steps shard by shard, as torch would, when any of these holds: its optimizer is not
+exactly torch.optim.Adam, AdamW or SGD, or it has step hooks (they would see the chunks); the
+group is fused, capturable or differentiable; a param of it got no grad this window ([Note: no
+grad, no step]: it must not step) or its shards' step counts differ since; its state is not one
+fz3 can lay flat (a state loaded or set by hand is taken in when it can be: same keys, one
+step count; otherwise the group steps by shard).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fz3.data.store import TensorStore
+
+CHUNK = 1 << 22  # elements of fp32 (16 MiB) in a chunk at most, unless one shard is larger
+FLAT_TYPES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # elementwise, exactly these
+
+
+def group_runs(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[tuple[int, ...]]:
+    """The trainable ParamIds of each param group, in the group's order (a param listed twice
+    steps once, in the first group that lists it, as bind_optimizer binds it): the store lays
+    each out flat."""
+    pid = {id(p): i for i, p in enumerate(params)}
+    seen: set[int] = set()
+    runs = []
+    for group in getattr(optimizer, "param_groups", ()):  # not an optimizer: bind_optimizer says so
+        run = []
+        for p in group["params"]:
+            i = pid.get(id(p))
+            if i is not None and i not in seen and p.requires_grad:
+                seen.add(i)
+                run.append(i)
+        runs.append(tuple(run))
+    return runs
+
+
+class _Group:
+    """One param group's flat view: its chunks, their state, and the state torch keeps per
+    master (views of the chunks')."""
+
+    def __init__(self, group: dict, pids: tuple[int, ...], store: TensorStore, run: int) -> None:
+        self.index, self.pids = run, pids  # the group is looked up by index at each step: a
+        # load_state_dict puts new group dicts in (over the same params lists)
+        self.bound = group["params"]  # the list bind_optimizer made: put back after each flat step
+        self.bound_len = len(self.bound)
+        self.masters = [store.masters[p] for p in pids]  # the trainable ones, in the run's order
+        flat, grads = store.master_runs[run], store.grad_runs[run]
+        self.chunks: list[nn.Parameter] = []
+        self.grads: list[torch.Tensor] = []  # by chunk: its grad, a view of the run's partitions
+        self.spans: list[list[tuple[int, int, int]]] = []  # by chunk: (master index, start, end)
+        offset, start, span = 0, 0, []
+        for i, m in enumerate(self.masters):
+            n = m.numel()
+            if span and offset + n - start > CHUNK:
+                self._add_chunk(flat, grads, start, offset, span)
+                start, span = offset, []
+            span.append((i, offset - start, offset - start + n))
+            offset += n
+        if span:
+            self._add_chunk(flat, grads, start, offset, span)
+        self.chunk_state: list[dict] = []  # by chunk: the state it steps with
+        self.chunk_seen: list[dict] = []  # copies of chunk_state's dicts when exposed
+        self.exposed: list[dict] = []  # by master: the state dict put in optimizer.state
+        self.exposed_seen: list[dict] = []  # copies of them: a value set by hand shows
+        self.steps: torch.Tensor | None = None  # by master: its "step" (a 0-dim view each)
+        self.stepped_by_shard = False  # since the last flat step: step counts may differ
+
+    def _add_chunk(self, flat, grads, start: int, end: int, span) -> None:
+        self.chunks.append(nn.Parameter(flat[start:end]))
+        self.grads.append(grads[start:end])
+        self.spans.append(span)
+
+
+class FlatSteps:
+    """Steps `optimizer` (its groups already bound to the store's masters) flat where it can."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store: TensorStore, runs: list[tuple[int, ...]]) -> None:
+        self.optimizer = optimizer
+        flat_type = type(optimizer) in FLAT_TYPES
+        self.groups = [_Group(g, run, store, i) if flat_type and run else None
+                       for i, (g, run) in enumerate(zip(optimizer.param_groups, runs))]
+
+    def step(self, no_grad: frozenset[int] | set[int] | tuple[int, ...]) -> None:
+        """optimizer.step(): each group that can steps flat (the masters' grads already bound)."""
+        opt = self.optimizer
+        hooks = _has_step_hooks(opt)
+        flat = [g for g in self.groups if g is not None and not hooks and self._ready(g, no_grad)]
+        for g in self.groups:
+            if g is not None and g not in flat:
+                g.stepped_by_shard = True
+        groups = opt.param_groups
+        for g in flat:
+            groups[g.index]["params"] = g.chunks
+            for chunk, grad, state in zip(g.chunks, g.grads, g.chunk_state):
+                chunk.grad = grad
+                opt.state[chunk] = state
+        try:
+            opt.step()
+        finally:
+            for g in flat:
+                groups[g.index]["params"] = g.bound
+                g.chunk_state = [opt.state.pop(chunk) for chunk in g.chunks]
+                for chunk in g.chunks:
+                    chunk.grad = None
+        for g in flat:
+            self._expose(g)
+
+    # ---- whether a group steps flat ------------------------------------------------------------
+
+    def _ready(self, g: _Group, no_grad) -> bool:
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self.groups):
+            return False
+        group = groups[g.index]
+        if group.get("fused") or group.get("capturable") or group.get("differentiable") \
+                or group["params"] is not g.bound or len(g.bound) != g.bound_len \
+                or any(p in no_grad for p in g.pids):
+            return False
+        state = self.optimizer.state
+        if not (g.exposed and all(state.get(m) is d and _same(d, seen)
+                                  for m, d, seen in zip(g.masters, g.exposed, g.exposed_seen))):
+            return self._take_in(g)
+        if g.stepped_by_shard:  # some shards may have stepped without the others
+            if g.steps is not None:
+                if not bool((g.steps == g.steps[0]).all()):
+                    return False
+                for s in g.chunk_state:
+                    s["step"].copy_(g.steps[0])
+            g.stepped_by_shard = False
+        return True
+
+    def _take_in(self, g: _Group) -> bool:
+        """Chunk state from the masters' state as torch keeps it: none yet (the first step makes
+        it), or one a checkpoint or the user set, taken in when every master has the same keys,
+        elementwise tensors and one step count. False: the group steps by shard."""
+        per = [self.optimizer.state.get(m) for m in g.masters]
+        if not any(per):
+            g.chunk_state, g.exposed = [{} for _ in g.chunks], []
+            return True
+        if not all(per) or len({frozenset(d) for d in per}) != 1:
+            return False
+        scalars: dict[str, set] = {}
+        for m, d in zip(g.masters, per):
+            for k, v in d.items():
+                if not isinstance(v, torch.Tensor) or v.ndim not in (0, 1) or (v.ndim == 1 and v.shape != m.shape):
+                    return False
+                if v.ndim == 0:
+                    scalars.setdefault(k, set()).add(float(v))
+        if any(len(values) > 1 for values in scalars.values()) or set(scalars) - {"step"}:
+            return False  # shards stepped apart (no grad, no step), or a scalar fz3 does not know
+        g.chunk_state = [{k: (per[span[0][0]][k].detach().clone() if k in scalars else
+                              torch.cat([per[i][k].detach() for i, _, _ in span]))
+                          for k in per[0]} for span in g.spans]
+        g.exposed = []  # _expose puts views of the new chunk state in after the step
+        return True
+
+    # ---- the state torch keeps per master ----------------------------------------------------------
+
+    def _expose(self, g: _Group) -> None:
+        """Each master's state over the chunks' (views: current after every flat step); once the
+        chunks' tensors stay the same, a step only writes the step counts."""
+        if g.exposed and all(_same(s, seen) for s, seen in zip(g.chunk_state, g.chunk_seen)):
+            if g.steps is not None:
+                g.steps.copy_(g.chunk_state[0]["step"])
+            return
+        for s, chunk in zip(g.chunk_state, g.chunks):
+            for k, v in s.items():
+                if not (isinstance(v, torch.Tensor) and (v.shape == chunk.shape or (k == "step" and v.ndim == 0))):
+                    raise RuntimeError(f"fz3 flat step: {type(self.optimizer).__name__}'s state {k!r} is "
+                                       "neither elementwise nor the step count: it cannot step flat")
+        first = g.chunk_state[0]
+        if not any(g.chunk_state):  # a stateless optimizer (SGD without momentum): none to show,
+            g.exposed = []  # as torch shows none
+            return
+        g.steps = None if "step" not in first else torch.empty(len(g.masters), dtype=first["step"].dtype,
+                                                                  device=first["step"].device)
+        if g.steps is not None:
+            g.steps.copy_(first["step"])
+        g.exposed = [{}] * len(g.masters)
+        for s, span in zip(g.chunk_state, g.spans):
+            for i, a, b in span:
+                g.exposed[i] = {k: (g.steps[i] if k == "step" else v[a:b]) for k, v in s.items()}
+        state = self.optimizer.state
+        for m, d in zip(g.masters, g.exposed):
+            state[m] = d
+        g.exposed_seen = [dict(d) for d in g.exposed]
+        g.chunk_seen = [dict(s) for s in g.chunk_state]
+
+
+def _same(d: dict, seen: dict) -> bool:
+    """`d` holds the very values `seen` recorded (identity: tensors compare elementwise)."""
+    return len(d) == len(seen) and all(d.get(k) is v for k, v in seen.items())
+
+
+def _has_step_hooks(opt: torch.optim.Optimizer) -> bool:
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+    return bool(opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
+                or _global_optimizer_pre_hooks or _global_optimizer_post_hooks)
