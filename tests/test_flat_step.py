@@ -40,18 +40,23 @@ OPTIMIZERS = {
 }
 
 
-def _groups(model: Net) -> list[dict]:
-    """Weights and biases apart, interleaved in model order (decay / no decay, as HF builds)."""
-    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
-    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    return [{"params": weights}, {"params": biases, "weight_decay": 0.0}]
+def _groups(model: Net, frozen_first: bool = False) -> list[dict]:
+    """Weights and biases apart, interleaved in model order (decay / no decay, as HF builds);
+    `frozen_first`: a's params frozen, in a group of their own before the others."""
+    if frozen_first:
+        model.a.requires_grad_(False)
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight") and p.requires_grad]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias") and p.requires_grad]
+    first = [{"params": list(model.a.parameters()), "lr": 1.0}] if frozen_first else []
+    return first + [{"params": weights}, {"params": biases, "weight_decay": 0.0}]
 
 
-def _train(rank: int, world: int, name: str, by_shard: bool, aux_steps: tuple[int, ...], chunk: int) -> dict:
+def _train(rank: int, world: int, name: str, by_shard: bool, aux_steps: tuple[int, ...], chunk: int,
+           frozen_first: bool) -> dict:
     import fz3
     flat_step.CHUNK = chunk  # thread ranks share the module: every rank sets the same
     model = Net()
-    opt = OPTIMIZERS[name](_groups(model))
+    opt = OPTIMIZERS[name](_groups(model, frozen_first))
     if by_shard:
         opt.register_step_pre_hook(lambda *_: None)
     engine = fz3.initialize(model, opt, fz3.Config(param_persistence_threshold=0))
@@ -75,9 +80,9 @@ def _shared(storages: list[dict]) -> bool:
     return len(seen) > len(set(seen))
 
 
-def _both(name: str, aux_steps=tuple(range(STEPS)), chunk: int = flat_step.CHUNK):
-    flat = launch.run_threads(_train, 2, args=(name, False, aux_steps, chunk))
-    shard = launch.run_threads(_train, 2, args=(name, True, aux_steps, chunk))
+def _both(name: str, aux_steps=tuple(range(STEPS)), chunk: int = flat_step.CHUNK, frozen_first: bool = False):
+    flat = launch.run_threads(_train, 2, args=(name, False, aux_steps, chunk, frozen_first))
+    shard = launch.run_threads(_train, 2, args=(name, True, aux_steps, chunk, frozen_first))
     flat_step.CHUNK = 1 << 22
     return flat, shard
 
@@ -108,6 +113,13 @@ def test_chunks_hold_whole_shards_up_to_the_chunk_size():
     _assert_same(flat, shard)
     assert flat[0]["chunks"] == [3, 2]
     assert _shared(flat[0]["storages"])
+
+
+def test_a_group_of_frozen_params_takes_no_chunk_and_moves_no_other_group():
+    # the first group holds only frozen params: its run is empty, the others' runs stay theirs
+    flat, shard = _both("adamw", frozen_first=True)
+    _assert_same(flat, shard)
+    assert flat[0]["chunks"] == [0, 1, 1] and _shared(flat[0]["storages"])
 
 
 def test_a_param_without_grad_sends_its_group_to_shard_steps_for_good():

@@ -210,7 +210,7 @@ class TensorStore:
 
 def _complete_runs(runs: Sequence[Sequence[int]], trainable: list[bool]) -> list[tuple[int, ...]]:
     """`runs` checked (trainable ParamIds, each in one run at most), and the trainable params in
-    none of them after, as one more run in id order."""
+    none of them after, as one more run in id order (if any)."""
     seen: set[int] = set()
     out = []
     for run in runs:
@@ -220,9 +220,7 @@ def _complete_runs(runs: Sequence[Sequence[int]], trainable: list[bool]) -> list
             seen.add(p)
         out.append(tuple(run))
     rest = tuple(p for p, t in enumerate(trainable) if t and p not in seen)
-    if rest:
-        out.append(rest)
-    return [run for run in out if run]
+    return out + [rest] if rest else out  # run i is still the caller's i, empty or not
 
 
 def _storage(t: torch.Tensor) -> int:
