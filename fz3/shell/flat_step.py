@@ -11,8 +11,9 @@ group (fp32_partitioned_groups_flat).
 
     layout     the store lays each group's trainable masters side by side (master_runs), and
                their grad partitions too (grad_runs): a chunk is a view of each, no copy
-    chunks     whole shards, up to CHUNK elements (a shard larger than that alone): the step's
-               temporaries (Adam's denominator) stay one chunk's size, as they were one shard's
+    chunks     whole shards, up to the group's largest shard (or MIN_CHUNK, 256 KiB, if larger)
+               in elements: the step's temporaries (Adam's two of its denominator) stay the size
+               they were stepping shard by shard, give or take 512 KiB: no speed bought with memory
     the step   the user's optimizer.step() runs, its hooks, scheduler wrapper and settings as
                they are: for the step, each flat group's "params" are its chunks and its state
                the chunks' state; then the masters are put back
@@ -35,7 +36,7 @@ from torch import nn
 
 from fz3.data.store import TensorStore
 
-CHUNK = 1 << 22  # elements of fp32 (16 MiB) in a chunk at most, unless one shard is larger
+MIN_CHUNK = 1 << 16  # a chunk holds whole shards up to max(this, the group's largest shard) elements
 FLAT_TYPES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # elementwise, exactly these
 
 
@@ -71,10 +72,11 @@ class _Group:
         self.chunks: list[nn.Parameter] = []
         self.grads: list[torch.Tensor] = []  # by chunk: its grad, a view of the run's partitions
         self.spans: list[list[tuple[int, int, int]]] = []  # by chunk: (master index, start, end)
+        limit = max([MIN_CHUNK] + [m.numel() for m in self.masters])
         offset, start, span = 0, 0, []
         for i, m in enumerate(self.masters):
             n = m.numel()
-            if span and offset + n - start > CHUNK:
+            if span and offset + n - start > limit:
                 self._add_chunk(flat, grads, start, offset, span)
                 start, span = offset, []
             span.append((i, offset - start, offset - start + n))
