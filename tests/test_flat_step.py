@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fz3 import launch
-from fz3.shell import flat_step
+from fz3.data import store as tensor_store
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,7 +54,7 @@ def _groups(model: Net, frozen_first: bool = False) -> list[dict]:
 def _train(rank: int, world: int, name: str, by_shard: bool, aux_steps: tuple[int, ...], chunk: int,
            frozen_first: bool) -> dict:
     import fz3
-    flat_step.MIN_CHUNK = chunk  # thread ranks share the module: every rank sets the same
+    tensor_store.MIN_SEGMENT = chunk  # thread ranks share the module: every rank sets the same
     model = Net()
     opt = OPTIMIZERS[name](_groups(model, frozen_first))
     if by_shard:
@@ -80,10 +80,10 @@ def _shared(storages: list[dict]) -> bool:
     return len(seen) > len(set(seen))
 
 
-def _both(name: str, aux_steps=tuple(range(STEPS)), chunk: int = flat_step.MIN_CHUNK, frozen_first: bool = False):
+def _both(name: str, aux_steps=tuple(range(STEPS)), chunk: int = tensor_store.MIN_SEGMENT, frozen_first: bool = False):
     flat = launch.run_threads(_train, 2, args=(name, False, aux_steps, chunk, frozen_first))
     shard = launch.run_threads(_train, 2, args=(name, True, aux_steps, chunk, frozen_first))
-    flat_step.MIN_CHUNK = 1 << 16
+    tensor_store.MIN_SEGMENT = 1 << 16
     return flat, shard
 
 

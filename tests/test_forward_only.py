@@ -24,7 +24,7 @@ def _inference_tensors(engine) -> list[str]:
     found += [f"param {n}" for n, p in zip(engine.tables.names, engine.tables.params) if p.data.is_inference()]
     found += [f"master {i}" for i, m in enumerate(engine.store.masters) if m.is_inference()]
     found += [f"shard {i}" for i, s in enumerate(engine.store.shards) if s.is_inference()]
-    return found + (["grad_flat"] if engine.store.grad_flat.is_inference() else [])
+    return found + [f"grads of segment {i}" for i, seg in enumerate(engine.store.segments) if seg.grads.is_inference()]
 
 
 def _alternate(rank: int, world_size: int) -> dict:

@@ -30,7 +30,7 @@ class Fz3:
         self.engine.backward(loss)
         # the grad partitions exist from the window's first reduce to its optimizer step
         # (effects.FreePartitions): count them as the backward left them
-        self.grad_bytes = self.engine.store.grad_flat.untyped_storage().nbytes()
+        self.grad_bytes = self.engine.store.grad_bytes()
         self.engine.step()
         return loss.item()
 

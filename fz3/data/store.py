@@ -7,17 +7,17 @@
                    its run's flat buffer (master_runs: a run is one optimizer param group's
                    trainable params, [Note: flat steps], fz3/shell/flat_step.py)
     shards[p]      compute-dtype shard (s,) the gathers read; *is* masters[p] in fp32 mode
-    partitions[p]  fp32 grad partition (s,): a view of one flat buffer, laid out by runs (a
-                   run's partitions are one view of it: grad_runs), also masters[p].grad
-                   at the optimizer step. The buffer's memory exists from a window's first
-                   write to its optimizer step (effects.FreePartitions): in between, its
-                   storage is resized to 0 and the views must not be read
+    partitions[p]  fp32 grad partition (s,): a view of its segment's flat grads (segments:
+                   a run cut into whole params, each segment its own storage), also
+                   masters[p].grad at the optimizer step. A segment's memory exists from a
+                   window's first write into it to its optimizer step (effects.FreePartitions):
+                   in between, its storage is resized to 0 and the views must not be read
 
 Sizes: s = ceil(numel / W); rank r owns flat [r*s, (r+1)*s), zero-padded (fz3/core/spec.py).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -36,10 +36,10 @@ class TensorStore:
     def __init__(self, params: list[nn.Parameter], names: tuple[str, ...], shards: list[torch.Tensor], *,
                  rank: int, world_size: int, compute_dtype: str, device: torch.device,
                  runs: Sequence[Sequence[int]] = ()) -> None:
-        """`runs`: trainable ParamIds whose masters and grad partitions lie side by side, each
-        run in its order, so a run's masters are one flat tensor and so are its partitions (the
-        optimizer's param groups: [Note: flat steps], fz3/shell/flat_step.py). The trainable
-        params in no run follow as one more run, in id order."""
+        """`runs`: trainable ParamIds whose masters lie side by side, each run in its order, in
+        one flat tensor (the optimizer's param groups: [Note: flat steps],
+        fz3/shell/flat_step.py), cut into segments whose grad partitions are flat too. The
+        trainable params in no run follow as one more run, in id order."""
         self.rank, self.world_size = rank, world_size
         self.dtype = DTYPES[compute_dtype]
         self.device = device
@@ -66,18 +66,24 @@ class TensorStore:
                                                requires_grad=False)
         self.shards: list[torch.Tensor] = []
         self.refresh_shards()
-        self.grad_flat = torch.zeros(sum(self.masters[p].numel() for run in self.runs for p in run),
-                                     dtype=torch.float32, device=device)
+        # grad partitions: each run cut into segments of whole params, each segment its own
+        # storage, there only from the window's first write into it to its optimizer step
         self.partitions: list[torch.Tensor | None] = [None] * len(params)
-        self.grad_runs: list[torch.Tensor] = []  # by run: its partitions, one view of grad_flat
-        offset = 0
-        for run in self.runs:
-            start = offset
-            for p in run:
-                n = self.masters[p].numel()
-                self.partitions[p] = self.grad_flat[offset:offset + n]
-                offset += n
-            self.grad_runs.append(self.grad_flat[start:offset])
+        self.segments: list[Segment] = []
+        self.segment_of: list[int] = [-1] * len(params)  # by param: its segment (-1: frozen)
+        for r, run in enumerate(self.runs):
+            start = 0
+            for ps in _cut(run, [self.masters[p].numel() for p in run]):
+                grads = torch.empty(sum(self.masters[p].numel() for p in ps), dtype=torch.float32, device=device)
+                offset = 0
+                for p in ps:
+                    n = self.masters[p].numel()
+                    self.partitions[p] = grads[offset:offset + n]
+                    self.segment_of[p] = len(self.segments)
+                    offset += n
+                grads.untyped_storage().resize_(0)  # the views made, the memory waits for a write
+                self.segments.append(Segment(r, start, ps, grads))
+                start += offset
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         # the one element a freed param whose grad is due keeps its shape over: NaN, so a read
         # that went past fz3's hooks (a weight reached through a list, a closure) gives NaN, not
@@ -173,14 +179,24 @@ class TensorStore:
         `ensure_partitions`); the masters lose their .grad so nothing reads freed memory."""
         for m in self.masters:
             m.grad = None
-        self.grad_flat.untyped_storage().resize_(0)
+        for seg in self.segments:
+            seg.grads.untyped_storage().resize_(0)
 
-    def ensure_partitions(self) -> None:
-        """Memory for the grad partitions again, contents undefined (the window's first write
-        of each is a copy, and the rest get ZeroPartitions)."""
-        storage = self.grad_flat.untyped_storage()
-        if storage.nbytes() == 0 and self.grad_flat.numel():
-            storage.resize_(self.grad_flat.numel() * self.grad_flat.element_size())
+    def ensure_partitions(self, params: Iterable[int] | None = None) -> None:
+        """Memory for the grad partitions of `params` (None: all) again, contents undefined (the
+        window's first write of each is a copy, and the rest get ZeroPartitions). A segment's
+        memory comes with its first param's write: through a backward, the partitions grow as
+        the gathered params it frees shrink, instead of all of them coming at the first reduce."""
+        segments = self.segments if params is None else {self.segments[self.segment_of[p]] for p in params
+                                                         if self.segment_of[p] >= 0}
+        for seg in segments:
+            storage = seg.grads.untyped_storage()
+            if storage.nbytes() == 0 and seg.grads.numel():
+                storage.resize_(seg.grads.numel() * seg.grads.element_size())
+
+    def grad_bytes(self) -> int:
+        """Bytes of grad partitions this rank holds now."""
+        return sum(seg.grads.untyped_storage().nbytes() for seg in self.segments)
 
     def bind_grads(self, no_grad: tuple[int, ...] = ()) -> None:
         """The optimizer reads masters[p].grad: each trainable master's partition (re-bound after
@@ -204,8 +220,38 @@ class TensorStore:
         (0 between an optimizer step and the next window's first write)."""
         master = sum(m.numel() for m in self.masters) * 4
         compute = 0 if self.dtype == torch.float32 else sum(s.numel() for s in self.shards) * 2
-        return {"param_shards": master + compute,
-                "grad_partitions": self.grad_flat.untyped_storage().nbytes()}
+        return {"param_shards": master + compute, "grad_partitions": self.grad_bytes()}
+
+
+class Segment(NamedTuple):
+    """Whole params of one run, side by side: their grad partitions are one tensor with a
+    storage of its own, allocated at its first write in a window (`ensure_partitions`), and
+    the optimizer steps their masters as one flat chunk ([Note: flat steps])."""
+
+    run: int
+    start: int  # where its first master lies in the run's flat masters (master_runs[run])
+    params: tuple[int, ...]
+    grads: torch.Tensor  # their partitions, flat
+
+
+MIN_SEGMENT = 1 << 16  # a segment holds whole shards up to max(this, its run's largest shard) elements
+
+
+def _cut(run: tuple[int, ...], sizes: list[int]) -> list[tuple[int, ...]]:
+    """A run's params in segments of whole params, each up to max(MIN_SEGMENT, the run's largest
+    shard) elements: the flat step's temporaries stay the size they were stepping shard by shard
+    (give or take 512 KiB), and a backward allocates its grads a segment at a time."""
+    limit = max([MIN_SEGMENT] + sizes)
+    out, seg, total = [], [], 0
+    for p, n in zip(run, sizes):
+        if seg and total + n > limit:
+            out.append(tuple(seg))
+            seg, total = [], 0
+        seg.append(p)
+        total += n
+    if seg:
+        out.append(tuple(seg))
+    return out
 
 
 def _complete_runs(runs: Sequence[Sequence[int]], trainable: list[bool]) -> list[tuple[int, ...]]:

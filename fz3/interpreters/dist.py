@@ -24,8 +24,8 @@
     DropGrads         the bucket buffer goes back to the pool, held grads are let go (not
                       contiguous: the reduce took param.grad already)
     WaitReduce        wait every reduce in flight and run the writes that waited for it
-    ZeroPartitions, AverageGrads   on the flat partition buffer (one division, never AVG)
-    FreePartitions    the flat partition buffer's storage resized to 0 after the optimizer
+    ZeroPartitions, AverageGrads   on the partitions' segments (one division, never AVG)
+    FreePartitions    the segments' storages resized to 0 after the optimizer
                       step; the window's first write (or ZeroPartitions) gives it memory again
 
 [Note: deferred writes] With overlap_comm a reduce runs while backward goes on, so the
@@ -194,13 +194,13 @@ class DistInterpreter:
                     while self.reduces:
                         self._complete_oldest()
                 case ZeroPartitions(params=ps):
-                    self.store.ensure_partitions()
+                    self.store.ensure_partitions(ps)
                     for p in ps:
                         if self.store.partitions[p] is not None:
                             self.store.partitions[p].zero_()
                 case AverageGrads(divisor=d):
                     self.store.ensure_partitions()
-                    self.store.grad_flat.div_(d)
+                    torch._foreach_div_([seg.grads for seg in self.store.segments], d)
                 case FreePartitions():
                     self.store.free_partitions()
                     if self.agreement is not None:
@@ -395,7 +395,7 @@ class DistInterpreter:
         slot: its copies are one torch._foreach_copy_, its adds one _foreach_add_ (each param is
         in a bucket once, so the order among them does not matter). One call per param cost
         ~6 us each: a sixth of the deep narrow GPT's reduce, 196 small grads a step."""
-        self.store.ensure_partitions()
+        self.store.ensure_partitions(w.param for w in writes)
         parts, reduced = self.store.partitions, self.reduced[bucket]
         for mode, op in (("copy", torch._foreach_copy_), ("add", torch._foreach_add_)):
             ps = [w.param for w in writes if w.mode == mode]

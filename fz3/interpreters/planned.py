@@ -47,6 +47,13 @@ class PlanInterpreter:
         self.dropping: list[int] = []  # buckets whose reduce is in flight (overlap_comm): their
         # grads go when it completes, at the next reduce or WaitReduce, as in DistInterpreter
         self.held_bytes = self.peak_held_bytes = 0  # as DistInterpreter counts them
+        # what comes and goes within a step, together: gathered (or in-flight) params, grad
+        # partitions (a segment from its first write to the optimizer step), held grads. Their
+        # joint peak is the model states' peak over the steady ones (shards, optimizer state);
+        # the peaks of each alone would add up to more than is ever held at once
+        self.live_numel = 0
+        self.grad_bytes = self.peak_grad_bytes = 0
+        self.peak_joint = 0
         self.log: list[object] = []  # every effect run, in order (the plan reads it per step)
 
     def run(self, effects: Iterable[object]) -> None:
@@ -56,6 +63,7 @@ class PlanInterpreter:
                 case AllGather(handle=h, params=ps, prefetch=pre):
                     self._count_gather(ps, pre)
                     self.gathers[h] = ps
+                    self.live_numel += sum(self.spec.params[p].numel for p in ps)
                 case Refresh(params=ps):  # into the full values they have: nothing to set
                     self._count_gather(ps, False)
                 case Wait(handle=h):
@@ -64,6 +72,7 @@ class PlanInterpreter:
                 case Free(params=ps):
                     for p in ps:
                         self.store.free(p)
+                    self.live_numel -= sum(self.spec.params[p].numel for p in ps)
                 case CopyToBucket(param=p, dtype=dtype):
                     self.bucket_dtypes.add(dtype)
                     self.store.params[p].grad = None
@@ -83,10 +92,18 @@ class PlanInterpreter:
                     if not e.contiguous:  # the reduce takes param.grad (dist.py)
                         for s in e.slots:
                             self.store.params[s.param].grad = None
-                case WritePartition() | ZeroPartitions() | AverageGrads():
+                case WritePartition(param=p):
+                    self.store.ensure_partitions((p,))
+                    self._grads_changed()
+                case ZeroPartitions(params=ps):
+                    self.store.ensure_partitions(ps)
+                    self._grads_changed()
+                case AverageGrads():
                     self.store.ensure_partitions()
+                    self._grads_changed()
                 case FreePartitions():
                     self.store.free_partitions()
+                    self._grads_changed()
                 case DropGrads(bucket=b):
                     self.dropping.append(b)
                     if not self.config.overlap_comm:
@@ -95,6 +112,15 @@ class PlanInterpreter:
                     self._completed()
                 case _:
                     raise TypeError(f"PlanInterpreter: unknown effect {e!r}")
+            self.peak_joint = max(self.peak_joint, self.joint_bytes())
+
+    def joint_bytes(self) -> int:
+        """Gathered params + grad partitions + held grads, now."""
+        return self.live_numel * self.store.dtype.itemsize + self.grad_bytes + self.held_bytes
+
+    def _grads_changed(self) -> None:
+        self.grad_bytes = self.store.grad_bytes()
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self.grad_bytes)
 
     def _count_gather(self, ps, prefetch: bool) -> None:
         accounting.count_gather(self.counts, carrier=self.gather_by,

@@ -119,7 +119,8 @@ def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple
     try:
         for _ in range(steps):
             before, start, peak = dict(interp.counts), len(interp.log), live
-            interp.peak_held_bytes = interp.held_bytes  # this step's peak
+            interp.peak_held_bytes = interp.held_bytes  # this step's peaks
+            interp.peak_grad_bytes, interp.peak_joint = interp.grad_bytes, interp.joint_bytes()
             for _ in range(config.gradient_accumulation_steps):
                 loss = _loss(engine(*args, **kwargs))
                 with fakes.backward():
@@ -141,17 +142,18 @@ def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple
 
 def _step_figures(engine, counts, before: dict, peak: int, state_bytes: int, persistent: int) -> dict[str, int]:
     """One step's row of the table: what moved during it, and the model states at its peak."""
-    elem = engine.store.dtype.itemsize
-    grads = engine.store.grad_flat.numel() * engine.store.grad_flat.element_size()  # in a window
+    elem, interp = engine.store.dtype.itemsize, engine.interp
     stats = _stats(engine, state_bytes)
     step = {k: counts[k] - before.get(k, 0) for k in STEP_COUNTS}
     step.update(peak_live_numel=peak, peak_live_bytes=peak * elem, param_shards=stats["param_shards"],
-                grad_partitions=grads, optimizer_state_bytes=state_bytes, persistent_param_bytes=persistent * elem,
-                buffer_bytes=stats["buffer_bytes"], reduce_buffer_bytes=stats["reduce_buffer_bytes"],
-                peak_held_grad_bytes=engine.interp.peak_held_bytes)
-    step["model_state_peak_bytes"] = (step["param_shards"] + grads + state_bytes + step["peak_live_bytes"]
-                                      + step["reduce_buffer_bytes"] + step["peak_held_grad_bytes"]
-                                      + step["buffer_bytes"])
+                grad_partitions=interp.peak_grad_bytes, optimizer_state_bytes=state_bytes,
+                persistent_param_bytes=persistent * elem, buffer_bytes=stats["buffer_bytes"],
+                reduce_buffer_bytes=stats["reduce_buffer_bytes"], peak_held_grad_bytes=interp.peak_held_bytes,
+                peak_transient_bytes=interp.peak_joint)
+    # gathered params, grad partitions and held grads come and go: the peak of their sum, not
+    # the sum of their peaks (a backward frees gathered params as its grads' segments come)
+    step["model_state_peak_bytes"] = (step["param_shards"] + state_bytes + step["reduce_buffer_bytes"]
+                                      + step["buffer_bytes"] + interp.peak_joint)
     return step
 
 
@@ -273,10 +275,11 @@ ROWS = (("all-gathers", "all_gather"), ("  on demand", "all_gather_on_demand"),
         ("  prefetched", "all_gather_prefetch"), ("bytes gathered", "gathered_bytes"),
         ("reduce buckets", "reduce"), ("bytes reduced", "reduced_bytes"),
         ("peak live params (numel)", "peak_live_numel"), ("peak live params", "peak_live_bytes"),
-        ("param shards (fp32 masters)", "param_shards"), ("grad partitions (in a window)", "grad_partitions"),
+        ("param shards (fp32 masters)", "param_shards"), ("grad partitions (peak)", "grad_partitions"),
         ("optimizer state", "optimizer_state_bytes"), ("persistent params (full)", "persistent_param_bytes"),
         ("module buffers", "buffer_bytes"), ("IPG bucket buffers", "reduce_buffer_bytes"),
         ("held grads (peak)", "peak_held_grad_bytes"),
+        ("live + grads + held (peak together)", "peak_transient_bytes"),
         ("model states at the peak", "model_state_peak_bytes"))
 
 
@@ -291,8 +294,8 @@ def _table(p: Plan) -> str:
     for label, key in ROWS:
         cells = [_fmt(key, s[key]) for s in p.steps]
         lines.append(f"{label:<{width}}" + "".join(f"{c:>16}" for c in cells))
-    lines.append("model states at the peak = shards + grad partitions + optimizer state + peak live params "
-                 "+ bucket buffers + held grads + module buffers (activations not included)")
+    lines.append("model states at the peak = shards + optimizer state + bucket buffers + module buffers + the "
+                 "peak of live params + grad partitions + held grads together (activations not included)")
     if p.guesses:
         lines.append(f"guessed: {len(p.guesses)} data-dependent read(s) of values the plan does not have "
                      "(the figures hold if the run takes the same branches):")

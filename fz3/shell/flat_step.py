@@ -9,11 +9,13 @@ masters, and every element comes out bit-identical to the per-shard step (tests/
 checks it). DeepSpeed does the same: its optimizer only ever sees one flat fp32 partition per
 group (fp32_partitioned_groups_flat).
 
-    layout     the store lays each group's trainable masters side by side (master_runs), and
-               their grad partitions too (grad_runs): a chunk is a view of each, no copy
-    chunks     whole shards, up to the group's largest shard (or MIN_CHUNK, 256 KiB, if larger)
-               in elements: the step's temporaries (Adam's two of its denominator) stay the size
-               they were stepping shard by shard, give or take 512 KiB: no speed bought with memory
+    layout     the store lays each group's trainable masters side by side (master_runs) and
+               cuts them into segments, whose grad partitions are one tensor each: a chunk is
+               a segment's masters (a view) with its grads, no copy
+    chunks     whole shards, up to the group's largest shard (or MIN_SEGMENT, 256 KiB, if larger)
+               in elements (fz3/data/store.py `_cut`): the step's temporaries (Adam's two of its
+               denominator) stay the size they were stepping shard by shard, give or take
+               512 KiB: no speed bought with memory
     the step   the user's optimizer.step() runs, its hooks, scheduler wrapper and settings as
                they are: for the step, each flat group's "params" are its chunks and its state
                the chunks' state; then the masters are put back
@@ -36,7 +38,6 @@ from torch import nn
 
 from fz3.data.store import TensorStore
 
-MIN_CHUNK = 1 << 16  # a chunk holds whole shards up to max(this, the group's largest shard) elements
 FLAT_TYPES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # elementwise, exactly these
 
 
@@ -68,33 +69,25 @@ class _Group:
         self.bound = group["params"]  # the list bind_optimizer made: put back after each flat step
         self.bound_len = len(self.bound)
         self.masters = [store.masters[p] for p in pids]  # the trainable ones, in the run's order
-        flat, grads = store.master_runs[run], store.grad_runs[run]
-        self.chunks: list[nn.Parameter] = []
-        self.grads: list[torch.Tensor] = []  # by chunk: its grad, a view of the run's partitions
+        flat, index = store.master_runs[run], {p: i for i, p in enumerate(pids)}
+        self.chunks: list[nn.Parameter] = []  # by segment of the run: its masters, one view
+        self.grads: list[torch.Tensor] = []  # by chunk: the segment's grad partitions
         self.spans: list[list[tuple[int, int, int]]] = []  # by chunk: (master index, start, end)
-        limit = max([MIN_CHUNK] + [m.numel() for m in self.masters])
-        offset, start, span = 0, 0, []
-        for i, m in enumerate(self.masters):
-            n = m.numel()
-            if span and offset + n - start > limit:
-                self._add_chunk(flat, grads, start, offset, span)
-                start, span = offset, []
-            span.append((i, offset - start, offset - start + n))
-            offset += n
-        if span:
-            self._add_chunk(flat, grads, start, offset, span)
+        for seg in store.segments:
+            if seg.run == run:
+                span, offset = [], 0
+                for p in seg.params:
+                    span.append((index[p], offset, offset + store.masters[p].numel()))
+                    offset += store.masters[p].numel()
+                self.chunks.append(nn.Parameter(flat[seg.start:seg.start + offset]))
+                self.grads.append(seg.grads)
+                self.spans.append(span)
         self.chunk_state: list[dict] = []  # by chunk: the state it steps with
         self.chunk_seen: list[dict] = []  # copies of chunk_state's dicts when exposed
         self.exposed: list[dict] = []  # by master: the state dict put in optimizer.state
         self.exposed_seen: list[dict] = []  # copies of them: a value set by hand shows
         self.steps: torch.Tensor | None = None  # by master: its "step" (a 0-dim view each)
         self.stepped_by_shard = False  # since the last flat step: step counts may differ
-
-    def _add_chunk(self, flat, grads, start: int, end: int, span) -> None:
-        self.chunks.append(nn.Parameter(flat[start:end]))
-        self.grads.append(grads[start:end])
-        self.spans.append(span)
-
 
 class FlatSteps:
     """Steps `optimizer` (its groups already bound to the store's masters) flat where it can."""

@@ -62,11 +62,14 @@ def global_grad_norm(store: TensorStore, all_reduce_sum: Callable[[torch.Tensor]
     temporaries, page-faulted each time); one fp32 norm of it, 1e-3 relative error.
     DeepSpeed: get_grad_norm_direct / _global_grad_norm.
     """
-    flat = store.grad_flat
-    whole = flat.numel() // ROW * ROW
-    sq = torch.linalg.vector_norm(flat[:whole].view(-1, ROW), dim=1).double().square().sum()
-    if whole < flat.numel():
-        sq = sq + torch.linalg.vector_norm(flat[whole:]).double().square()
+    sq = torch.zeros((), dtype=torch.float64, device=store.device)
+    for seg in store.segments:  # each its rows, then its tail
+        flat = seg.grads
+        whole = flat.numel() // ROW * ROW
+        if whole:
+            sq = sq + torch.linalg.vector_norm(flat[:whole].view(-1, ROW), dim=1).double().square().sum()
+        if whole < flat.numel():
+            sq = sq + torch.linalg.vector_norm(flat[whole:]).double().square()
     sq = sq.reshape(1)
     return all_reduce_sum(sq).sqrt().to(torch.float32)[0]
 
@@ -89,4 +92,4 @@ def clip_grad_norm(store: TensorStore, max_norm: float, norm: torch.Tensor) -> N
     DeepSpeed: unscale_and_clip_grads.
     """
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    store.grad_flat.mul_(coef)
+    torch._foreach_mul_([seg.grads for seg in store.segments], coef)
