@@ -40,7 +40,8 @@ MEMORY = {"reduce_bucket_size": 50_000_000, "prefetch_bucket_size": 50_000_000,
           "max_live_parameters": 50_000_000, "max_reuse_distance": 50_000_000}  # bench/memory.py's
 CASES = [("small", 2, {}), ("wide", 2, {}), ("small", 3, {"reduce_bucket_size": 1_000_000, "max_reuse_distance": 0}),
          ("wide", 2, {"compute_dtype": "bf16", "max_live_parameters": 10_000_000}), ("m100", 2, MEMORY)]
-PLAN_ONLY = [("small", 64, {}), ("m300", 2, MEMORY), ("b1", 2, MEMORY), ("b1", 64, MEMORY)]
+PLAN_ONLY = [("small", 64, {}), ("m300", 2, MEMORY), ("b1", 2, MEMORY), ("b1", 64, MEMORY),
+             ("b1", 2, {})]  # the last: issue #27 point 5, the default Config
 
 
 def real_run(rank: int, world: int, name: str, options: dict) -> dict:
