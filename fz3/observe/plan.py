@@ -295,7 +295,8 @@ def _table(p: Plan) -> str:
         cells = [_fmt(key, s[key]) for s in p.steps]
         lines.append(f"{label:<{width}}" + "".join(f"{c:>16}" for c in cells))
     lines.append("model states at the peak = shards + optimizer state + bucket buffers + module buffers + the "
-                 "peak of live params + grad partitions + held grads together (activations not included)")
+                 "peak of gathered params (persistent ones too) + grad partitions + held grads together "
+                 "(activations not included)")
     if p.guesses:
         lines.append(f"guessed: {len(p.guesses)} data-dependent read(s) of values the plan does not have "
                      "(the figures hold if the run takes the same branches):")
