@@ -1,7 +1,7 @@
 """[Note: flat steps] (fz3/shell/flat_step.py) against torch stepping each shard on its own.
 
 A state machine over drawn shard sizes, param groups (some params frozen, some in no group),
-segment sizes and optimizers (AdamW, Adam with amsgrad, SGD with and without momentum): each
+segment and piece sizes ([Note: pieces on CPU]) and optimizers (AdamW, Adam with amsgrad, SGD with and without momentum): each
 step writes drawn grads into the store's partitions, leaves a drawn set without a grad ([Note:
 no grad, no step]) and steps through FlatSteps (now and then with a step hook, which sends every
 group shard by shard for that step), while a reference optimizer of the same kind
@@ -21,6 +21,7 @@ from torch import nn
 
 from fz3.data import store as tensor_store
 from fz3.data.store import TensorStore
+from fz3.shell import flat_step
 from fz3.shell.flat_step import FlatSteps, group_runs
 from fz3.shell.optim import bind_optimizer
 
@@ -34,8 +35,8 @@ OPTIMIZERS = {
 
 class FlatStepMachine(RuleBasedStateMachine):
     @initialize(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=7), data=st.data(),
-                kind=st.sampled_from(sorted(OPTIMIZERS)), segment=st.integers(1, 64))
-    def build(self, sizes, data, kind, segment):
+                kind=st.sampled_from(sorted(OPTIMIZERS)), segment=st.integers(1, 64), piece=st.integers(1, 16))
+    def build(self, sizes, data, kind, segment, piece):
         n = len(sizes)
         frozen = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="frozen")
         group_of = data.draw(st.lists(st.integers(-1, 2), min_size=n, max_size=n), label="group (-1: none)")
@@ -60,7 +61,12 @@ class FlatStepMachine(RuleBasedStateMachine):
         self.ref_opt = OPTIMIZERS[kind]([{**{k: v for k, v in g.items() if k != "params"},
                                           "params": [ref_of[id(p)] for p in g["params"]]} for g in groups])
         bind_optimizer(self.opt, params, self.store.masters)
-        self.flat = FlatSteps(self.opt, self.store, runs)
+        old = flat_step.CPU_PIECE
+        flat_step.CPU_PIECE = piece  # [Note: pieces on CPU], read when FlatSteps cuts them
+        try:
+            self.flat = FlatSteps(self.opt, self.store, runs)
+        finally:
+            flat_step.CPU_PIECE = old
         self.trainable = [p for p, t in enumerate(self.store.trainable) if t]
 
     @rule(data=st.data(), hooked=st.booleans())

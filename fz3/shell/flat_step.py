@@ -19,6 +19,9 @@ group (fp32_partitioned_groups_flat).
     the step   the user's optimizer.step() runs, its hooks, scheduler wrapper and settings as
                they are: for the step, each flat group's "params" are its chunks and its state
                the chunks' state; then the masters are put back
+    pieces     on CPU, once a chunk's state exists (after its first step), the step takes it in
+               pieces of CPU_PIECE elements, over views of its state: each of the optimizer's
+               passes then stays in the cache ([Note: pieces on CPU])
     state      per master, as torch keeps it: its elementwise tensors are views of the chunks'
                (in place, so they are current after every step), its "step" a 0-dim view of
                one tensor per group, filled after each flat step. optimizer.state_dict(),
@@ -39,6 +42,7 @@ from torch import nn
 from fz3.data.store import TensorStore
 
 FLAT_TYPES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # elementwise, exactly these
+CPU_PIECE = 1 << 18  # on CPU, elements a step call takes at most once the state exists (1 MiB fp32)
 
 
 def group_runs(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[tuple[int, ...]]:
@@ -82,6 +86,17 @@ class _Group:
                 self.chunks.append(nn.Parameter(flat[seg.start:seg.start + offset]))
                 self.grads.append(seg.grads)
                 self.spans.append(span)
+        # [Note: pieces on CPU] each chunk in pieces of at most CPU_PIECE elements (one piece
+        # elsewhere): once a chunk's state exists, the step runs on the pieces, over views of
+        # it, so each of the optimizer's ~10 passes stays in the cache (AdamW over 14.7 M
+        # elements: 73 ms as one tensor, 19 ms in 256K-element pieces, bench/RESULTS.md)
+        self.pieces: list[list[tuple[nn.Parameter, int, int]]] = []  # by chunk: (piece, start, end)
+        for chunk in self.chunks:
+            n = chunk.numel()
+            size = CPU_PIECE if chunk.device.type == "cpu" else max(n, 1)
+            self.pieces.append([(nn.Parameter(chunk.detach()[a:a + size]), a, min(a + size, n))
+                                for a in range(0, n, size)] or [(chunk, 0, 0)])
+        self.piece_state: list[list[dict]] = []  # by chunk, by piece: views of its chunk's state
         self.chunk_state: list[dict] = []  # by chunk: the state it steps with
         self.chunk_seen: list[dict] = []  # copies of chunk_state's dicts when exposed
         self.exposed: list[dict] = []  # by master: the state dict put in optimizer.state
@@ -107,20 +122,32 @@ class FlatSteps:
             if g is not None and g not in flat:
                 g.stepped_by_shard = True
         groups = opt.param_groups
+        units = {}  # by group: what its "params" are for this step, with their state
         for g in flat:
-            groups[g.index]["params"] = g.chunks
-            for chunk, grad, state in zip(g.chunks, g.grads, g.chunk_state):
-                chunk.grad = grad
-                opt.state[chunk] = state
+            if g.piece_state and all(g.chunk_state):  # [Note: pieces on CPU]
+                units[g.index] = [(piece, grad[a:b], state)  # the grads' memory exists now: views
+                                  for pieces, states, grad in zip(g.pieces, g.piece_state, g.grads)
+                                  for (piece, a, b), state in zip(pieces, states)]
+            else:  # the first step makes the chunks' state (or there is none to make)
+                units[g.index] = list(zip(g.chunks, g.grads, g.chunk_state))
+            groups[g.index]["params"] = [u for u, _, _ in units[g.index]]
+            for unit, grad, state in units[g.index]:
+                unit.grad = grad
+                opt.state[unit] = state
         try:
             opt.step()
         finally:
             for g in flat:
                 groups[g.index]["params"] = g.bound
-                g.chunk_state = [opt.state.pop(chunk) for chunk in g.chunks]
-                for chunk in g.chunks:
-                    chunk.grad = None
+                stepped = [opt.state.pop(unit) for unit, _, _ in units[g.index]]
+                for unit, _, _ in units[g.index]:
+                    unit.grad = None
+                if not g.piece_state or not all(g.chunk_state):
+                    g.chunk_state = stepped
         for g in flat:
+            if g.piece_state and all(g.chunk_state) and not self._pieces_kept(g):
+                raise RuntimeError(f"fz3 flat step: {type(opt).__name__} replaced a state tensor of a piece "
+                                   "instead of stepping it in place; the chunks' state would not hold the step")
             self._expose(g)
 
     # ---- whether a group steps flat ------------------------------------------------------------
@@ -142,8 +169,9 @@ class FlatSteps:
             if g.steps is not None:
                 if not bool((g.steps == g.steps[0]).all()):
                     return False
-                for s in g.chunk_state:
-                    s["step"].copy_(g.steps[0])
+                for states in g.piece_state:
+                    for s in states:
+                        s["step"].copy_(g.steps[0])
             g.stepped_by_shard = False
         return True
 
@@ -153,7 +181,7 @@ class FlatSteps:
         elementwise tensors and one step count. False: the group steps by shard."""
         per = [self.optimizer.state.get(m) for m in g.masters]
         if not any(per):
-            g.chunk_state, g.exposed = [{} for _ in g.chunks], []
+            g.chunk_state, g.exposed, g.piece_state = [{} for _ in g.chunks], [], []
             return True
         if not all(per) or len({frozenset(d) for d in per}) != 1:
             return False
@@ -169,7 +197,7 @@ class FlatSteps:
         g.chunk_state = [{k: (per[span[0][0]][k].detach().clone() if k in scalars else
                               torch.cat([per[i][k].detach() for i, _, _ in span]))
                           for k in per[0]} for span in g.spans]
-        g.exposed = []  # _expose puts views of the new chunk state in after the step
+        g.exposed, g.piece_state = [], []  # _expose puts views of the new chunk state in after the step
         return True
 
     # ---- the state torch keeps per master ----------------------------------------------------------
@@ -177,9 +205,9 @@ class FlatSteps:
     def _expose(self, g: _Group) -> None:
         """Each master's state over the chunks' (views: current after every flat step); once the
         chunks' tensors stay the same, a step only writes the step counts."""
-        if g.exposed and all(_same(s, seen) for s, seen in zip(g.chunk_state, g.chunk_seen)):
-            if g.steps is not None:
-                g.steps.copy_(g.chunk_state[0]["step"])
+        if g.exposed and g.piece_state and all(_same(s, seen) for s, seen in zip(g.chunk_state, g.chunk_seen)):
+            if g.steps is not None:  # the pieces stepped: their count is the masters'
+                g.steps.copy_(g.piece_state[0][0]["step"])
             return
         for s, chunk in zip(g.chunk_state, g.chunks):
             for k, v in s.items():
@@ -203,6 +231,16 @@ class FlatSteps:
             state[m] = d
         g.exposed_seen = [dict(d) for d in g.exposed]
         g.chunk_seen = [dict(s) for s in g.chunk_state]
+        g.piece_state = [[{k: (v.detach().clone() if k == "step" else v[a:b]) for k, v in s.items()}
+                          for _, a, b in pieces] for s, pieces in zip(g.chunk_state, g.pieces)]
+        g.piece_seen = [[dict(p) for p in states] for states in g.piece_state]
+
+    def _pieces_kept(self, g: _Group) -> bool:
+        """The optimizer stepped the pieces' state in place (torch's Adam, AdamW and SGD do once
+        it exists, and the pieces' steps count for the chunks'), so the chunks' state holds the
+        step."""
+        return all(_same(p, seen) for states, seens in zip(g.piece_state, g.piece_seen)
+                   for p, seen in zip(states, seens))
 
 
 def _same(d: dict, seen: dict) -> bool:
