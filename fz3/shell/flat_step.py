@@ -97,12 +97,14 @@ class _Group:
             self.pieces.append([(nn.Parameter(chunk.detach()[a:a + size]), a, min(a + size, n))
                                 for a in range(0, n, size)] or [(chunk, 0, 0)])
         self.piece_state: list[list[dict]] = []  # by chunk, by piece: views of its chunk's state
+        self.piece_seen: list[list[dict]] = []  # copies of piece_state's dicts when made
         self.chunk_state: list[dict] = []  # by chunk: the state it steps with
         self.chunk_seen: list[dict] = []  # copies of chunk_state's dicts when exposed
         self.exposed: list[dict] = []  # by master: the state dict put in optimizer.state
         self.exposed_seen: list[dict] = []  # copies of them: a value set by hand shows
         self.steps: torch.Tensor | None = None  # by master: its "step" (a 0-dim view each)
         self.stepped_by_shard = False  # since the last flat step: step counts may differ
+
 
 class FlatSteps:
     """Steps `optimizer` (its groups already bound to the store's masters) flat where it can."""
