@@ -194,9 +194,13 @@ class TensorStore:
             if storage.nbytes() == 0 and seg.grads.numel():
                 storage.resize_(seg.grads.numel() * seg.grads.element_size())
 
+    def segment_grads(self) -> list[torch.Tensor]:
+        """Every segment's grad partitions, flat (what the average, the norm and clipping walk)."""
+        return [seg.grads for seg in self.segments]
+
     def grad_bytes(self) -> int:
         """Bytes of grad partitions this rank holds now."""
-        return sum(seg.grads.untyped_storage().nbytes() for seg in self.segments)
+        return sum(g.untyped_storage().nbytes() for g in self.segment_grads())
 
     def bind_grads(self, no_grad: tuple[int, ...] = ()) -> None:
         """The optimizer reads masters[p].grad: each trainable master's partition (re-bound after

@@ -200,7 +200,7 @@ class DistInterpreter:
                             self.store.partitions[p].zero_()
                 case AverageGrads(divisor=d):
                     self.store.ensure_partitions()
-                    torch._foreach_div_([seg.grads for seg in self.store.segments], d)
+                    torch._foreach_div_(self.store.segment_grads(), d)
                 case FreePartitions():
                     self.store.free_partitions()
                     if self.agreement is not None:

@@ -51,19 +51,18 @@ class PlanInterpreter:
         # partitions (a segment from its first write to the optimizer step), held grads. Their
         # joint peak is the model states' peak over the steady ones (shards, optimizer state);
         # the peaks of each alone would add up to more than is ever held at once
-        self.live_numel = 0
+        self.live_numel = self.peak_live_numel = 0  # the core's live count: gathered or in flight
         self.grad_bytes = self.peak_grad_bytes = 0
         self.peak_joint = 0
-        self.log: list[object] = []  # every effect run, in order (the plan reads it per step)
 
     def run(self, effects: Iterable[object]) -> None:
         for e in effects:
-            self.log.append(e)
             match e:
                 case AllGather(handle=h, params=ps, prefetch=pre):
                     self._count_gather(ps, pre)
                     self.gathers[h] = ps
                     self.live_numel += sum(self.spec.params[p].numel for p in ps)
+                    self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
                 case Refresh(params=ps):  # into the full values they have: nothing to set
                     self._count_gather(ps, False)
                 case Wait(handle=h):

@@ -38,7 +38,6 @@ from torch import nn
 from fz3.core import calls
 from fz3.config.config import Config, differences
 from fz3.config.options import given
-from fz3.core.effects import AllGather, Free
 from fz3.shell import registry
 from fz3.shell.compiled import PROCESS_WIDE
 from fz3.observe.fake import Fakes, Guess
@@ -107,31 +106,29 @@ def _engine(shadow: nn.Module, config: Config, world_size: int, backend: str, op
 
 
 def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple[int, int]) -> Plan:
-    """Run the planned steps and read each one's figures off the interpreter's log. A model that
-    raises gets the guesses made so far as a note (a branch taken on a guess may be why). The
-    optimizer keeps state for the params it has stepped: the trainable ones that got a grad in
-    some window so far ([Note: no grad, no step])."""
+    """Run the planned steps and read each one's figures off the interpreter's counts and peaks
+    (each peak restarted at the step's start). A model that raises gets the guesses made so far
+    as a note (a branch taken on a guess may be why). The optimizer keeps state for the params
+    it has stepped: the trainable ones that got a grad in some window so far ([Note: no grad,
+    no step])."""
     config, interp, spec = engine.config, engine.interp, engine.spec
     out = Plan(engine.world_size, engine.accelerator.backend, config, params=sum(p.numel for p in spec.params),
                persistent_params=sum(p.numel for p in spec.params if p.persistent))
-    live, stepped = 0, set()
+    stepped = set()
     trainable = {p for p, t in enumerate(engine.store.trainable) if t}
     try:
         for _ in range(steps):
-            before, start, peak = dict(interp.counts), len(interp.log), live
-            interp.peak_held_bytes = interp.held_bytes  # this step's peaks
+            before = dict(interp.counts)
+            interp.peak_held_bytes, interp.peak_live_numel = interp.held_bytes, interp.live_numel  # this step's peaks
             interp.peak_grad_bytes, interp.peak_joint = interp.grad_bytes, interp.joint_bytes()
             for _ in range(config.gradient_accumulation_steps):
                 loss = _loss(engine(*args, **kwargs))
                 with fakes.backward():
                     engine.backward(loss)
-                live, peak = _replay_live(interp.log[start:], live, peak, spec)
-                start = len(interp.log)
             stepped |= trainable - set(calls.no_grad_params(engine.state))
             state_bytes = _state_bytes(state_rate, engine.store, stepped)
             engine.step()
-            live, peak = _replay_live(interp.log[start:], live, peak, spec)
-            out.steps.append(_step_figures(engine, interp.counts, before, peak, state_bytes, out.persistent_params))
+            out.steps.append(_step_figures(engine, interp.counts, before, state_bytes, out.persistent_params))
     except Exception as e:
         if fakes.guesses():
             e.add_note("fz3.plan guessed, before this: " + "; ".join(map(str, fakes.guesses())))
@@ -140,9 +137,10 @@ def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple
     return out
 
 
-def _step_figures(engine, counts, before: dict, peak: int, state_bytes: int, persistent: int) -> dict[str, int]:
+def _step_figures(engine, counts, before: dict, state_bytes: int, persistent: int) -> dict[str, int]:
     """One step's row of the table: what moved during it, and the model states at its peak."""
     elem, interp = engine.store.dtype.itemsize, engine.interp
+    peak = interp.peak_live_numel
     stats = _stats(engine, state_bytes)
     step = {k: counts[k] - before.get(k, 0) for k in STEP_COUNTS}
     step.update(peak_live_numel=peak, peak_live_bytes=peak * elem, param_shards=stats["param_shards"],
@@ -161,17 +159,6 @@ def _stats(engine, state_bytes: int) -> dict[str, Any]:
     s = {k: v for k, v in engine.stats().items() if k not in NOT_PLANNED}
     s["optimizer_state_bytes"] = state_bytes  # the stand-in optimizer keeps none
     return s
-
-
-def _replay_live(effects, live: int, peak: int, spec) -> tuple[int, int]:
-    """Gathered (or in-flight) numel after `effects`, and its peak: the core's live count."""
-    for e in effects:
-        if isinstance(e, AllGather):
-            live += sum(spec.params[p].numel for p in e.params)
-            peak = max(peak, live)
-        elif isinstance(e, Free):
-            live -= sum(spec.params[p].numel for p in e.params)
-    return live, peak
 
 
 def _check(model, config, world_size, optimizer, steps, backend) -> None:

@@ -40,7 +40,7 @@ def initialized(engine) -> None:
     persistent = [p for p in spec.params if p.persistent]
     gather_by, reduce_by = accounting.carriers(engine.options, engine.accelerator.backend)
     shards = store.shard_bytes()["param_shards"]
-    grads = sum(seg.grads.numel() * seg.grads.element_size() for seg in store.segments)
+    grads = sum(g.numel() * g.element_size() for g in store.segment_grads())
     changed = ", ".join(f"{k}={v!r}" for k, v in differences(engine.config).items()) or "none"
     LOG.info("fz3: %d ranks on %s, backend %s (all-gather by %s, reduce-scatter by %s); %d params "
              "sharded (%s elements), %d persistent (%s elements); per rank: param shards %s, grad "

@@ -63,8 +63,7 @@ def global_grad_norm(store: TensorStore, all_reduce_sum: Callable[[torch.Tensor]
     DeepSpeed: get_grad_norm_direct / _global_grad_norm.
     """
     sq = torch.zeros((), dtype=torch.float64, device=store.device)
-    for seg in store.segments:  # each its rows, then its tail
-        flat = seg.grads
+    for flat in store.segment_grads():  # each its rows, then its tail
         whole = flat.numel() // ROW * ROW
         if whole:
             sq = sq + torch.linalg.vector_norm(flat[:whole].view(-1, ROW), dim=1).double().square().sum()
@@ -92,4 +91,4 @@ def clip_grad_norm(store: TensorStore, max_norm: float, norm: torch.Tensor) -> N
     DeepSpeed: unscale_and_clip_grads.
     """
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_([seg.grads for seg in store.segments], coef)
+    torch._foreach_mul_(store.segment_grads(), coef)
