@@ -26,6 +26,11 @@ broadcast_buffers   rank 0's buffers (BatchNorm statistics, ...) are broadcast b
     pass, before full_state_dict() and before a checkpoint save, so every rank's agree (DDP's
     broadcast_buffers, on by default as there; fz3/shell/buffers.py). False: each rank keeps
     its own
+huge_pages   on CPU, each new buffer of 32 MiB or more that fz3 makes for itself (a gathered
+    param's full value, a reduce's scratch, a grad segment) is advised to the kernel for 2 MiB
+    pages before it is written (madvise MADV_HUGEPAGE; Linux with transparent huge pages
+    "madvise" or "always"): [Note: huge pages for fresh buffers], fz3/data/pages.py. False: 4 KiB
+    pages, as torch allocates them
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ class Options:
     debug_checks: bool = False
     broadcast_buffers: bool = True
     replay: bool = True
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         for name in ("gloo_all_gather", "gloo_reduce_scatter"):
@@ -51,7 +57,7 @@ class Options:
         n = self.gloo_coalesce_numel
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"Options.gloo_coalesce_numel must be an int >= 0 (0: no packing), got {n!r}")
-        for name in ("debug_checks", "broadcast_buffers", "replay"):
+        for name in ("debug_checks", "broadcast_buffers", "replay", "huge_pages"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -35,6 +35,8 @@ from collections import OrderedDict
 
 import torch
 
+from fz3.data.pages import advise_huge
+
 Key = tuple[int, torch.dtype]
 
 
@@ -57,8 +59,9 @@ class BufferPool:
     25 us a take there; the queue finds the free ones at its front, where the last frees left
     them."""
 
-    def __init__(self, device: torch.device, limit_bytes: int) -> None:
+    def __init__(self, device: torch.device, limit_bytes: int, huge_pages: bool = False) -> None:
         self.device, self.limit = device, limit_bytes
+        self.huge_pages = huge_pages  # a new buffer of 32 MiB or more: [Note: huge pages for fresh buffers]
         # LRU key order; per size, id -> buffer, in the order last looked at (oldest first)
         self.buffers: "OrderedDict[Key, OrderedDict[int, torch.Tensor]]" = OrderedDict()
         self.by_ptr: dict[int, torch.Tensor] = {}  # storage data_ptr -> the buffer kept on it
@@ -133,6 +136,8 @@ class BufferPool:
         self.misses += 1
         self.trim(stale_only=True)
         t = torch.empty(numel, dtype=dtype, device=self.device)
+        if self.huge_pages:
+            advise_huge(t)
         if self._make_room(numel * t.element_size()):
             self._keep(key, t)
         return t.view(-1)

@@ -24,6 +24,7 @@ from torch import nn
 
 from fz3.core.spec import ModelSpec
 from fz3.data import layout
+from fz3.data.pages import advise_huge
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -35,11 +36,14 @@ class TensorStore:
 
     def __init__(self, params: list[nn.Parameter], names: tuple[str, ...], shards: list[torch.Tensor], *,
                  rank: int, world_size: int, compute_dtype: str, device: torch.device,
-                 runs: Sequence[Sequence[int]] = ()) -> None:
+                 runs: Sequence[Sequence[int]] = (), huge_pages: bool = False) -> None:
         """`runs`: trainable ParamIds whose masters lie side by side, each run in its order, in
         one flat tensor (the optimizer's param groups: [Note: flat steps],
         fz3/shell/flat_step.py), cut into segments whose grad partitions are flat too. The
-        trainable params in no run follow as one more run, in id order."""
+        trainable params in no run follow as one more run, in id order. `huge_pages`: a
+        segment's memory, each time it comes back, is advised for huge pages ([Note: huge pages
+        for fresh buffers], fz3/data/pages.py)."""
+        self.huge_pages = huge_pages
         self.rank, self.world_size = rank, world_size
         self.dtype = DTYPES[compute_dtype]
         self.device = device
@@ -193,6 +197,8 @@ class TensorStore:
             storage = seg.grads.untyped_storage()
             if storage.nbytes() == 0 and seg.grads.numel():
                 storage.resize_(seg.grads.numel() * seg.grads.element_size())
+                if self.huge_pages:
+                    advise_huge(seg.grads)
 
     def segment_grads(self) -> list[torch.Tensor]:
         """Every segment's grad partitions, flat (what the average, the norm and clipping walk)."""

@@ -135,7 +135,7 @@ class DistInterpreter:
         reduce = self.scratch_capacity if self.reduce_scatter_by == "p2p" else (W + 1) * self.shard_capacity
         limit = min((live + inputs + reduce) * elem, 3 * total * elem) + (64 << 20) \
             if store.device.type == "cpu" else 0
-        self.buffers_pool = BufferPool(store.device, limit_bytes=limit)
+        self.buffers_pool = BufferPool(store.device, limit_bytes=limit, huge_pages=options.huge_pages)
         ctx = carriers.Context(self.rank, W, self.spec, transport, self.async_op, self.agreement,
                                self.buffers_pool.take, self.reduce_buffer, self.on, self.gather_stream,
                                self.reduce_stream, self.bucket_capacity, self.shard_capacity, self.scratch_capacity,

@@ -94,7 +94,8 @@ class Engine(DeepSpeedSurface):
                                  shards.initial_shards(self.tables.params, self.tables.names, rank=rank,
                                                      world_size=world_size, device=device.torch_device),
                                  rank=self.rank, world_size=self.world_size,
-                                 compute_dtype=config.compute_dtype, device=device.torch_device, runs=runs)
+                                 compute_dtype=config.compute_dtype, device=device.torch_device, runs=runs,
+                                 huge_pages=options.huge_pages)
         self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
         self.make_interpreter = interpreter
         self.hook_handles: list = []
