@@ -46,7 +46,8 @@ def test_a_buffer_of_32_mib_is_advised_and_a_smaller_one_is_not():
     small = torch.empty(BIG - 1024)  # glibc maps it alone too, but it might lie in the heap
     assert not pages.advise_huge(small) and not advised(small)
     assert not pages.advise_huge(torch.empty(BIG, device="meta"))
-    assert torch.equal(big[:4], big[:4])  # the tensor itself is untouched and usable
+    big.fill_(1.0)  # advised memory is plain memory to write and read
+    assert big.sum().item() == BIG
 
 
 def test_the_pool_advises_the_buffers_it_makes_only_when_asked():

@@ -16,7 +16,10 @@ large from its heap (its mmap threshold tops out at 32 MiB on 64-bit), so each i
 its own, unmapped when freed, and the advice goes with it. A smaller buffer may lie in the heap,
 whose pages outlive it: advised, they would hand later small allocations 2 MiB pages. Only the
 2 MiB-aligned interior of a buffer is advised, so no huge page reaches past it and the resident
-memory of a buffer written whole stays what it was.
+memory of a buffer written whole stays what it was. One written in part (a reduce's scratch is cut
+from one buffer sized for the largest bucket: [Note: one size per reduce buffer]) is resident up
+to the next 2 MiB boundary past what was written; the kernel's khugepaged may fill in more of an
+advised range that lives long, but these buffers live for a pass at most.
 
 Off with `fz3.Options(huge_pages=False)`, e.g. where the kernel's direct compaction for advised
 memory (`/sys/kernel/mm/transparent_hugepage/defrag`) stalls a fragmented machine.
