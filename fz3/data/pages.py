@@ -27,7 +27,6 @@ memory (`/sys/kernel/mm/transparent_hugepage/defrag`) stalls a fragmented machin
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 import torch
@@ -38,13 +37,14 @@ MIN_BYTES = 32 << 20  # glibc's largest mmap threshold (DEFAULT_MMAP_THRESHOLD_M
 
 
 def _madvise():
+    """libc's madvise, from the symbols the interpreter already has (no library search at
+    import: ctypes.util.find_library runs ldconfig); None off Linux or where it is missing."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
         return None
-    fn = libc.madvise
     fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     fn.restype = ctypes.c_int
     return fn
