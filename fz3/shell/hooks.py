@@ -107,18 +107,21 @@ class ParamDict(dict):
     """A registered module's `_parameters`: reading a param during some *other* module's
     forward tells the shell, which registers it as an external param of the running module.
     `running[0]` is the module whose call is innermost open, -1 outside every call
-    (fz3.core.calls.running, kept by the engine): a read by the owner's own call, or by no call,
-    is told nothing, the core would do nothing with it. DeepSpeed: ZeROOrderedDict."""
+    (fz3.core.calls.running, kept by the engine; None when a call opened or closed since it was
+    last looked up: `resolve()` looks it up): a read by the owner's own call, or by no call, is
+    told nothing, the core would do nothing with it. DeepSpeed: ZeROOrderedDict."""
 
     def __init__(self, params: dict, module_id: int, on_read: Callable[[int, torch.nn.Parameter], None],
-                 running: list[int]):
+                 running: list, resolve: Callable[[], int]):
         super().__init__(params)
-        self.module_id, self.on_read, self.running = module_id, on_read, running
+        self.module_id, self.on_read, self.running, self.resolve = module_id, on_read, running, resolve
 
     def __getitem__(self, name: str):
         p = dict.__getitem__(self, name)
         if p is not None:
             running = self.running[0]
+            if running is None:
+                running = self.resolve()
             if running != self.module_id and running >= 0:
                 self.on_read(self.module_id, p)
         return p
