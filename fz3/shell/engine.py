@@ -252,16 +252,13 @@ class Engine(DeepSpeedSurface):
     def _install(self) -> None:
         # [Note: hooks outside the graph] (compiled.py): the compiler never traces into fz3
         pre_forward, post_forward = outside_graph(self._pre_forward), outside_graph(self._post_forward)
-        on_param_read = outside_graph(self._on_param_read)
+        on_param_read, resolve_running = outside_graph(self._on_param_read), outside_graph(self._running)
         handles = self.hook_handles
-        import os
         for m, module in enumerate(self.tables.modules):
-            if os.environ.get("SILENT") and self.call_tables.inert[m]:
-                continue
             handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True, prepend=True))
             handles.append(module.register_forward_hook(post_forward, with_kwargs=True, always_call=True))
             if not self.spec.modules[m].is_leaf:
-                module._parameters = ParamDict(module._parameters, m, on_param_read, self.running, self._running)
+                module._parameters = ParamDict(module._parameters, m, on_param_read, self.running, resolve_running)
         for p, hooked in enumerate(self.call_tables.hooked):  # [Note: leaf modules]
             if hooked:
                 handles.append(self.tables.params[p].register_post_accumulate_grad_hook(
