@@ -2,13 +2,14 @@
 benchmark GPT trained by two fz3 engines in the same 2 ranks, one built with the check
 (fz3/interpreters/agreement.py) and one without (FZ3_DIVERGENCE_CHECK=0), stepping in turn.
 
-    python3 bench/divergence_overhead.py [--steps 30]
+    python3 bench/divergence_overhead.py [--steps 30] [--model small] [--md FILE]
 
 2 gloo ranks x 1 thread, fz3 defaults (a tiny model per rank is cheap: both engines fit), 3
 warm-up steps each; step time = the slower rank's; the order alternates every step. Steps on
 this shared 2-core machine vary by +-20 % from one to the next, more than the effect measured,
 so the figure is paired: the median over step pairs of (on ÷ off), each pair run back to back,
-with the interquartile range of those ratios beside it. Writes its section of bench/RESULTS.md.
+with the interquartile range of those ratios beside it. Writes its section of bench/RESULTS.md,
+or of `--md FILE` (`--md ''`: print only; a run on another model than the section's, say).
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--model", default="small")
+    ap.add_argument("--md", default=os.path.join(HERE, "RESULTS.md"),
+                    help="the markdown file whose divergence_overhead section the run replaces ('': none)")
     args = ap.parse_args()
     import fz3.launch
     out = fz3.launch.run(worker, world_size=2, args=(args.steps, args.model), timeout=1800, threads=1)[0]
@@ -65,9 +68,10 @@ def main() -> int:
             f"{out['checks_per_step']:.1f} descriptor exchanges per step, {out['check_ms_per_step']:.2f} ms per "
             "step inside them on rank 0 (mostly waiting for the other rank to reach the same collective).")
     print(text)
-    from bench_env import replace_section
-    begin, end = "<!-- divergence_overhead:begin -->", "<!-- divergence_overhead:end -->"
-    replace_section(os.path.join(HERE, "RESULTS.md"), f"{begin}\n## The divergence check: what it costs\n\n{text}\n{end}", begin, end)
+    if args.md:
+        from bench_env import replace_section
+        begin, end = "<!-- divergence_overhead:begin -->", "<!-- divergence_overhead:end -->"
+        replace_section(args.md, f"{begin}\n## The divergence check: what it costs\n\n{text}\n{end}", begin, end)
     return 0
 
 
