@@ -194,7 +194,8 @@ class Engine(DeepSpeedSurface):
             self._refuse_if_stopped()
         self.cell, effects = self.update(self.cell, event, config=self.config)
         self.untouched = False
-        tree = self._run(effects, tree, flat)
+        if effects:  # most replayed events have none (a call of a module with nothing to fetch)
+            tree = self._run(effects, tree, flat)
         if self.options.debug_checks:
             checks.after_event(self.state, effects, self.config)
         return tree
