@@ -60,19 +60,7 @@ from fz3.data.pool import BufferPool
 from fz3.interpreters import accounting, agreement, carriers, p2p
 from fz3.interpreters.transport import Transport
 from fz3.config.options import Options
-from fz3.data.store import TensorStore
-
-
-class _Dtypes(dict):
-    """An effect's dtype name -> the torch dtype, looked up once per name (getattr(torch, name) at
-    each grad cost ~0.2 us of a hold that is ~2 us in all)."""
-
-    def __missing__(self, name: str) -> torch.dtype:
-        dtype = self[name] = getattr(torch, name)
-        return dtype
-
-
-_TORCH_DTYPES = _Dtypes()
+from fz3.data.store import TORCH_DTYPES, TensorStore
 
 
 class _Reduce:
@@ -283,7 +271,7 @@ class DistInterpreter:
 
     def _hold_grad(self, e: HoldGrad) -> None:
         param = self.store.params[e.param]
-        grad, dtype = param.grad, _TORCH_DTYPES[e.dtype]
+        grad, dtype = param.grad, TORCH_DTYPES[e.dtype]
         if grad.dtype is not dtype:
             grad = grad.to(dtype)
         grad = grad.reshape(-1)  # (numel,): a view of a contiguous grad
