@@ -29,20 +29,6 @@ from fz3.data.pages import advise_huge
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class _Names(dict):
-    """torch's dtype names as effects and events carry them ("float32"), both ways, each looked
-    up once: str(dtype) and getattr(torch, name) at every grad cost ~0.3 us of a grad hook
-    that is ~5 us in all (196 a step on the deep narrow GPT)."""
-
-    def __missing__(self, key):
-        value = self[key] = getattr(torch, key) if isinstance(key, str) else str(key).removeprefix("torch.")
-        return value
-
-
-TORCH_DTYPES: dict[str, torch.dtype] = _Names()  # "float32" -> torch.float32
-DTYPE_NAMES: dict[torch.dtype, str] = _Names()  # torch.float32 -> "float32"
-
-
 class TensorStore:
     """The shell hands it the model's params and this rank's fp32 shard of each (`shards`: from
     the Init that built them sharded, or cut from the full values), and tells it the units'

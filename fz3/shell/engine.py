@@ -58,7 +58,7 @@ from fz3.shell.saved import SavedParams
 from fz3.shell.flat_step import FlatSteps, group_runs
 from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, first_nonfinite, global_grad_norm
 from fz3.config.options import Options
-from fz3.data.store import DTYPE_NAMES, DTYPES, TensorStore
+from fz3.data.store import DTYPES, TensorStore
 from fz3.shell.surface import BatchSizes, DeepSpeedSurface
 from fz3.shell.tables import read_tables
 
@@ -323,7 +323,7 @@ class Engine(DeepSpeedSurface):
 
         def hook(param: nn.Parameter) -> None:
             e = engine()
-            e.apply(GradReady(p, DTYPE_NAMES[param.grad.dtype], e._graph_task()))
+            e.apply(GradReady(p, str(param.grad.dtype).removeprefix("torch."), e._graph_task()))
         return hook
 
     def _graph_task(self) -> int:
