@@ -156,7 +156,8 @@ class Log(Generic[T]):
 
     def __eq__(self, other: object) -> bool:
         # the lengths first: a replayed Leave compares the pass's saved-param log with the
-        # recorded one at every call it answers, most often both empty (replay.update)
+        # recorded one at every call it answers (replay.update); both are empty where no pass
+        # frees a param (calls.saves_matter)
         if not isinstance(other, Log) or self._n != other._n:
             return False
         return self._n == 0 or list(self) == list(other)
