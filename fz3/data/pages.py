@@ -6,9 +6,9 @@ segment at the optimizer step (fz3/data/pool.py, fz3/data/store.py). So every st
 large buffers into fresh memory, and on Linux fresh memory comes one 4 KiB page fault at a time:
 8,192 faults for 32 MiB, each a trip into the kernel. Advising the kernel to back a buffer
 with 2 MiB pages (madvise MADV_HUGEPAGE, honoured where transparent huge pages are "madvise" or
-"always") takes 512 times fewer faults for the same bytes. On the wide benchmark GPT the faults were 16 K in each forward and 67 K in each
-backward (`bench/RESULTS.md`, "Huge pages for fz3's buffers"); the advice took the step from
-about DDP's time to 0.83-0.86 of it.
+"always") takes 512 times fewer faults for the same bytes. On the wide benchmark GPT the faults
+were 16 K in each forward and 67 K in each backward (`bench/RESULTS.md`, "Huge pages for fz3's
+buffers"); the advice took the step from about DDP's time to 0.83-0.86 of it.
 
 Only buffers of at least `MIN_BYTES` (32 MiB) are advised: glibc's malloc never serves one that
 large from its heap (its mmap threshold tops out at 32 MiB on 64-bit), so each is a mapping of
