@@ -140,8 +140,11 @@ def test_the_engine_on_thread_ranks_equals_the_engine_on_gloo_processes():
         assert a.state.keys() == b.state.keys(), k
         for name in a.state:
             assert torch.equal(a.state[name], b.state[name]), (k, name)
-        # RSS: one process holds every thread rank; the compiler's counts are the process's
-        process_wide = {"device_peak_bytes", "device_allocated_bytes", *PROCESS_WIDE}
+        # RSS: one process holds every thread rank; the compiler's counts are the process's.
+        # pool_bytes is a cache that timing decides: gloo's worker thread lets go of a finished
+        # all-reduce a moment after waking the wait, so the end of a backward can find one of its
+        # buffers still in use and keep it (CI once saw 2020 bytes on processes, 1360 on threads).
+        process_wide = {"device_peak_bytes", "device_allocated_bytes", "pool_bytes", *PROCESS_WIDE}
         same = [s for s in b.stats if s not in process_wide]
         assert {s: a.stats[s] for s in same} == {s: b.stats[s] for s in same}, k
 

@@ -7,7 +7,9 @@
     optimizer_state_bytes           tensors of optimizer.state (exp_avg, exp_avg_sq, step, ...)
     buffer_bytes                    the model's buffers
     reduce_buffer_bytes             IPG bucket buffers (the interpreter)
-    pool_bytes                      the interpreter's flat collective buffers kept for reuse
+    pool_bytes                      the interpreter's flat collective buffers kept for reuse;
+                                    timing decides it by a buffer or so (a transport thread that
+                                    lets go of a finished work after the wait returned)
     device_allocated_bytes          the device's allocated bytes now (CPU: resident set size)
     device_peak_bytes               ... and their peak (CPU: peak RSS, VmHWM)
 
