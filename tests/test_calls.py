@@ -35,13 +35,56 @@ def test_tables_inert_grad_params_and_hooks():
     t = lifecycle(*MODEL).calls.tables
     assert t.inert == (False, False, True, False, False)  # the root and leaves never are
     assert t.grad_params == ((), (0,), (), (), (3,))
-    assert t.hooked == (True, True, False, True)  # e: the leaf's own, reduced with it
+    # g: persistent, norm's alone, reported at the end of backward; e: the leaf's own, reduced with it
+    assert t.hooked == (True, False, False, True)
+    assert t.at_end == (1,) and t.leaf_own == (2,)
 
 
 def test_a_tied_leaf_param_gets_a_hook():
     params, modules = MODEL
     modules = modules[:4] + [("lin", [2, 3], False)]
-    assert lifecycle(params, modules).calls.tables.hooked == (True, True, True, True)
+    assert lifecycle(params, modules).calls.tables.hooked == (True, False, True, True)
+
+
+def test_a_tied_persistent_param_gets_a_hook_and_a_frozen_one_is_not_reported():
+    params, modules = MODEL
+    tied = modules[:1] + [("emb", [0, 1], False)] + modules[2:]
+    t = lifecycle(params, tied).calls.tables
+    assert t.hooked == (True, True, False, True) and t.at_end == ()
+    assert t.grad_params[1] == (0, 1)  # g has a hook: emb's call may wait for it
+    t = lifecycle(*MODEL, trainable=[True, False, True, True]).calls.tables
+    assert t.hooked == (True, False, False, True) and t.at_end == ()
+
+
+def test_persistent_grads_are_reported_at_the_end_of_backward_only_if_they_came():
+    """[Note: persistent grads at the end of backward] g got a grad: bucketed, got in the
+    window, like a hooked param; no grad: not reported, no zeros stand in (a grad on another
+    rank only is a reduce this one does not issue: the divergence check names it)."""
+    for with_grad, reported in ((frozenset({1}), True), (frozenset(), False)):
+        st = lifecycle(*MODEL)
+        st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False, saved=0)
+        st, _ = calls.leave(st, 0, config=CFG, grad_outputs=True)
+        st, _ = calls.pre_backward(st, 0, config=CFG)
+        b = st.grads.backward
+        st, eff = calls.end_of_backward(st, config=CFG, with_grad=with_grad)
+        pg = st.grads.params[1]
+        assert (pg.reported == b) is reported and (pg.got == st.grads.window) is reported, with_grad
+        assert not any(isinstance(e, ZeroGrads) for e in eff)
+        assert any(isinstance(e, CopyToBucket) and e.param == 1 for e in eff) is reported, eff
+        st, eff = calls.stepped(st, config=CFG)
+        assert (1 in eff[0].no_grad) is not reported
+
+
+def test_the_outermost_call_gets_a_pre_backward_node_even_when_inert():
+    """A backward through an inert module called on its own still queues its end, which
+    reports its persistent grads."""
+    st = lifecycle(*MODEL)
+    st, eff = calls.enter(st, 2, config=CFG, grad=True, grad_inputs=True)
+    assert WrapInputs(2) not in eff
+    st, eff = calls.leave(st, 2, config=CFG, grad_outputs=True)
+    assert WrapOutputs(2) in eff
+    st, eff = calls.pre_backward(st, 2, config=CFG)
+    assert QueueEndOfBackward() in eff
 
 
 def test_enter_wraps_inputs_or_waits_and_leave_wraps_outputs():

@@ -59,3 +59,40 @@ def test_inert_modules_get_no_autograd_nodes():
     out = run(_worker, world_size=1, timeout=90)[0]
     assert out["counts"] == [{"PreBackwardBackward": 3, "PostBackwardBackward": 3}] * 2, out["counts"]
     assert out["stats"]["optimizer_steps"] == 2
+
+
+def _alone(rank: int, world: int) -> dict:
+    import fz3
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))  # every param persistent: all inert
+    engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), fz3.Config())
+    engine(torch.zeros(1, 4))  # a first pass through the root gathers the persistent params
+    for step in range(2):
+        engine.backward(engine.module[0](_input(rank, step)).square().sum())
+        engine.step()
+    return {"state": engine.full_state_dict(), "steps": engine.optimizer_steps}
+
+
+def _input(rank: int, step: int) -> torch.Tensor:
+    return torch.arange(12, dtype=torch.float32).reshape(3, 4) / 10 * (rank + 1) - step
+
+
+def test_an_inert_module_called_on_its_own_trains_as_plain_torch():
+    """[Note: persistent grads at the end of backward] (fz3/core/calls.py): its params have no
+    grad hook and its call no autograd node of its own; as the outermost call it gets one, so
+    the backward still reports its grads. Without it nothing is reduced, and no step is taken."""
+    from fz3.launch import run_threads
+
+    outs = run_threads(_alone, 2)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        (sum(ref[0](_input(r, step)).square().sum() for r in range(2)) / 2).backward()
+        opt.step()
+    for out in outs:
+        assert out["steps"] == 2
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(out["state"][name], value, msg=name)

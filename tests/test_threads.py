@@ -185,3 +185,42 @@ def test_diverging_thread_ranks_raise_divergence_error(world):
     for out in launch.run_threads(_diverging, world):
         assert out["error"] is not None and out["step"] == 1, out
         assert "ranks diverged" in out["error"] and "'extra.weight'" in out["error"], out
+
+
+class _Skips(_Branchy):
+    """`extra` runs on every rank at the first step, then only on the rank whose `odd` is set."""
+
+    def forward(self, x):
+        self.odd = self.odd or self.steps == 0
+        try:
+            return super().forward(x)
+        finally:
+            self.odd = self.odd and self.keep
+
+    def __init__(self, odd: bool, at: int) -> None:
+        super().__init__(True, at)
+        self.keep = odd
+
+
+def _skipping(rank: int, world: int) -> dict:
+    import fz3
+    model = _Skips(rank == world - 1, at=0)
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config())
+    try:
+        for step in range(3):
+            engine.backward(engine(torch.ones(2, 8)).sum())
+            engine.step()
+    except fz3.DivergenceError as e:
+        return {"error": str(e), "step": step}
+    return {"error": None}
+
+
+def test_a_branch_of_persistent_params_on_one_rank_raises_divergence_error():
+    """Every param persistent (gathered once, at the first step, where every rank runs `extra`),
+    every module but the root inert: from the second step no gather tells the ranks apart, and
+    the grads come in at the end of backward ([Note: persistent grads at the end of backward]);
+    the one rank's grads for `extra` are still a reduce the other does not issue."""
+    for out in launch.run_threads(_skipping, 2):
+        assert out["error"] is not None and out["step"] == 1, out
+        assert "ranks diverged" in out["error"], out
+        assert "reduce of 4 params" in out["error"] and "reduce of 6 params" in out["error"], out

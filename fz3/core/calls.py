@@ -52,6 +52,22 @@ module needs them, with their shape kept for AccumulateGrad (GradDue). A tied em
 lm_head weight, which DeepSpeed keeps gathered from the lm_head's backward through the
 embedding's, is freed right after the lm_head's backward.
 
+[Note: persistent grads at the end of backward] A param of one inert module alone (persistent,
+then) gets no grad hook: autograd's hook, the event and the core's door cost ~5 us a param, and
+all 196 of the deep narrow benchmark GPT's params are such (issue #27). Its grad is reported at
+the end of backward when its .grad is set (`with_grad`), in id order: it is never freed, and no
+call waits for it (an inert call never waits: `grad_params`; a persistent param of a module
+that is not inert keeps its hook, since a call of that module without grad inputs ends when
+all its grads are in). A reduce at the end of backward is what the hold path does with a small
+grad anyway. It is reported like a hooked
+param, not as a leaf's: only when it got a grad, so a grad on one rank only is still a reduce
+the other ranks do not issue, a DivergenceError ([Note: no grad, no step], epilogue.py). The
+price: its grad waits in .grad until then (on a carrier that copies grads into buckets, the
+persistent params' grads, small by the threshold's design, live to the end of backward), and it
+is not reduced while the backward still runs. A tied param (two modules) keeps its hook.
+The outermost call always gets a PreBackward node, so a backward through a call of inert
+modules alone still queues its end.
+
 [Note: leaf modules] A leaf module's own params (in no other module) get no grad hooks: its
 calls' backwards may each add to them (a MoE block's experts), so they are reduced together
 once the backward of all its calls is done: at the post_backward of its last call with grad
@@ -94,9 +110,12 @@ class CallTables(NamedTuple):
     waiters: dict[ParamId, tuple[ModuleId, ...]]  # param -> modules with it in grad_params
     trainable: tuple[bool, ...]  # by param
     hooked: tuple[bool, ...]  # by param: its grad is reported by a post-accumulate-grad hook
-    # (grad_ready); the others trainable are a leaf's own, reduced with it ([Note: leaf modules])
-    leaf_own: tuple[ParamId, ...]  # those others, in id order: trainable, no hook
+    # (grad_ready); the others trainable are a leaf's own, reduced with it ([Note: leaf modules]),
+    # or at_end's
+    leaf_own: tuple[ParamId, ...]  # a leaf's own, in id order: trainable, no hook
     leaf_own_of: tuple[tuple[ParamId, ...], ...]  # by module: its leaf_own params (() unless a leaf)
+    at_end: tuple[ParamId, ...]  # trainable, of one inert module alone, in id order: no hook,
+    # reported at the end of backward ([Note: persistent grads at the end of backward])
 
 
 class Frame(NamedTuple):
@@ -135,22 +154,25 @@ class Lifecycle(NamedTuple):
 def call_tables(spec: ModelSpec, trainable: Sequence[bool]) -> CallTables:
     inert = tuple(m > 0 and not ms.is_leaf and all(spec.params[p].persistent for p in ms.params)
                   for m, ms in enumerate(spec.modules))
+    homes: list[list[ModuleSpec]] = [[] for _ in spec.params]
+    for ms in spec.modules:
+        for p in ms.params:
+            homes[p].append(ms)
+    alone = [len(h) == 1 for h in homes]
+    at_end = tuple(ParamId(p) for p in range(len(spec.params)) if trainable[p] and alone[p] and inert[homes[p][0].id])
+    hooked = tuple(bool(t) and not (a and h[0].is_leaf) and p not in at_end
+                   for p, (t, a, h) in enumerate(zip(trainable, alone, homes)))
     grad_params = tuple(() if ms.is_leaf or inert[m] else tuple(p for p in ms.params if trainable[p])
                         for m, ms in enumerate(spec.modules))
     waiters: dict[ParamId, list[ModuleId]] = {}
     for m, ps in enumerate(grad_params):
         for p in ps:
             waiters.setdefault(p, []).append(ModuleId(m))
-    homes: list[list[ModuleSpec]] = [[] for _ in spec.params]
-    for ms in spec.modules:
-        for p in ms.params:
-            homes[p].append(ms)
-    hooked = tuple(bool(t) and not (len(h) == 1 and h[0].is_leaf) for t, h in zip(trainable, homes))
     own_of = tuple(tuple(p for p in ms.params if trainable[p] and not hooked[p]) if ms.is_leaf else ()
                    for ms in spec.modules)
-    leaf_own = tuple(ParamId(p) for p in range(len(spec.params)) if trainable[p] and not hooked[p])
+    leaf_own = tuple(p for ms in own_of for p in ms)
     return CallTables(inert, grad_params, {p: tuple(ms) for p, ms in waiters.items()}, tuple(trainable),
-                      hooked, leaf_own, own_of)
+                      hooked, tuple(sorted(leaf_own)), own_of, at_end)
 
 
 def saves_matter(spec: ModelSpec) -> bool:
@@ -250,7 +272,8 @@ def leave(st: Lifecycle, m: ModuleId, *, config: Config, grad_outputs: bool,
         set(unit).isdisjoint(saved.since(frame.saved_at))
     if reads_none:
         effects.append(GradDue(t.grad_params[m]))
-    wrap = grad_outputs and not t.inert[m] and not reads_none
+    # the outermost call always: its backward queues the end ([Note: persistent grads at the end of backward])
+    wrap = grad_outputs and not reads_none and (not t.inert[m] or not (stack or recomputing))
     if wrap:
         effects.append(WrapOutputs(m))
     params, eff = release(params, m, config=config, grad_outputs=wrap)
@@ -323,13 +346,19 @@ def grad_ready(st: Lifecycle, p: ParamId, *, config: Config, dtype: str, graph_t
 def end_of_backward(st: Lifecycle, *, config: Config, with_grad: frozenset[ParamId] = frozenset()
                     ) -> tuple[Lifecycle, tuple]:
     """Autograd finished the backward: leaves whose post-backward never ran (no grad input) are
-    reduced, the grad epilogue runs, the params are released (finish_backward). `with_grad`:
-    the leaves' own params (`CallTables.leaf_own`) whose .grad is set."""
+    reduced, the persistent params without a hook that got a grad are reported ([Note:
+    persistent grads at the end of backward]), the grad epilogue runs, the params are released
+    (finish_backward). `with_grad`: the params without a hook (`CallTables.leaf_own`, `at_end`)
+    whose .grad is set."""
     calls, grads = st.calls, st.grads
     effects: tuple = (ClearGradDue(),)
     for m in sorted(calls.leaves):
         calls, grads, eff = _reduce_leaf(calls, grads, m, config, with_grad)
         effects += eff
+    for p in calls.tables.at_end:
+        if p in with_grad:
+            grads, eff = bucket_add(grads, p, config=config, dtype=grad_dtype(config))
+            effects += eff
     grads, eff = epilogue(grads, config=config)
     params, eff2 = finish_backward(st.params, config=config)
     calls = calls._replace(waiting=(), backward=False)
@@ -384,7 +413,7 @@ def _check_not_leaf_own(st: Lifecycle, m: ModuleId, pids, how: str) -> None:
     grad) would get that module's grad after the reduction ([Note: leaf modules])."""
     t, spec = st.calls.tables, st.params.spec
     for p in pids:
-        if t.trainable[p] and not t.hooked[p]:
+        if t.trainable[p] and not t.hooked[p] and p not in t.at_end:
             leaf = next(ms for ms in spec.modules if p in ms.params)
             raise ValueError(
                 f"fz3: param {spec.params[p].name!r} belongs to the leaf module {leaf.name!r} only, and "

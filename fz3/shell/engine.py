@@ -339,11 +339,13 @@ class Engine(DeepSpeedSurface):
         return local
 
     def _end_of_backward(self) -> None:
-        self.apply(BackwardEnded(self._with_grad(self.call_tables.leaf_own)))
+        t = self.call_tables
+        self.apply(BackwardEnded(self._with_grad(t.leaf_own + t.at_end)))
 
     def _with_grad(self, ps) -> frozenset[int]:
-        """Of the leaf params `ps`, those autograd gave a grad (what the core cannot see: they
-        have no hooks; [Note: leaf modules], fz3/core/calls.py)."""
+        """Of the params `ps` without a grad hook, those autograd gave a grad (what the core
+        cannot see; [Note: leaf modules], [Note: persistent grads at the end of backward],
+        fz3/core/calls.py)."""
         return frozenset(p for p in ps if self.tables.params[p].grad is not None)
 
     # ---- hook effects: what the core asks of torch ------------------------------------------------

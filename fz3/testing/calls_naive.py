@@ -14,8 +14,8 @@ have.
     reads none   a waiting call that began while a root forward watched the saves (the root's
                  own call begins before they are watched) and saved none of its unit's params:
                  GradDue(its trainable own params) at its leave, and no PreBackward node
-    leave        reads none: GradDue. Outputs need grad, not inert, not reads none: WrapOutputs.
-                 The root: EndPass
+    leave        reads none: GradDue. Outputs need grad, not reads none, not inert or the
+                 outermost call: WrapOutputs. The root: EndPass
     raised       the root: EndPass
     externals    a param a call returns is its caller's, a param a call reads off another
                  module's _parameters is the reader's, unless they own it
@@ -117,7 +117,7 @@ class NaiveCalls:
             self.externals[caller] |= set(returned) - self.own[caller]
         reads_none = call.may_read_none and not (call.saved & (self.own[m] | self.externals[m]))
         out: list = [GradDue(self.grad_params(m))] if reads_none else []
-        if grad_outputs and not self.inert[m] and not reads_none:
+        if grad_outputs and not reads_none and (not self.inert[m] or not self.open):
             out.append(WrapOutputs(m))
         return out + ([EndPass()] if m == 0 else [])
 

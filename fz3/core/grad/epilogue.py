@@ -23,7 +23,9 @@ by 1/gas; summing first keeps the integer test data exact and never relies on a 
 has no optimizer grad (None), so every torch optimizer leaves it alone, as in plain PyTorch and
 FSDP2: zeros in its place would still move it by AdamW's weight decay and moments (7e-4 from
 plain PyTorch after a few steps). For a hooked param "no grad on this rank" is "no grad on any":
-a grad on one rank only is a reduce the others do not issue, a divergence. A leaf's own params
+a grad on one rank only is a reduce the others do not issue, a divergence (the same for a
+param reported at the end of backward instead: fz3/core/calls.py, [Note: persistent grads at
+the end of backward]). A leaf's own params
 are reduced as zeros where this rank's experts saw no token (fz3/core/calls.py, [Note: leaf
 modules]), so whether one got a grad anywhere is each rank's `got` flag summed over ranks
 (`leaf_grads`, one small all-reduce at the boundary, only for models with leaf modules).
