@@ -577,13 +577,46 @@ def test_a_new_pass_forgets_the_last_passs_waiting_calls_and_leaves():
     assert st.calls.waiting == () and st.calls.leaves == frozenset()
 
 
+def test_the_outermost_call_gathers_every_persistent_param_and_they_stay_live():
+    """[Note: persistent params stay live] The first pass's root enter gathers g (persistent:
+    norm's, inert) for no module; a call of norm inside it would need no event. The next passes
+    find it live: nothing to gather. A submodule called on its own does the same."""
+    st = lifecycle(*MODEL)
+    st, eff = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False)
+    assert AllGather(0, (1,), False, True) in eff and st.params.status(1) == Status.AVAILABLE
+    assert st.params.params[1].users == 0
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=False)
+    st, eff = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False)
+    assert not any(isinstance(e, AllGather) for e in eff), eff
+    st, eff = calls.enter(lifecycle(*MODEL), 4, config=CFG, grad=True, grad_inputs=True)
+    assert AllGather(0, (1,), False, True) in eff and AllGather(1, (3,), False, True) in eff
+
+
+def test_a_stale_unhold_inside_a_call_gathers_the_persistent_params_again():
+    """gathered_parameters(modifier_rank=...) exited inside a forward frees g; the calls of norm
+    still to come in this pass take no event, so it is gathered again at once. Outside every
+    call it is left to the next outermost enter."""
+    from fz3.core import events as core_events
+    from fz3.core.events import Hold, Unhold
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=False)
+    st, _ = core_events.update(st, Hold((1,)), config=CFG)
+    st, eff = core_events.update(st, Unhold((1,), stale=True), config=CFG)
+    assert isinstance(eff[0], Free) and any(isinstance(e, AllGather) and e.params == (1,) for e in eff), eff
+    assert st.params.status(1) == Status.AVAILABLE
+    st, _ = calls.leave(st, 0, config=CFG, grad_outputs=False)
+    st, _ = core_events.update(st, Hold((1,)), config=CFG)
+    st, eff = core_events.update(st, Unhold((1,), stale=True), config=CFG)
+    assert not any(isinstance(e, AllGather) for e in eff) and st.params.status(1) == Status.NOT_AVAILABLE
+
+
 def test_enter_fetches_for_forward_and_counts_one_grad_input_for_a_wrapped_or_waiting_call():
     """The fetch is a forward one; a call whose inputs are wrapped, or that waits on its grads,
     counts one grad input (GRADS_REMAINING), a call under no_grad none."""
     st = lifecycle(*MODEL)
-    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
+    st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)  # gathers g: handle 0
     st, eff = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
-    assert eff[0] == WrapInputs(4) and AllGather(0, (3,), False, True) in eff
+    assert eff[0] == WrapInputs(4) and AllGather(1, (3,), False, True) in eff
     assert st.params.modules[4].grads_remaining == 1
     st, _ = calls.leave(st, 4, config=CFG, grad_outputs=True)
     st, _ = calls.enter(st, 1, config=CFG, grad=True, grad_inputs=False, saved=0)

@@ -6,7 +6,8 @@ its tensors, counted on thread ranks.
     out_proj.weight without calling out_proj) still does, and borrows it
   - a call's inputs and outputs are each walked once (flatten), where the pre-forward, the
     inputs' wrap and the outputs' wrap each walked them again; an inert call's inputs (its
-    params persistent: no autograd node) are not walked at all
+    params persistent: no autograd node) are not walked at all, and one inside another call
+    takes no event
   - what autograd saves is watched only where a pass frees params (fz3.core.calls.saves_matter)
 """
 from __future__ import annotations
@@ -82,8 +83,17 @@ def test_each_call_walks_its_inputs_and_outputs_once():
     out = launch.run_threads(_count, 1, args=(0,))[0]  # nothing persistent: no call is inert
     assert out["inert"] == 0 and out["walks"] == 2 * out["calls"], out
     out = launch.run_threads(_count, 1, args=(10**6,))[0]  # every param persistent: a, b, mha and
-    # out_proj are inert; the first three are called, their inputs not walked
-    assert out["inert"] == 4 and out["walks"] == 2 * out["calls"] - 3, out
+    # out_proj are inert; called inside the root, they take no event and nothing is walked
+    assert out["inert"] == 4 and out["calls"] == 1 and out["walks"] == 2, out
+
+
+def test_an_inert_call_inside_another_takes_no_event_and_its_params_no_read():
+    """[Note: inert modules] (fz3/core/calls.py): every param persistent, the root's is the one
+    call the core hears of; mha reads out_proj's params, persistent, and borrows nothing."""
+    for out in launch.run_threads(_count, 2, args=(10**6,)):
+        assert out["events"] == {"Enter": 1, "Leave": 1, "PreBackwardRan": 1, "BackwardEnded": 1,
+                                 "Stepped": 1}, out
+        assert out["borrowed"] == [], out
 
 
 def test_saves_are_watched_only_where_a_pass_frees_params():

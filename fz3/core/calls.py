@@ -30,9 +30,16 @@ runs, so a test may replace one).
 
 [Note: inert modules] A module whose own params are all persistent (or that has none: a
 container) never gathers nor frees, and its externals are pinned to the step's end: its
-backward would do nothing, so its calls get no autograd nodes (its forward still goes through
-the core: trace, prefetch). 18 of the small benchmark GPT's 33 calls; ~2.7 ms a step
-(bench/no_comm_overhead.py, toy). The root and leaf modules always get theirs.
+backward would do nothing, so its calls get no autograd nodes. 18 of the small benchmark GPT's
+33 calls; ~2.7 ms a step (bench/no_comm_overhead.py, toy). The root and leaf modules always get
+theirs. Nor does a call of it inside another call take an event: its params are live from the
+outermost call's enter on ([Note: persistent params stay live], fz3/core/param/hold.py), so its
+enter and leave would change nothing but the stack of open calls, and a read of its params
+nothing at all (persistent: nothing to borrow). The shell sends none (fz3/shell/engine.py,
+`_pre_forward`): on the deep narrow benchmark GPT 116 of its 117 calls, ~1.3 ms of its forward
+(issue #27). What the calls inside it do is seen as done by the call around it. The outermost
+call of an inert module (called on its own) takes its events, and its outputs get a
+PreBackward node ([Note: persistent grads at the end of backward]).
 
 [Note: modules without grad inputs] A call whose inputs need no grad (an embedding on token
 ids) never gets a post-backward, so DeepSpeed keeps its params gathered to the end of backward:
@@ -89,6 +96,7 @@ from fz3.core.param import backward as core_bwd
 from fz3.config.config import COMM_DTYPES, Config
 from fz3.core.grad.epilogue import epilogue, optimizer_step, without_grad
 from fz3.core.param.fetch import fetch
+from fz3.core.param.hold import gather_persistent
 from fz3.core.grad.grads import GradState, bucket_add, new_pass
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
@@ -211,6 +219,9 @@ def enter(st: Lifecycle, m: ModuleId, *, config: Config, grad: bool, grad_inputs
         # a backward still marked running never reached its end (it raised): it is over now
         calls = calls._replace(stack=(), aborted=False, waiting=(), leaves=frozenset(), backward=False)
         effects += eff + (BeginPass(),)
+    if not calls.stack and not recomputing:  # the outermost call: [Note: persistent params stay live]
+        params, eff = gather_persistent(params)
+        effects += eff
     t = calls.tables
     wrap = grad and grad_inputs and not t.inert[m]
     waits = grad and not wrap and bool(t.grad_params[m])

@@ -161,6 +161,9 @@ def update(st: Lifecycle, event, *, config: Config) -> tuple[Lifecycle, tuple]:
             return st._replace(params=params), effects
         case Unhold(ps, stale):
             params, effects = hold.unhold(st.params, ps, config=config, stale=stale)
+            if stale and st.calls.stack:  # inside a call: [Note: persistent params stay live]
+                params, eff = hold.gather_persistent(params)
+                effects += eff
             return st._replace(params=params), effects
         case ShardsReplaced():
             params, effects = step.end_of_step(st.params, config=config)

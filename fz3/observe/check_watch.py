@@ -3,7 +3,8 @@
     watch = Watch(engine)       # wraps the engine's core door (engine.update), as fz3.timeline does
     watch.micro = i             # the rank's loop says which micro-step runs
     watch.effects[i]            # the effects micro-step i's events returned, in order
-    watch.entered[i]            # the modules micro-step i entered (Enter events), by name
+    watch.entered[i]            # the modules micro-step i entered (Enter events), by name: every
+                                # call, an inert module's inside another too (engine.every_call)
     watch.callers[i]            # for each, the module whose forward ran around it ('' at the top)
     watch.i1, watch.i2          # the first violation of each, or None
     watch.active()              # the modules whose forward runs now, innermost last
@@ -46,6 +47,7 @@ class Watch:
         self.i2: str | None = None
         self.inner = engine.update
         engine.update = self.update  # the instance's attribute: the engine's own calls come here
+        engine.every_call = True  # the inert modules' calls inside others too ([Note: inert modules])
 
     def update(self, cell, event, *, config):
         new, effects = self.inner(cell, event, config=config)

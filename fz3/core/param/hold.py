@@ -4,6 +4,8 @@
     unhold(pids)   each loses it; with `stale` (the full values may have been edited, or the
                    shards rewritten), params no module uses are freed even if persistent or
                    external, so the next fetch gathers the current shards
+    gather_persistent   every persistent param not live is gathered and waited, for no
+                   module (the outermost call's enter, fz3/core/calls.py)
 
 A hold counts like an active module in a param's `users`, so no release frees a held param.
 DeepSpeed: GatheredParameters.__enter__ / __exit__.
@@ -11,7 +13,7 @@ DeepSpeed: GatheredParameters.__enter__ / __exit__.
 from __future__ import annotations
 
 from fz3.config.config import Config
-from fz3.core.param.state import AVAILABLE, Effects, ParamState, Txn, free, gather, wait_for
+from fz3.core.param.state import AVAILABLE, NOT_AVAILABLE, Effects, ParamState, Txn, free, gather, wait_for
 from fz3.core.ids import ParamId
 
 
@@ -45,3 +47,20 @@ def unhold(st: ParamState, pids: tuple[ParamId, ...], *, config: Config,
     free(tx, tuple(to_free))
     new, effects = tx.commit()
     return new._replace(held=tuple(held)), effects
+
+
+def gather_persistent(st: ParamState) -> tuple[ParamState, Effects]:
+    """[Note: persistent params stay live] Gather every persistent param not live, for no
+    module (no user, no trace step), and wait. At an outermost call's enter (once a pass), and
+    after a stale unhold inside a call (gathered_parameters with a modifier_rank, exited in a
+    forward): so while any call is open, every persistent param is live (the step refreshes
+    them in place, and only a stale unhold or new shards free them), and a call of an inert
+    module inside another needs no event ([Note: inert modules], fz3/core/calls.py).
+    O(params), but only there."""
+    missing = tuple(ps.id for ps in st.spec.params if ps.persistent and st.status(ps.id) == NOT_AVAILABLE)
+    if not missing:
+        return st, ()
+    tx = Txn(st)
+    gather(tx, missing, prefetch=False, forward=True, fetched_for=(-1,) * len(missing))
+    wait_for(tx, missing)
+    return tx.commit()
