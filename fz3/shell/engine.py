@@ -142,9 +142,13 @@ class Engine(DeepSpeedSurface):
         # store, not a lookup (on the deep narrow GPT 232 call events a step, and a lookup only in
         # the calls that read a param through a ParamDict, once each)
         self.running: list[int | None] = [-1]
-        # by open call of an inert module, innermost last: whether its pre-forward sent no event
+        # [Note: inert modules] (fz3/core/calls.py): a call of one inside another call (some call
+        # open: `running`) takes no event, but under fz3.check (`every_call`). By open call of an
+        # inert module, innermost last: whether its pre-forward sent none
+        self.inert_ids = frozenset(id(mod) for mod, inert in zip(self.tables.modules, self.call_tables.inert)
+                                   if inert)
         self.inert_calls: list[bool] = []
-        self.every_call = False  # fz3.check: every call takes its events, inert ones inside others too
+        self.every_call = False
         # no event has run yet (engine.compile() checks it). A flag, not the first state kept for
         # an identity check: an old state keeps every later version's diffs alive (pvec.py), so
         # holding the first one grew the heap by every change ever made (~0.5 MiB a step, deep GPT)
@@ -281,13 +285,15 @@ class Engine(DeepSpeedSurface):
                 module._parameters = dict(module._parameters)
 
     def _pre_forward(self, module, args, kwargs):
-        m = self.module_ids[id(module)]
-        if self.call_tables.inert[m]:  # inside another call it takes no event: [Note: inert modules]
-            nested = self._nested()
+        if id(module) in self.inert_ids:  # inside another call it takes no event: [Note: inert modules]
+            running = self.running[0]
+            if running is None:
+                running = self._running()
+            nested = running >= 0 and not self.every_call
             self.inert_calls.append(nested)
             if nested:
                 return None
-        grad, tree, flat = torch.is_grad_enabled(), (args, kwargs), None
+        m, grad, tree, flat = self.module_ids[id(module)], torch.is_grad_enabled(), (args, kwargs), None
         # an inert call's inputs matter to nobody: the core wraps them only for calls that are not
         # ([Note: inert modules], fz3/core/calls.py), so they are not walked
         if grad and not self.call_tables.inert[m]:
@@ -297,7 +303,7 @@ class Engine(DeepSpeedSurface):
                                       self.saved.position()), tree, flat)
 
     def _post_forward(self, module, args, kwargs, output):
-        if self.call_tables.inert[self.module_ids[id(module)]] and self.inert_calls.pop():
+        if id(module) in self.inert_ids and self.inert_calls.pop():
             return None  # its pre-forward sent no event
         if output is None and sys.exc_info()[1] is not None:  # raised: [Note: a forward that raised]
             if self.stopped is not None:
@@ -315,16 +321,6 @@ class Engine(DeepSpeedSurface):
         out = self.apply(event, tree, flat)
         self.running[0] = None
         return out
-
-    def _nested(self) -> bool:
-        """Some call is open ([Note: inert modules], fz3/core/calls.py); never under fz3.check,
-        which watches every call (`every_call`)."""
-        if self.every_call:
-            return False
-        running = self.running[0]
-        if running is None:
-            running = self._running()
-        return running >= 0
 
     def _running(self) -> int:
         """The module whose call is innermost open (calls.running), kept until the next call event."""
