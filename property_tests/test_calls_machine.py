@@ -1,11 +1,16 @@
 """The module-call state machine (fz3/testing/calls_machine.py) under the active profile: the real
-fz3/core/calls.py, driven by a simulation of torch autograd, against a naive model.
+fz3/core/calls.py, driven by a simulation of torch autograd, against a naive model. Twice: with
+every call's events (as fz3.check sends them), and with the engine's (an inert module's call
+inside another takes none).
 
     CI=1 pytest property_tests/test_calls_machine.py      # the ci profile, derandomized
 """
 from hypothesis import settings
 
-from fz3.testing.calls_machine import CallsMachine
+from fz3.testing.calls_machine import CallsMachine, QuietCallsMachine
 
 TestCallsMachine = CallsMachine.TestCase
 TestCallsMachine.settings = settings(stateful_step_count=20)
+
+TestQuietCallsMachine = QuietCallsMachine.TestCase
+TestQuietCallsMachine.settings = settings(stateful_step_count=20)

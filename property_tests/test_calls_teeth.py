@@ -199,3 +199,34 @@ def test_zeros_standing_in_for_a_leafs_grad_counted_as_a_grad_are_caught(monkeyp
     real = calls.bucket_add
     monkeypatch.setattr(calls, "bucket_add", lambda *a, stand_in=False, **k: real(*a, **k))
     assert_caught(r"naive model: Stepped.*expected \[StepOptimizer")
+
+
+def test_quiet_calls_where_params_are_freed_are_caught(monkeypatch):
+    """(q) every inert module quiet, params freed or not: a call inside another that reads a
+    param off the _parameters of the call around it leaves that read to the owner's own call,
+    which frees the param at its grads while the inert call's backward still needs it (I5).
+    The smallest such pass, as the quiet machine first found it: the root owns w and waits for
+    its grad (its input needs none), `box` (no params: inert) reads w."""
+    from fz3.testing.autograd_sim import SimError
+    from fz3.testing.calls_machine import QuietCallsMachine
+    from fz3.testing.models import Call, Case, External, Model
+    from fz3.config.config import Config
+    case = Case(Model(1, (("w", 4),), (("", (0,), False), ("box", (), False)), (1,), (True,)),
+                Config(param_persistence_threshold=0),
+                (Call(0, True, 0, (Call(1, True, 1, (External((0,)),)),)),))
+
+    def run() -> None:
+        machine = QuietCallsMachine()
+        machine.start(case, quiet=True)
+        machine.run_pass(0, "complete", None)
+
+    run()  # quiet only where nothing is freed: here no call is
+    real = calls.call_tables
+
+    def tables(spec, trainable):
+        t = real(spec, trainable)
+        return t._replace(quiet=t.inert)
+
+    monkeypatch.setattr(calls, "call_tables", tables)
+    with pytest.raises(SimError, match="I5 in backward"):
+        run()

@@ -32,14 +32,21 @@ runs, so a test may replace one).
 container) never gathers nor frees, and its externals are pinned to the step's end: its
 backward would do nothing, so its calls get no autograd nodes. 18 of the small benchmark GPT's
 33 calls; ~2.7 ms a step (bench/no_comm_overhead.py, toy). The root and leaf modules always get
-theirs. Nor does a call of it inside another call take an event: its params are live from the
-outermost call's enter on ([Note: persistent params stay live], fz3/core/param/hold.py), so its
-enter and leave would change nothing but the stack of open calls, and a read of its params
-nothing at all (persistent: nothing to borrow). The shell sends none (fz3/shell/engine.py,
-`_pre_forward`): on the deep narrow benchmark GPT 116 of its 117 calls, ~1.3 ms of its forward
-(issue #27). What the calls inside it do is seen as done by the call around it. The outermost
-call of an inert module (called on its own) takes its events, and its outputs get a
-PreBackward node ([Note: persistent grads at the end of backward]).
+theirs.
+
+Where no param is ever freed (every param persistent: `saves_matter` False), a call of an inert
+module inside another call takes no event either (`CallTables.quiet`): its params are live from
+the outermost call's enter on ([Note: persistent params stay live], fz3/core/param/hold.py),
+its enter and leave would change nothing but the stack of open calls, and what it reads nothing
+(nothing to borrow: nothing is freed). The shell sends none (fz3/shell/engine.py,
+`_pre_forward`), and what the calls inside it do is seen as done by the call around it: on the
+deep narrow benchmark GPT 116 of its 117 calls, ~1.3 ms of its forward (issue #27). Not where
+params are freed: there a param such a call reads off the _parameters of the call around it
+would be that call's own read, and that call may free it at its own grads ([Note: modules
+without grad inputs]) while the inert call's backward still needs it (the calls machine found
+it, fz3/testing/calls_machine.py QuietCallsMachine). The outermost call of an inert module
+(called on its own) always takes its events, and its outputs get a PreBackward node ([Note:
+persistent grads at the end of backward]).
 
 [Note: modules without grad inputs] A call whose inputs need no grad (an embedding on token
 ids) never gets a post-backward, so DeepSpeed keeps its params gathered to the end of backward:
@@ -113,6 +120,8 @@ class CallTables(NamedTuple):
     """What the spec and the trainable flags say about calls, once per model."""
 
     inert: tuple[bool, ...]  # by module: its calls get no autograd nodes ([Note: inert modules])
+    quiet: tuple[bool, ...]  # by module: inert, and no param of the model is ever freed: a call
+    # of it inside another call takes no event ([Note: inert modules])
     grad_params: tuple[tuple[ParamId, ...], ...]  # by module: params whose grads end a call
     # without grad inputs (trainable, own; () for leaves and inert modules)
     waiters: dict[ParamId, tuple[ModuleId, ...]]  # param -> modules with it in grad_params
@@ -179,7 +188,8 @@ def call_tables(spec: ModelSpec, trainable: Sequence[bool]) -> CallTables:
     own_of = tuple(tuple(p for p in ms.params if trainable[p] and not hooked[p]) if ms.is_leaf else ()
                    for ms in spec.modules)
     leaf_own = tuple(p for ms in own_of for p in ms)
-    return CallTables(inert, grad_params, {p: tuple(ms) for p, ms in waiters.items()}, tuple(trainable),
+    quiet = inert if not saves_matter(spec) else (False,) * len(inert)
+    return CallTables(inert, quiet, grad_params, {p: tuple(ms) for p, ms in waiters.items()}, tuple(trainable),
                       hooked, tuple(sorted(leaf_own)), own_of, at_end)
 
 

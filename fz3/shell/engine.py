@@ -142,11 +142,11 @@ class Engine(DeepSpeedSurface):
         # store, not a lookup (on the deep narrow GPT 232 call events a step, and a lookup only in
         # the calls that read a param through a ParamDict, once each)
         self.running: list[int | None] = [-1]
-        # [Note: inert modules] (fz3/core/calls.py): a call of one inside another call (some call
-        # open: `running`) takes no event, but under fz3.check (`every_call`). By open call of an
-        # inert module, innermost last: whether its pre-forward sent none
-        self.inert_ids = frozenset(id(mod) for mod, inert in zip(self.tables.modules, self.call_tables.inert)
-                                   if inert)
+        # [Note: inert modules] (fz3/core/calls.py): a call of a quiet one inside another call (some
+        # call open: `running`) takes no event, but under fz3.check (`every_call`). By open call
+        # of a quiet module, innermost last: whether its pre-forward sent none
+        self.inert_ids = frozenset(id(mod) for mod, quiet in zip(self.tables.modules, self.call_tables.quiet)
+                                   if quiet)
         self.inert_calls: list[bool] = []
         self.every_call = False
         # no event has run yet (engine.compile() checks it). A flag, not the first state kept for
@@ -266,8 +266,8 @@ class Engine(DeepSpeedSurface):
         for m, module in enumerate(self.tables.modules):
             handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True, prepend=True))
             handles.append(module.register_forward_hook(post_forward, with_kwargs=True, always_call=True))
-            # an inert module's params are persistent: a read of one needs nothing ([Note: inert modules])
-            if not self.spec.modules[m].is_leaf and not self.call_tables.inert[m]:
+            # a quiet module's params are persistent, none freed: a read needs nothing ([Note: inert modules])
+            if not self.spec.modules[m].is_leaf and not self.call_tables.quiet[m]:
                 module._parameters = ParamDict(module._parameters, m, on_param_read, self.running, resolve_running)
         for p, hooked in enumerate(self.call_tables.hooked):  # [Note: leaf modules]
             if hooked:
@@ -285,7 +285,7 @@ class Engine(DeepSpeedSurface):
                 module._parameters = dict(module._parameters)
 
     def _pre_forward(self, module, args, kwargs):
-        if id(module) in self.inert_ids:  # inside another call it takes no event: [Note: inert modules]
+        if id(module) in self.inert_ids:  # quiet: inside another call no event ([Note: inert modules])
             running = self.running[0]
             if running is None:
                 running = self._running()

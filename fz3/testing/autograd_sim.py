@@ -24,8 +24,14 @@ finds no shape, an end of backward queued twice or never (SimError).
                                                                 the params with a grad so far)
                A compute of a call that saved params finds its unit, and all it used, AVAILABLE
                (I5 in backward)
-    hooks      a trainable param outside leaf modules has a grad hook (the engine's _install);
-               leaf modules' params have none: the core reduces them. A leaf's call computes
+    quiet      (`quiet=True`, as the engine runs) a call of a quiet module (CallTables.quiet)
+               inside another call fires no Enter / Leave / Raised, and no Read is fired for a
+               param read off a quiet module's _parameters (the engine does not watch them):
+               [Note: inert modules]. Its I5 checks still run: its params must be live without
+               its events
+    hooks      a trainable param with a hook in the core's CallTables.hooked has a grad hook
+               (the engine's _install); the others (a leaf's own, an inert module's alone) have
+               none: the core reduces them. A leaf's call computes
                with its unit less its `skips` (experts no token was routed to: no grad)
     end        BackwardEnded(with_grad), if the core queued it: exactly once in a backward
                with any event
@@ -86,6 +92,7 @@ class Node:
     inputs_node: bool = False  # WrapInputs: a PostBackward node on its inputs
     outputs_node: bool = False  # WrapOutputs: a PreBackward node on its outputs
     used: frozenset[int] = frozenset()  # params it computed with in forward
+    quiet: bool = False  # an inert module's call inside another: it fired no event
 
 
 class _Raised(Exception):
@@ -97,9 +104,11 @@ class AutogradSim:
     fz3/testing/call_cases.py's KNOWN_GAPS the simulation steers clear of (none of its own)."""
 
     def __init__(self, spec: ModelSpec, trainable: tuple[bool, ...], driver: Driver, *,
-                 avoid: frozenset[str] = frozenset()) -> None:
+                 avoid: frozenset[str] = frozenset(), quiet: bool = False) -> None:
         self.spec, self.trainable, self.driver, self.avoid = spec, trainable, driver, avoid
         self.hooked = driver.state.calls.tables.hooked  # what the shell hooks: the core says
+        self.quiet_modules = driver.state.calls.tables.quiet
+        self.quiet = quiet
         self.log: Log[int] = Log()  # the saved-param log (fz3/shell/saved.py)
         self.watching = False  # the saved-tensor hooks are open (a root forward)
         self.due: set[int] = set()  # the store's grad_due
@@ -165,7 +174,8 @@ class AutogradSim:
             self._forward(call, grad, None)
         except _Raised:
             for node in reversed(self.stack):
-                self.fire(Raised(node.call.module))
+                if not node.quiet:
+                    self.fire(Raised(node.call.module))
             self.stack = []
             return False
         return True
@@ -183,10 +193,17 @@ class AutogradSim:
         else:
             parent.children.append(node)
         self._tick()
-        self.fire(Enter(m, grad, grad and call.grad_inputs == 1, training=grad,
-                        saved=len(self.log) if self.watching else -1), node)
+        node.quiet = self.quiet and self.quiet_modules[m] and bool(self.stack)
+        if node.quiet:
+            covered("call decisions", "inert call inside another: no event")
+        else:
+            self.fire(Enter(m, grad, grad and call.grad_inputs == 1, training=grad,
+                            saved=len(self.log) if self.watching else -1), node)
         self.stack.append(node)
-        check_fetched(self.driver.state.params, m)  # I5 in forward: the call starts
+        if node.quiet:  # no fetch counts it among its params' users: they must be live anyway
+            self.compute_forward(m, set(), call)
+        else:
+            check_fetched(self.driver.state.params, m)  # I5 in forward: the call starts
         got: set[int] = set()
         for item in call.body:
             if isinstance(item, Call):
@@ -199,19 +216,21 @@ class AutogradSim:
             self.log = self.log.extend(sorted(node.used))
             self.driver.saved(node.used)
         self._tick()
-        self.fire(Leave(m, grad and self.outputs_grad(call), call.returns, self.log), node)
+        if not node.quiet:
+            self.fire(Leave(m, grad and self.outputs_grad(call), call.returns, self.log), node)
         self.stack.pop()
         return call.returns
 
     def _read(self, item: External) -> tuple[int, ...]:
         """The running call reads params off an owner's _parameters: the first owner the engine
-        watches (it does not watch leaf modules' _parameters)."""
+        watches (it does not watch leaf modules' _parameters, nor, quiet, inert modules')."""
         read = []
         for p in item.params:
             owner = next((m for m, ms in enumerate(self.spec.modules) if p in ms.params
                           and not ms.is_leaf), None)
             if owner is not None:
-                self.fire(Read(owner, p))
+                if not (self.quiet and self.quiet_modules[owner]):
+                    self.fire(Read(owner, p))
                 read.append(p)
         return tuple(read)
 

@@ -78,6 +78,7 @@ class CallsMachine(RuleBasedStateMachine):
     naive = True  # hold the core against calls_naive.py (a teeth test may switch it off to show
     # that the simulation's own checks catch a bug too)
     avoid = KNOWN_GAPS  # situations the simulation steers clear of (a gap's regression test: none)
+    quiet = False  # every call's events, as under fz3.check; QuietCallsMachine: the engine's
 
     def __init__(self) -> None:
         super().__init__()
@@ -86,16 +87,18 @@ class CallsMachine(RuleBasedStateMachine):
     @initialize(case=call_cases())
     def setup(self, case: Case) -> None:
         note(f"case: {case}")
-        self.start(case)
+        self.start(case, self.quiet)
         covered("examples", "module calls")
 
-    def start(self, case: Case) -> None:
+    def start(self, case: Case, quiet: bool = False) -> None:
+        """`quiet`: the events as the engine sends them (an inert module's call inside another
+        takes none: [Note: inert modules]); else every call's, as under fz3.check."""
         self.case, self.config = case, case.config
         spec = case.model.spec(case.config)
         trainable = self.trainable = case.model.trainable or (True,) * len(case.model.params)
         self.state = Lifecycle(initial_state(spec), init_grad_state(spec),
                                initial_calls(spec, trainable))
-        self.sim = AutogradSim(spec, trainable, self, avoid=self.avoid)
+        self.sim = AutogradSim(spec, trainable, self, avoid=self.avoid, quiet=quiet)
         self.model = NaiveCalls(spec, trainable, case.config.param_persistence_threshold)
         self.passes, self.last, self.log = 0, None, []
         self.events: list = []  # every event since the start, for the regression a failure prints
@@ -316,3 +319,21 @@ def replay(case: Case, events: list) -> list[tuple]:
         state = new
         out.append(effects)
     return out
+
+
+class QuietCallsMachine(CallsMachine):
+    """The events as the engine sends them: an inert module's call inside another call takes
+    none ([Note: inert modules], fz3/core/calls.py). Its params must be live all the same (the
+    simulation's I5), and the core's decisions for the calls it does hear of are the naive
+    model's."""
+
+    quiet = True
+
+    @initialize(case=call_cases(), every_param_persistent=st.booleans())
+    def setup(self, case: Case, every_param_persistent: bool) -> None:
+        """Half the cases with every param persistent: only there are calls quiet."""
+        if every_param_persistent:
+            case = Case(case.model, case.config.replace(param_persistence_threshold=10**9), case.programs)
+        note(f"case: {case}")
+        self.start(case, self.quiet)
+        covered("examples", "module calls")
