@@ -68,7 +68,7 @@ embedding's, is freed right after the lm_head's backward.
 
 [Note: persistent grads at the end of backward] A param of one inert module alone (persistent,
 then) gets no grad hook: autograd's hook, the event and the core's door cost ~5 us a param, and
-all 196 of the deep narrow benchmark GPT's params are such (issue #27). Its grad is reported at
+195 of the deep narrow benchmark GPT's 196 params are such (issue #27). Its grad is reported at
 the end of backward when its .grad is set (`with_grad`), in id order: it is never freed, and no
 call waits for it (an inert call never waits: `grad_params`; a persistent param of a module
 that is not inert keeps its hook, since a call of that module without grad inputs ends when
