@@ -73,14 +73,13 @@ the end of backward when its .grad is set (`with_grad`), in id order: it is neve
 call waits for it (an inert call never waits: `grad_params`; a persistent param of a module
 that is not inert keeps its hook, since a call of that module without grad inputs ends when
 all its grads are in). A reduce at the end of backward is what the hold path does with a small
-grad anyway. It is reported like a hooked
-param, not as a leaf's: only when it got a grad, so a grad on one rank only is still a reduce
-the other ranks do not issue, a DivergenceError ([Note: no grad, no step], epilogue.py). The
-price: its grad waits in .grad until then (on a carrier that copies grads into buckets, the
-persistent params' grads, small by the threshold's design, live to the end of backward), and it
-is not reduced while the backward still runs. A tied param (two modules) keeps its hook.
-The outermost call always gets a PreBackward node, so a backward through a call of inert
-modules alone still queues its end.
+grad anyway. It is reported like a hooked param, not as a leaf's: only when it got a grad, so a
+grad on one rank only is still a reduce the other ranks do not issue, a DivergenceError ([Note:
+no grad, no step], epilogue.py). The price: its grad waits in .grad until then (on a carrier
+that copies grads into buckets, the persistent params' grads, small by the threshold's design,
+live to the end of backward), and it is not reduced while the backward still runs. A tied
+param (two modules) keeps its hook. The outermost call always gets a PreBackward node, so a
+backward through a call of inert modules alone still queues its end.
 
 [Note: leaf modules] A leaf module's own params (in no other module) get no grad hooks: its
 calls' backwards may each add to them (a MoE block's experts), so they are reduced together
@@ -176,7 +175,8 @@ def call_tables(spec: ModelSpec, trainable: Sequence[bool]) -> CallTables:
         for p in ms.params:
             homes[p].append(ms)
     alone = [len(h) == 1 for h in homes]
-    at_end = tuple(ParamId(p) for p in range(len(spec.params)) if trainable[p] and alone[p] and inert[homes[p][0].id])
+    at_end = tuple(ParamId(p) for p in range(len(spec.params))
+                   if trainable[p] and alone[p] and inert[homes[p][0].id])
     hooked = tuple(bool(t) and not (a and h[0].is_leaf) and p not in at_end
                    for p, (t, a, h) in enumerate(zip(trainable, alone, homes)))
     grad_params = tuple(() if ms.is_leaf or inert[m] else tuple(p for p in ms.params if trainable[p])
@@ -293,7 +293,8 @@ def leave(st: Lifecycle, m: ModuleId, *, config: Config, grad_outputs: bool,
         set(unit).isdisjoint(saved.since(frame.saved_at))
     if reads_none:
         effects.append(GradDue(t.grad_params[m]))
-    # the outermost call always: its backward queues the end ([Note: persistent grads at the end of backward])
+    # the outermost call always: its backward queues the end ([Note: persistent grads at the end
+    # of backward])
     wrap = grad_outputs and not reads_none and (not t.inert[m] or not (stack or recomputing))
     if wrap:
         effects.append(WrapOutputs(m))

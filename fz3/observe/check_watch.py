@@ -4,7 +4,7 @@
     watch.micro = i             # the rank's loop says which micro-step runs
     watch.effects[i]            # the effects micro-step i's events returned, in order
     watch.entered[i]            # the modules micro-step i entered (Enter events), by name: every
-                                # call, an inert module's inside another too (engine.every_call)
+                                # call, a quiet module's inside another too (engine.every_call)
     watch.callers[i]            # for each, the module whose forward ran around it ('' at the top)
     watch.i1, watch.i2          # the first violation of each, or None
     watch.active()              # the modules whose forward runs now, innermost last
@@ -47,7 +47,7 @@ class Watch:
         self.i2: str | None = None
         self.inner = engine.update
         engine.update = self.update  # the instance's attribute: the engine's own calls come here
-        engine.every_call = True  # the inert modules' calls inside others too ([Note: inert modules])
+        engine.every_call = True  # the quiet modules' calls inside others too ([Note: inert modules])
 
     def update(self, cell, event, *, config):
         new, effects = self.inner(cell, event, config=config)

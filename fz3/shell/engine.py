@@ -145,9 +145,9 @@ class Engine(DeepSpeedSurface):
         # [Note: inert modules] (fz3/core/calls.py): a call of a quiet one inside another call (some
         # call open: `running`) takes no event, but under fz3.check (`every_call`). By open call
         # of a quiet module, innermost last: whether its pre-forward sent none
-        self.inert_ids = frozenset(id(mod) for mod, quiet in zip(self.tables.modules, self.call_tables.quiet)
+        self.quiet_ids = frozenset(id(mod) for mod, quiet in zip(self.tables.modules, self.call_tables.quiet)
                                    if quiet)
-        self.inert_calls: list[bool] = []
+        self.quiet_calls: list[bool] = []
         self.every_call = False
         # no event has run yet (engine.compile() checks it). A flag, not the first state kept for
         # an identity check: an old state keeps every later version's diffs alive (pvec.py), so
@@ -285,12 +285,12 @@ class Engine(DeepSpeedSurface):
                 module._parameters = dict(module._parameters)
 
     def _pre_forward(self, module, args, kwargs):
-        if id(module) in self.inert_ids:  # quiet: inside another call no event ([Note: inert modules])
+        if id(module) in self.quiet_ids:  # quiet: inside another call no event ([Note: inert modules])
             running = self.running[0]
             if running is None:
                 running = self._running()
             nested = running >= 0 and not self.every_call
-            self.inert_calls.append(nested)
+            self.quiet_calls.append(nested)
             if nested:
                 return None
         m, grad, tree, flat = self.module_ids[id(module)], torch.is_grad_enabled(), (args, kwargs), None
@@ -303,7 +303,7 @@ class Engine(DeepSpeedSurface):
                                       self.saved.position()), tree, flat)
 
     def _post_forward(self, module, args, kwargs, output):
-        if id(module) in self.inert_ids and self.inert_calls.pop():
+        if id(module) in self.quiet_ids and self.quiet_calls.pop():
             return None  # its pre-forward sent no event
         if output is None and sys.exc_info()[1] is not None:  # raised: [Note: a forward that raised]
             if self.stopped is not None:

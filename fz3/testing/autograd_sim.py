@@ -31,8 +31,8 @@ finds no shape, an end of backward queued twice or never (SimError).
                its events
     hooks      a trainable param with a hook in the core's CallTables.hooked has a grad hook
                (the engine's _install); the others (a leaf's own, an inert module's alone) have
-               none: the core reduces them. A leaf's call computes
-               with its unit less its `skips` (experts no token was routed to: no grad)
+               none: the core reduces them. A leaf's call computes with its unit less its
+               `skips` (experts no token was routed to: no grad)
     end        BackwardEnded(with_grad), if the core queued it: exactly once in a backward
                with any event
     store      GradDue / GradIn / ClearGradDue / BeginPass keep the store's placeholders: a param
@@ -92,7 +92,7 @@ class Node:
     inputs_node: bool = False  # WrapInputs: a PostBackward node on its inputs
     outputs_node: bool = False  # WrapOutputs: a PreBackward node on its outputs
     used: frozenset[int] = frozenset()  # params it computed with in forward
-    quiet: bool = False  # an inert module's call inside another: it fired no event
+    quiet: bool = False  # a quiet module's call inside another: it fired no event
 
 
 class _Raised(Exception):
@@ -223,7 +223,7 @@ class AutogradSim:
 
     def _read(self, item: External) -> tuple[int, ...]:
         """The running call reads params off an owner's _parameters: the first owner the engine
-        watches (it does not watch leaf modules' _parameters, nor, quiet, inert modules')."""
+        watches (it does not watch leaf modules' _parameters, nor, quiet, quiet modules')."""
         read = []
         for p in item.params:
             owner = next((m for m, ms in enumerate(self.spec.modules) if p in ms.params
