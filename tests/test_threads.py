@@ -158,19 +158,28 @@ class _Branchy(torch.nn.Module):
         self.a, self.extra, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
         self.odd, self.at, self.steps = odd, at, 0
 
+    def runs_extra(self) -> bool:
+        return self.odd and self.steps >= self.at
+
     def forward(self, x):
         x = self.a(x)
-        if self.odd and self.steps >= self.at:
+        if self.runs_extra():
             x = self.extra(x)
         self.steps += 1
         return self.c(x)
 
 
-def _diverging(rank: int, world: int) -> dict:
+class _Skips(_Branchy):
+    """`extra` runs on every rank at the first step, then only on the rank whose `odd` is set."""
+
+    def runs_extra(self) -> bool:
+        return self.steps == 0 or self.odd
+
+
+def _until_divergence(model: torch.nn.Module, config) -> dict:
+    """Three steps, or the step whose DivergenceError stopped them."""
     import fz3
-    model = _Branchy(rank == world - 1, at=1)
-    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                            fz3.Config(param_persistence_threshold=0))
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
     try:
         for step in range(3):
             engine.backward(engine(torch.ones(2, 8)).sum())
@@ -178,6 +187,11 @@ def _diverging(rank: int, world: int) -> dict:
     except fz3.DivergenceError as e:
         return {"error": str(e), "step": step}
     return {"error": None}
+
+
+def _diverging(rank: int, world: int) -> dict:
+    import fz3
+    return _until_divergence(_Branchy(rank == world - 1, at=1), fz3.Config(param_persistence_threshold=0))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -187,32 +201,9 @@ def test_diverging_thread_ranks_raise_divergence_error(world):
         assert "ranks diverged" in out["error"] and "'extra.weight'" in out["error"], out
 
 
-class _Skips(_Branchy):
-    """`extra` runs on every rank at the first step, then only on the rank whose `odd` is set."""
-
-    def forward(self, x):
-        self.odd = self.odd or self.steps == 0
-        try:
-            return super().forward(x)
-        finally:
-            self.odd = self.odd and self.keep
-
-    def __init__(self, odd: bool, at: int) -> None:
-        super().__init__(True, at)
-        self.keep = odd
-
-
 def _skipping(rank: int, world: int) -> dict:
     import fz3
-    model = _Skips(rank == world - 1, at=0)
-    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config())
-    try:
-        for step in range(3):
-            engine.backward(engine(torch.ones(2, 8)).sum())
-            engine.step()
-    except fz3.DivergenceError as e:
-        return {"error": str(e), "step": step}
-    return {"error": None}
+    return _until_divergence(_Skips(rank == world - 1, at=0), fz3.Config())
 
 
 def test_a_branch_of_persistent_params_on_one_rank_raises_divergence_error():
