@@ -217,7 +217,7 @@ def test_quiet_calls_where_params_are_freed_are_caught(monkeypatch):
 
     def run() -> None:
         machine = QuietCallsMachine()
-        machine.start(case, quiet=True)
+        machine.start(case)
         machine.run_pass(0, "complete", None)
 
     run()  # quiet only where nothing is freed: here no call is

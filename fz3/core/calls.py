@@ -23,6 +23,8 @@ effects for the interpreter and the hook effects (hook_effects.py) for the hook 
     stepped            Stepped: at the boundary, finite: StepOptimizer (unused params without a
                        the grad norm known       grad), optimizer_step, end_of_step;
                                                  else SkipStep, the window closed, nothing stale
+    unhold(pids)       Unhold: the exit of       hold.unhold; stale inside a call: the persistent
+                       gathered_parameters       params gathered again
 
 The state is the three lifecycles together (`Lifecycle`); each step is a pure function
 `f(state, ..., *, config) -> (state, effects)` as below it (`update` looks them up here when it
@@ -79,7 +81,11 @@ no grad, no step], epilogue.py). The price: its grad waits in .grad until then (
 that copies grads into buckets, the persistent params' grads, small by the threshold's design,
 live to the end of backward), and it is not reduced while the backward still runs. A tied
 param (two modules) keeps its hook. The outermost call always gets a PreBackward node, so a
-backward through a call of inert modules alone still queues its end.
+backward through a call of inert modules alone still queues its end. A backward that meets no
+fz3 node and no hooked param (one started from the output of an inert call inside another: the
+calls machine found it) queues none: engine.backward sees the unhooked grads left in .grad
+after it and sends the BackwardEnded itself. A bare loss.backward() of that kind is not seen
+until then (left open, issue #27).
 
 [Note: leaf modules] A leaf module's own params (in no other module) get no grad hooks: its
 calls' backwards may each add to them (a MoE block's experts), so they are reduced together
@@ -102,7 +108,7 @@ from fz3.core.param import backward as core_bwd
 from fz3.config.config import COMM_DTYPES, Config
 from fz3.core.grad.epilogue import epilogue, optimizer_step, without_grad
 from fz3.core.param.fetch import fetch
-from fz3.core.param.hold import gather_persistent
+from fz3.core.param import hold
 from fz3.core.grad.grads import GradState, bucket_add, new_pass
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
@@ -177,7 +183,8 @@ def call_tables(spec: ModelSpec, trainable: Sequence[bool]) -> CallTables:
     alone = [len(h) == 1 for h in homes]
     at_end = tuple(ParamId(p) for p in range(len(spec.params))
                    if trainable[p] and alone[p] and inert[homes[p][0].id])
-    hooked = tuple(bool(t) and not (a and h[0].is_leaf) and p not in at_end
+    unhooked = set(at_end)
+    hooked = tuple(bool(t) and not (a and h[0].is_leaf) and p not in unhooked
                    for p, (t, a, h) in enumerate(zip(trainable, alone, homes)))
     grad_params = tuple(() if ms.is_leaf or inert[m] else tuple(p for p in ms.params if trainable[p])
                         for m, ms in enumerate(spec.modules))
@@ -187,10 +194,10 @@ def call_tables(spec: ModelSpec, trainable: Sequence[bool]) -> CallTables:
             waiters.setdefault(p, []).append(ModuleId(m))
     own_of = tuple(tuple(p for p in ms.params if trainable[p] and not hooked[p]) if ms.is_leaf else ()
                    for ms in spec.modules)
-    leaf_own = tuple(p for ms in own_of for p in ms)
+    leaf_own = tuple(sorted(p for ms in own_of for p in ms))
     quiet = inert if not saves_matter(spec) else (False,) * len(inert)
     return CallTables(inert, quiet, grad_params, {p: tuple(ms) for p, ms in waiters.items()}, tuple(trainable),
-                      hooked, tuple(sorted(leaf_own)), own_of, at_end)
+                      hooked, leaf_own, own_of, at_end)
 
 
 def saves_matter(spec: ModelSpec) -> bool:
@@ -230,7 +237,7 @@ def enter(st: Lifecycle, m: ModuleId, *, config: Config, grad: bool, grad_inputs
         calls = calls._replace(stack=(), aborted=False, waiting=(), leaves=frozenset(), backward=False)
         effects += eff + (BeginPass(),)
     if not calls.stack and not recomputing:  # the outermost call: [Note: persistent params stay live]
-        params, eff = gather_persistent(params)
+        params, eff = hold.gather_persistent(params)
         effects += eff
     t = calls.tables
     wrap = grad and grad_inputs and not t.inert[m]
@@ -244,6 +251,18 @@ def enter(st: Lifecycle, m: ModuleId, *, config: Config, grad: bool, grad_inputs
     params, eff = fetch(params, m, forward=True, config=config, grad_inputs=int(wrap or waits))
     frame = Frame(m, saved if waits else -1)
     return Lifecycle(params, grads, calls._replace(stack=calls.stack + (frame,))), tuple(effects) + eff
+
+
+def unhold(st: Lifecycle, pids: tuple[ParamId, ...], *, config: Config, stale: bool = True
+           ) -> tuple[Lifecycle, tuple]:
+    """gathered_parameters' exit (hold.unhold). A stale one inside a call frees persistent
+    params that the quiet calls still to come in it read without an event: they are gathered
+    again at once ([Note: persistent params stay live], fz3/core/param/hold.py)."""
+    params, effects = hold.unhold(st.params, pids, config=config, stale=stale)
+    if stale and st.calls.stack:
+        params, eff = hold.gather_persistent(params)
+        effects += eff
+    return st._replace(params=params), effects
 
 
 def running(st: Lifecycle) -> ModuleId:

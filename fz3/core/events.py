@@ -160,11 +160,7 @@ def update(st: Lifecycle, event, *, config: Config) -> tuple[Lifecycle, tuple]:
             params, effects = hold.hold(st.params, ps, config=config)
             return st._replace(params=params), effects
         case Unhold(ps, stale):
-            params, effects = hold.unhold(st.params, ps, config=config, stale=stale)
-            if stale and st.calls.stack:  # inside a call: [Note: persistent params stay live]
-                params, eff = hold.gather_persistent(params)
-                effects += eff
-            return st._replace(params=params), effects
+            return calls.unhold(st, ps, config=config, stale=stale)
         case ShardsReplaced():
             params, effects = step.end_of_step(st.params, config=config)
             return st._replace(params=params), effects

@@ -437,6 +437,13 @@ class Engine(DeepSpeedSurface):
         gradient_accumulation_steps, detached: what DeepSpeed's backward returns (its scaled loss)."""
         self._refuse_if_stopped()
         loss.backward(**kwargs)
+        # a backward that met no fz3 node and no hooked param (from an inert call's output inside
+        # another) queued no end: its unhooked params' grads are reported now ([Note: persistent
+        # grads at the end of backward]); after an end they are all taken (None)
+        t = self.call_tables
+        pending = self._with_grad(t.leaf_own + t.at_end)
+        if pending:
+            self.apply(BackwardEnded(pending))
         return loss.detach() / self.config.gradient_accumulation_steps
 
     def step(self, lr_kwargs: dict | None = None) -> None:

@@ -34,7 +34,8 @@ finds no shape, an end of backward queued twice or never (SimError).
                none: the core reduces them. A leaf's call computes with its unit less its
                `skips` (experts no token was routed to: no grad)
     end        BackwardEnded(with_grad), if the core queued it: exactly once in a backward
-               with any event
+               with any event; in one without, if unhooked params got grads (engine.backward
+               sends it then)
     store      GradDue / GradIn / ClearGradDue / BeginPass keep the store's placeholders: a param
                freed while its grad is due keeps its shape, which AccumulateGrad needs
 
@@ -107,6 +108,7 @@ class AutogradSim:
                  avoid: frozenset[str] = frozenset(), quiet: bool = False) -> None:
         self.spec, self.trainable, self.driver, self.avoid = spec, trainable, driver, avoid
         self.hooked = driver.state.calls.tables.hooked  # what the shell hooks: the core says
+        self.unhooked = {p for p, (t, h) in enumerate(zip(trainable, self.hooked)) if t and not h}
         self.quiet_modules = driver.state.calls.tables.quiet
         self.quiet = quiet
         self.log: Log[int] = Log()  # the saved-param log (fz3/shell/saved.py)
@@ -262,11 +264,15 @@ class AutogradSim:
             raise SimError(f"end of backward queued {self.queued} times in one backward with "
                            f"{self.events} events (QueueEndOfBackward must come exactly once)")
         if not self.events:
-            if self.queued or self.contributed:
+            if self.queued or self.contributed - self.unhooked:
                 raise SimError(f"a backward without events queued {self.queued} ends; params "
                                f"{sorted(self.contributed)} got grads")
-            return False
-        covered("call decisions", "end of backward queued once")
+            if not self.contributed:
+                return False
+            # only unhooked params got grads: engine.backward reports them itself
+            covered("call decisions", "a backward without events: engine.backward ends it")
+        else:
+            covered("call decisions", "end of backward queued once")
         self.fire(BackwardEnded(frozenset(self.contributed)))
         if self.due or self.placeholder:
             raise SimError(f"grad placeholders left after the end of backward: {sorted(self.due)}")

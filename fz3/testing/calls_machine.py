@@ -87,18 +87,18 @@ class CallsMachine(RuleBasedStateMachine):
     @initialize(case=call_cases())
     def setup(self, case: Case) -> None:
         note(f"case: {case}")
-        self.start(case, self.quiet)
+        self.start(case)
         covered("examples", "module calls")
 
-    def start(self, case: Case, quiet: bool = False) -> None:
-        """`quiet`: the events as the engine sends them (an inert module's call inside another
-        takes none: [Note: inert modules]); else every call's, as under fz3.check."""
+    def start(self, case: Case) -> None:
+        """With the class's `quiet`, the events as the engine sends them (a quiet module's call
+        inside another takes none: [Note: inert modules]); else every call's, as fz3.check."""
         self.case, self.config = case, case.config
         spec = case.model.spec(case.config)
         trainable = self.trainable = case.model.trainable or (True,) * len(case.model.params)
         self.state = Lifecycle(initial_state(spec), init_grad_state(spec),
                                initial_calls(spec, trainable))
-        self.sim = AutogradSim(spec, trainable, self, avoid=self.avoid, quiet=quiet)
+        self.sim = AutogradSim(spec, trainable, self, avoid=self.avoid, quiet=self.quiet)
         self.model = NaiveCalls(spec, trainable, case.config.param_persistence_threshold)
         self.passes, self.last, self.log = 0, None, []
         self.events: list = []  # every event since the start, for the regression a failure prints
@@ -334,6 +334,4 @@ class QuietCallsMachine(CallsMachine):
         """Half the cases with every param persistent: only there are calls quiet."""
         if every_param_persistent:
             case = Case(case.model, case.config.replace(param_persistence_threshold=10**9), case.programs)
-        note(f"case: {case}")
-        self.start(case, self.quiet)
-        covered("examples", "module calls")
+        CallsMachine.setup(self, case)

@@ -5,8 +5,8 @@
                    shards rewritten), params no module uses are freed even if persistent or
                    external, so the next fetch gathers the current shards
     gather_persistent   every persistent param not live is gathered and waited, for no
-                   module (at the outermost call's enter, fz3/core/calls.py, and after a stale
-                   unhold inside a call, fz3/core/events.py)
+                   module (at the outermost call's enter and after a stale unhold inside a
+                   call: fz3/core/calls.py, `enter` and `unhold`)
 
 A hold counts like an active module in a param's `users`, so no release frees a held param.
 DeepSpeed: GatheredParameters.__enter__ / __exit__.
