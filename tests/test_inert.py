@@ -61,32 +61,36 @@ def test_inert_modules_get_no_autograd_nodes():
     assert out["stats"]["optimizer_steps"] == 2
 
 
-def _alone(rank: int, world: int) -> dict:
-    import fz3
-
+def _two_linears():
+    """Every param persistent: every module but the root inert (and quiet: none is freed)."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))  # every param persistent: all inert
-    engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), fz3.Config())
-    engine(torch.zeros(1, 4))  # a first pass through the root gathers the persistent params
-    for step in range(2):
-        engine.backward(engine.module[0](_input(rank, step)).square().sum())
-        engine.step()
-    return {"state": engine.full_state_dict(), "steps": engine.optimizer_steps}
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
 
 
 def _input(rank: int, step: int) -> torch.Tensor:
     return torch.arange(12, dtype=torch.float32).reshape(3, 4) / 10 * (rank + 1) - step
 
 
-def test_an_inert_module_called_on_its_own_trains_as_plain_torch():
-    """[Note: persistent grads at the end of backward] (fz3/core/calls.py): its params have no
-    grad hook and its call no autograd node of its own; as the outermost call it gets one, so
-    the backward still reports its grads. Without it nothing is reduced, and no step is taken."""
+def _trained(net, rank: int, loss_of, bare: bool = False) -> dict:
+    """Two steps of SGD, the loss of step i `loss_of(engine, rank, i)`; `bare`: its backward by
+    loss.backward(), not engine.backward."""
+    import fz3
+
+    engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), fz3.Config())
+    for step in range(2):
+        loss = loss_of(engine, rank, step)
+        loss.backward() if bare else engine.backward(loss)
+        engine.step()
+    return {"state": engine.full_state_dict(), "steps": engine.optimizer_steps}
+
+
+def _as_plain_torch(worker) -> None:
+    """On 2 thread ranks, the first Linear's output squared and summed as each rank's loss:
+    the same params as plain torch on the mean of the ranks' losses."""
     from fz3.launch import run_threads
 
-    outs = run_threads(_alone, 2)
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    outs = run_threads(worker, 2)
+    ref = _two_linears()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(2):
         opt.zero_grad()
@@ -98,36 +102,36 @@ def test_an_inert_module_called_on_its_own_trains_as_plain_torch():
             torch.testing.assert_close(out["state"][name], value, msg=name)
 
 
-def _inner(rank: int, world: int) -> dict:
-    import fz3
+def _alone(rank: int, world: int) -> dict:
+    net = _two_linears()
 
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))  # every param persistent: all inert
-    engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), fz3.Config())
-    seen = []
+    def loss_of(engine, rank, step):
+        if step == 0:
+            engine(torch.zeros(1, 4))  # a first pass through the root gathers the persistent params
+        return engine.module[0](_input(rank, step)).square().sum()
+    return _trained(net, rank, loss_of, bare=True)
+
+
+def test_an_inert_module_called_on_its_own_trains_as_plain_torch():
+    """[Note: persistent grads at the end of backward] (fz3/core/calls.py): its params have no
+    grad hook and its call no autograd node of its own; as the outermost call it gets one, so
+    even a bare loss.backward() reports its grads. Without it nothing is reduced, and no step is
+    taken."""
+    _as_plain_torch(_alone)
+
+
+def _inner(rank: int, world: int) -> dict:
+    net, seen = _two_linears(), []
     net[0].register_forward_hook(lambda module, args, out: seen.append(out))
-    for step in range(2):
+
+    def loss_of(engine, rank, step):
         seen.clear()
         engine(_input(rank, step))
-        engine.backward(seen[0].square().sum())  # from inside: no fz3 node, no hooked param on the way
-        engine.step()
-    return {"state": engine.full_state_dict(), "steps": engine.optimizer_steps}
+        return seen[0].square().sum()  # from inside: no fz3 node, no hooked param on the way
+    return _trained(net, rank, loss_of)
 
 
 def test_a_backward_from_an_inner_inert_output_is_reduced_by_engine_backward():
     """[Note: persistent grads at the end of backward]: the backward meets no fz3 node and no
     hooked param, so no end is queued; engine.backward reports the grads left in .grad."""
-    from fz3.launch import run_threads
-
-    outs = run_threads(_inner, 2)
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(2):
-        opt.zero_grad()
-        (sum(ref[0](_input(r, step)).square().sum() for r in range(2)) / 2).backward()
-        opt.step()
-    for out in outs:
-        assert out["steps"] == 2
-        for name, value in ref.state_dict().items():
-            torch.testing.assert_close(out["state"][name], value, msg=name)
+    _as_plain_torch(_inner)
