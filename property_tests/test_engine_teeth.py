@@ -24,15 +24,19 @@ HUNT = settings(max_examples=100, derandomize=True, database=None, deadline=None
                 suppress_health_check=list(HealthCheck))
 
 
-def assert_caught() -> None:
+def assert_caught(or_raises: type[Exception] | None = None) -> None:
+    """The drawn property fails; `or_raises`: or the engine itself raises that error on a rank
+    first (run_threads re-raises it as a RuntimeError from it)."""
     @HUNT
     @given(dn.nets(), dn.setups())
     def hunt(spec, setup):
         world, config, options = setup
         dn.check_on_threads(spec, world, config, options)
 
-    with pytest.raises(AssertionError):
+    with pytest.raises((AssertionError, RuntimeError) if or_raises else AssertionError) as caught:
         hunt()
+    if caught.type is RuntimeError:
+        assert isinstance(caught.value.__cause__, or_raises), caught.value
 
 
 def test_dividing_by_the_world_size_alone_is_caught(monkeypatch):
@@ -55,7 +59,9 @@ def test_a_leaf_reduced_before_its_other_calls_is_caught(monkeypatch):
         return calls.Lifecycle(params, g, cs), effects + eff + eff2
 
     monkeypatch.setattr(calls, "post_backward", post_backward)
-    assert_caught()
+    # the later calls' grads stay in the leaf's .grad: the next forward takes them for a backward
+    # that sent no end ([Note: persistent grads at the end of backward]), one micro-step too many
+    assert_caught(or_raises=grads.GradError)
 
 
 def test_writes_that_always_copy_are_caught(monkeypatch):

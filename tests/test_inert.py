@@ -71,22 +71,25 @@ def _input(rank: int, step: int) -> torch.Tensor:
     return torch.arange(12, dtype=torch.float32).reshape(3, 4) / 10 * (rank + 1) - step
 
 
-def _trained(net, rank: int, loss_of, bare: bool = False) -> dict:
-    """Two steps of SGD, the loss of step i `loss_of(engine, rank, i)`; `bare`: its backward by
-    loss.backward(), not engine.backward."""
+def _trained(net, rank: int, loss_of, bare: bool = False, gas: int = 1) -> dict:
+    """Two optimizer steps of SGD, `gas` micro-steps each, the loss of micro-step i
+    `loss_of(engine, rank, i)`; `bare`: its backward by loss.backward(), not engine.backward,
+    and step() called at the boundary only (allowed: it is a no-op between boundaries)."""
     import fz3
 
-    engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), fz3.Config())
-    for step in range(2):
-        loss = loss_of(engine, rank, step)
+    engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                            fz3.Config(gradient_accumulation_steps=gas))
+    for micro in range(2 * gas):
+        loss = loss_of(engine, rank, micro)
         loss.backward() if bare else engine.backward(loss)
-        engine.step()
+        if not bare or (micro + 1) % gas == 0:
+            engine.step()
     return {"state": engine.full_state_dict(), "steps": engine.optimizer_steps}
 
 
-def _as_plain_torch(worker) -> None:
+def _as_plain_torch(worker, gas: int = 1) -> None:
     """On 2 thread ranks, the first Linear's output squared and summed as each rank's loss:
-    the same params as plain torch on the mean of the ranks' losses."""
+    the same params as plain torch on the mean of the ranks' losses (and of the micro-steps')."""
     from fz3.launch import run_threads
 
     outs = run_threads(worker, 2)
@@ -94,7 +97,8 @@ def _as_plain_torch(worker) -> None:
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(2):
         opt.zero_grad()
-        (sum(ref[0](_input(r, step)).square().sum() for r in range(2)) / 2).backward()
+        micro = range(step * gas, (step + 1) * gas)
+        (sum(ref[0](_input(r, i)).square().sum() for r in range(2) for i in micro) / (2 * gas)).backward()
         opt.step()
     for out in outs:
         assert out["steps"] == 2
@@ -120,7 +124,7 @@ def test_an_inert_module_called_on_its_own_trains_as_plain_torch():
     _as_plain_torch(_alone)
 
 
-def _inner(rank: int, world: int) -> dict:
+def _inner(rank: int, world: int, bare: bool = False, gas: int = 1) -> dict:
     net, seen = _two_linears(), []
     net[0].register_forward_hook(lambda module, args, out: seen.append(out))
 
@@ -128,10 +132,15 @@ def _inner(rank: int, world: int) -> dict:
         seen.clear()
         engine(_input(rank, step))
         return seen[0].square().sum()  # from inside: no fz3 node, no hooked param on the way
-    return _trained(net, rank, loss_of)
+    return _trained(net, rank, loss_of, bare, gas)
 
 
-def test_a_backward_from_an_inner_inert_output_is_reduced_by_engine_backward():
+@pytest.mark.parametrize("bare, gas", [(False, 1), (True, 1), (True, 2)],
+                         ids=["engine.backward", "bare, then step", "bare, 2 micro-steps, step at the boundary"])
+def test_a_backward_from_an_inner_inert_output_is_reduced(bare, gas):
     """[Note: persistent grads at the end of backward]: the backward meets no fz3 node and no
-    hooked param, so no end is queued; engine.backward reports the grads left in .grad."""
-    _as_plain_torch(_inner)
+    hooked param, so no end is queued; the engine reports the grads left in .grad after
+    engine.backward, or, after a bare loss.backward(), at step() or at the next outermost
+    call's pre-forward (the first micro-step of gas 2: without it the two backwards would be
+    one micro-step, and step() at the boundary would silently take no step)."""
+    _as_plain_torch(lambda rank, world: _inner(rank, world, bare, gas), gas)

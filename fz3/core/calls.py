@@ -83,9 +83,10 @@ live to the end of backward), and it is not reduced while the backward still run
 param (two modules) keeps its hook. The outermost call always gets a PreBackward node, so a
 backward through a call of inert modules alone still queues its end. A backward that meets no
 fz3 node and no hooked param (one started from the output of an inert call inside another: the
-calls machine found it) queues none: engine.backward sees the unhooked grads left in .grad
-after it and sends the BackwardEnded itself. A bare loss.backward() of that kind is not seen
-until then (left open, issue #27).
+calls machine found it) queues none: the engine sees the unhooked grads left in .grad and
+sends that BackwardEnded itself, before the core sees anything else: right after
+engine.backward, or, after a bare loss.backward(), at step() or at the next outermost call's
+pre-forward (so each such backward still counts as one micro-step).
 
 [Note: leaf modules] A leaf module's own params (in no other module) get no grad hooks: its
 calls' backwards may each add to them (a MoE block's experts), so they are reduced together

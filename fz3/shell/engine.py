@@ -294,13 +294,15 @@ class Engine(DeepSpeedSurface):
             if nested:
                 return None
         m, grad, tree, flat = self.module_ids[id(module)], torch.is_grad_enabled(), (args, kwargs), None
+        recomputing = torch._C._current_graph_task_id() != -1
+        if not recomputing and self._running() < 0:  # the outermost call: an earlier backward is over
+            self._end_unreported_backward()
         # an inert call's inputs matter to nobody: the core wraps them only for calls that are not
         # ([Note: inert modules], fz3/core/calls.py), so they are not walked
         if grad and not self.call_tables.inert[m]:
             flat = flatten(tree)
-        return self._call_event(Enter(m, grad, flat is not None and needs_grad(flat[0]),
-                                      torch._C._current_graph_task_id() != -1, module.training,
-                                      self.saved.position()), tree, flat)
+        return self._call_event(Enter(m, grad, flat is not None and needs_grad(flat[0]), recomputing,
+                                      module.training, self.saved.position()), tree, flat)
 
     def _post_forward(self, module, args, kwargs, output):
         if id(module) in self.quiet_ids and self.quiet_calls.pop():
@@ -359,6 +361,17 @@ class Engine(DeepSpeedSurface):
     def _end_of_backward(self) -> None:
         t = self.call_tables
         self.apply(BackwardEnded(self._with_grad(t.leaf_own + t.at_end)))
+
+    def _end_unreported_backward(self) -> None:
+        """A backward that met no fz3 node and no hooked param (one from the output of an inert
+        call inside another) queued no end: the grads it left in unhooked params' .grad are
+        reported now, as its BackwardEnded ([Note: persistent grads at the end of backward],
+        fz3/core/calls.py). Called where the core would next see it: after engine.backward, at
+        step() and at an outermost call's pre-forward. After an end they are all taken (None)."""
+        t = self.call_tables
+        pending = self._with_grad(t.leaf_own + t.at_end)
+        if pending:
+            self.apply(BackwardEnded(pending))
 
     def _with_grad(self, ps) -> frozenset[int]:
         """Of the params `ps` without a grad hook, those autograd gave a grad (what the core
@@ -437,13 +450,7 @@ class Engine(DeepSpeedSurface):
         gradient_accumulation_steps, detached: what DeepSpeed's backward returns (its scaled loss)."""
         self._refuse_if_stopped()
         loss.backward(**kwargs)
-        # a backward that met no fz3 node and no hooked param (from an inert call's output inside
-        # another) queued no end: its unhooked params' grads are reported now ([Note: persistent
-        # grads at the end of backward]); after an end they are all taken (None)
-        t = self.call_tables
-        pending = self._with_grad(t.leaf_own + t.at_end)
-        if pending:
-            self.apply(BackwardEnded(pending))
+        self._end_unreported_backward()
         return loss.detach() / self.config.gradient_accumulation_steps
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -453,6 +460,7 @@ class Engine(DeepSpeedSurface):
         grad is not finite; was_step_applied() is False). A no-op between boundaries, as
         DeepSpeed's, but for its counters ([Note: DeepSpeed's counters], surface.py)."""
         self._refuse_if_stopped()
+        self._end_unreported_backward()  # a bare loss.backward() of that kind counts before the boundary
         self.step_applied = False
         boundary = at_boundary(replay.view(self.cell).grads, config=self.config)  # micro_step: no shift
         if boundary:

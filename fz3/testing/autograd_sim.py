@@ -34,8 +34,8 @@ finds no shape, an end of backward queued twice or never (SimError).
                none: the core reduces them. A leaf's call computes with its unit less its
                `skips` (experts no token was routed to: no grad)
     end        BackwardEnded(with_grad), if the core queued it: exactly once in a backward
-               with any event; in one without, if unhooked params got grads (engine.backward
-               sends it then)
+               with any event; in one without, if unhooked params got grads (the engine
+               sends it then: after engine.backward, at step() or the next outermost call)
     store      GradDue / GradIn / ClearGradDue / BeginPass keep the store's placeholders: a param
                freed while its grad is due keeps its shape, which AccumulateGrad needs
 
@@ -269,8 +269,8 @@ class AutogradSim:
                                f"{sorted(self.contributed)} got grads")
             if not self.contributed:
                 return False
-            # only unhooked params got grads: engine.backward reports them itself
-            covered("call decisions", "a backward without events: engine.backward ends it")
+            # only unhooked params got grads: the engine reports them itself before the next event
+            covered("call decisions", "a backward without events: the engine ends it")
         else:
             covered("call decisions", "end of backward queued once")
         self.fire(BackwardEnded(frozenset(self.contributed)))
