@@ -108,6 +108,23 @@ def test_release_drops_every_free_buffer():
     assert list(pool.buffers) == [(10, torch.float32)] and kept.numel() == 10
 
 
+def test_a_buffer_in_use_at_two_releases_in_a_row_is_kept_no_more():
+    """[Note: resident buffers]: a persistent param's full value is asked at one end of backward,
+    then let go of; one handed out again between the two ends stays kept."""
+    pool = BufferPool(CPU, limit_bytes=1 << 20)
+    resident = pool.take(10, torch.float32)
+    passing = pool.take(20, torch.float32)
+    assert pool.release() == 0 and len(pool.kept()) == 2  # both in use: both kept
+    del passing
+    passing = pool.take(20, torch.float32)  # freed and gathered again in the next pass: a hit
+    assert pool.hits == 1
+    assert pool.release() == 0  # both in use again; resident was not taken since: let go of
+    assert pooled(pool) == [ptr(passing)] and pool.bytes == 80
+    assert pool.discard(resident) == 0  # not kept: nothing to discard
+    del passing
+    assert pool.release() == 80 and pool.kept() == []
+
+
 def pooled(pool: BufferPool) -> list[int]:
     """The storages the pool keeps, by data pointer."""
     return [ptr(t) for t in pool.kept()]

@@ -84,9 +84,11 @@ param (two modules) keeps its hook. The outermost call always gets a PreBackward
 backward through a call of inert modules alone still queues its end. A backward that meets no
 fz3 node and no hooked param (one started from the output of an inert call inside another: the
 calls machine found it) queues none: the engine sees the unhooked grads left in .grad and
-sends that BackwardEnded itself, before the core sees anything else: right after
-engine.backward, or, after a bare loss.backward(), at step() or at the next outermost call's
-pre-forward (so each such backward still counts as one micro-step).
+sends that BackwardEnded itself: right after engine.backward, or, after a bare
+loss.backward(), at step() or at the next outermost call's pre-forward (so each such backward
+still counts as one micro-step). Left open: a bare one followed by another backward with no
+forward or step between (retain_graph); the second's end takes both backwards' grads as one
+micro-step, since by its first event its own grads may already be in the same .grad.
 
 [Note: leaf modules] A leaf module's own params (in no other module) get no grad hooks: its
 calls' backwards may each add to them (a MoE block's experts), so they are reduced together

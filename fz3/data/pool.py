@@ -11,11 +11,12 @@ resident through the backward's peak. So the pool keeps a buffer only for a take
 pass: the core marks a Free `refetch` when the releasing module's backward gathers the params
 again (max_reuse_distance 0: the forward's buffers serve the backward's gathers); any other
 Free drops its params' buffers from the pool at once (`discard`), and the end of each backward
-drops every free buffer (`release`). Between passes the pool holds only what is in use
-(persistent params' full values). Issue #11: keeping every buffer between steps held 168 MiB
-per rank on the wide benchmark GPT and put its peak RSS above FSDP2's; the next forward now
-page-faults its gather buffers again (`bench/copy_costs.py --model wide`: an unpack into fresh
-memory 86.8 ms, into reused memory 14.4 ms).
+drops every free buffer (`release`). Between passes the pool holds only what is in use, and
+not even that once it has been in use through a whole pass ([Note: resident buffers]). Issue
+#11: keeping every buffer between steps held 168 MiB per rank on the wide benchmark GPT and put
+its peak RSS above FSDP2's; the next forward now page-faults its gather buffers again
+(`bench/copy_costs.py --model wide`: an unpack into fresh memory 86.8 ms, into reused memory
+14.4 ms).
 
 When is a buffer free? When nothing but the pool holds its storage. `take` hands out a view, so
 every user (a param's .data, an in-flight Work, a tensor autograd saved for backward, a slice
@@ -57,7 +58,16 @@ class BufferPool:
     A size can be held by many buffers (a model of many equal params keeps each one's full
     value: 98 of 32 elements on the deep narrow GPT), and asking every one at each take cost
     25 us a take there; the queue finds the free ones at its front, where the last frees left
-    them."""
+    them.
+
+    [Note: resident buffers] A buffer in use at two ends of backward in a row, and not handed
+    out between them (still `untaken`), is resident: a persistent param's full value, gathered
+    once and refreshed in place at every step, which lives to the end. The pool stops keeping it
+    (`release`), as `discard` does: its user owns it, and its memory goes back when the user
+    lets go, as any tensor's. Kept, each end of backward asked every one of them again (196 on
+    the deep narrow GPT, issue #27), and they took up the pool's limit. One in use at one end
+    only, or taken again between the two (a param's full value, freed and gathered again),
+    stays kept."""
 
     def __init__(self, device: torch.device, limit_bytes: int, huge_pages: bool = False) -> None:
         self.device, self.limit = device, limit_bytes
@@ -113,10 +123,18 @@ class BufferPool:
 
     def release(self) -> int:
         """Drop every free buffer (the end of a backward: nothing is taken again before the next
-        pass). -> bytes dropped."""
-        dropped = sum(self._drop(t) for held in list(self.buffers.values()) for t in list(held.values())
-                      if _users(t) == 0)
-        self.untaken = {id(t): t for held in self.buffers.values() for t in held.values()}
+        pass), and stop keeping the ones in use at this end and the one before ([Note: resident
+        buffers]). -> bytes dropped (the free ones')."""
+        dropped, busy = 0, {}
+        for held in list(self.buffers.values()):
+            for i, t in list(held.items()):
+                if _users(t) == 0:
+                    dropped += self._drop(t)
+                elif i in self.untaken:  # in use at the last release, not taken since: resident
+                    self._drop(t)
+                else:
+                    busy[i] = t
+        self.untaken = busy
         return dropped
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
