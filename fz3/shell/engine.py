@@ -25,8 +25,10 @@ torch forces two more, kept beside what they serve: the saved-tensor hooks of a 
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 import weakref
+from itertools import compress, repeat
 from typing import Callable
 
 import torch
@@ -64,6 +66,7 @@ from fz3.shell.tables import read_tables
 
 
 _HOOK_TYPES = frozenset(HOOK_EFFECTS)
+_GRAD = operator.attrgetter("grad")  # a param's .grad, read by map in C
 
 COUNTERS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "all_gather_via_all_reduce",
             "all_gather_via_native", "all_gather_via_p2p", "gathered_bytes", "reduce",
@@ -149,6 +152,11 @@ class Engine(DeepSpeedSurface):
                                    if quiet)
         self.quiet_calls: list[bool] = []
         self.every_call = False
+        # the trainable params without a grad hook, whose grads the engine reports itself
+        # ([Note: persistent grads at the end of backward]): ids, and the params to look at
+        self.unhooked = self.call_tables.leaf_own + self.call_tables.at_end
+        self.unhooked_params = [self.tables.params[p] for p in self.unhooked]
+        self.ends = 0  # ends of backward queued by the core that ran
         # no event has run yet (engine.compile() checks it). A flag, not the first state kept for
         # an identity check: an old state keeps every later version's diffs alive (pvec.py), so
         # holding the first one grew the heap by every change ever made (~0.5 MiB a step, deep GPT)
@@ -359,8 +367,8 @@ class Engine(DeepSpeedSurface):
         return local
 
     def _end_of_backward(self) -> None:
-        t = self.call_tables
-        self.apply(BackwardEnded(self._with_grad(t.leaf_own + t.at_end)))
+        self.ends += 1
+        self.apply(BackwardEnded(self._unhooked_with_grad()))
 
     def _end_unreported_backward(self) -> None:
         """A backward that met no fz3 node and no hooked param (one from the output of an inert
@@ -368,10 +376,16 @@ class Engine(DeepSpeedSurface):
         reported now, as its BackwardEnded ([Note: persistent grads at the end of backward],
         fz3/core/calls.py). Called where the core would next see it: after engine.backward, at
         step() and at an outermost call's pre-forward. After an end they are all taken (None)."""
-        t = self.call_tables
-        pending = self._with_grad(t.leaf_own + t.at_end)
+        pending = self._unhooked_with_grad()
         if pending:
             self.apply(BackwardEnded(pending))
+
+    def _unhooked_with_grad(self) -> frozenset[int]:
+        """`_with_grad` of every unhooked param, looked at in C (`map`, `compress`): up to four
+        times a step (196 params on the deep narrow GPT). By identity: `list.count(None)` would
+        compare each grad with None by Tensor.__eq__, ~13 us a grad."""
+        return frozenset(compress(self.unhooked, map(operator.is_not, map(_GRAD, self.unhooked_params),
+                                                     repeat(None))))
 
     def _with_grad(self, ps) -> frozenset[int]:
         """Of the params `ps` without a grad hook, those autograd gave a grad (what the core
@@ -449,8 +463,10 @@ class Engine(DeepSpeedSurface):
         before its reduce (fz3/core/grad/epilogue.py; no loss scaling here). -> loss divided by
         gradient_accumulation_steps, detached: what DeepSpeed's backward returns (its scaled loss)."""
         self._refuse_if_stopped()
+        ends = self.ends
         loss.backward(**kwargs)
-        self._end_unreported_backward()
+        if self.ends == ends:  # an end that ran took every grad of this backward
+            self._end_unreported_backward()
         return loss.detach() / self.config.gradient_accumulation_steps
 
     def step(self, lr_kwargs: dict | None = None) -> None:
