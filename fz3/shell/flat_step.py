@@ -36,6 +36,8 @@ step count; otherwise the group steps by shard).
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import nn
 
@@ -101,7 +103,7 @@ class _Group:
         self.chunk_state: list[dict] = []  # by chunk: the state it steps with
         self.chunk_seen: list[dict] = []  # copies of chunk_state's dicts when exposed
         self.exposed: list[dict] = []  # by master: the state dict put in optimizer.state
-        self.exposed_seen: list[dict] = []  # copies of them: a value set by hand shows
+        self.exposed_seen = _Seen([])  # what they held: a value set by hand shows
         self.steps: torch.Tensor | None = None  # by master: its "step" (a 0-dim view each)
         self.stepped_by_shard = False  # since the last flat step: step counts may differ
 
@@ -161,11 +163,11 @@ class FlatSteps:
         group = groups[g.index]
         if group.get("fused") or group.get("capturable") or group.get("differentiable") \
                 or group["params"] is not g.bound or len(g.bound) != g.bound_len \
-                or any(p in no_grad for p in g.pids):
+                or (no_grad and any(p in no_grad for p in g.pids)):
             return False
         state = self.optimizer.state
-        if not (g.exposed and all(state.get(m) is d and _same(d, seen)
-                                  for m, d, seen in zip(g.masters, g.exposed, g.exposed_seen))):
+        if not (g.exposed and all(map(operator.is_, map(state.get, g.masters), g.exposed))
+                and g.exposed_seen.holds()):
             return self._take_in(g)
         if g.stepped_by_shard:  # some shards may have stepped without the others
             if g.steps is not None:
@@ -231,7 +233,7 @@ class FlatSteps:
         state = self.optimizer.state
         for m, d in zip(g.masters, g.exposed):
             state[m] = d
-        g.exposed_seen = [dict(d) for d in g.exposed]
+        g.exposed_seen = _Seen(g.exposed)
         g.chunk_seen = [dict(s) for s in g.chunk_state]
         g.piece_state = [[{k: (v.detach().clone() if k == "step" else v[a:b]) for k, v in s.items()}
                           for _, a, b in pieces] for s, pieces in zip(g.chunk_state, g.pieces)]
@@ -243,6 +245,23 @@ class FlatSteps:
         step."""
         return all(_same(p, seen) for states, seens in zip(g.piece_state, g.piece_seen)
                    for p, seen in zip(states, seens))
+
+
+class _Seen:
+    """What some dicts held when recorded, checked at every step in C (`map`), not a Python
+    loop a master (196 masters, ~600 values on the deep narrow GPT, issue #27): each dict still
+    has as many keys, each holding the very value it held (`_same` of each)."""
+
+    __slots__ = ("dicts", "lens", "owners", "keys", "values")
+
+    def __init__(self, dicts: list[dict]) -> None:
+        self.dicts, self.lens = list(dicts), [len(d) for d in dicts]
+        items = [(d, k, v) for d in dicts for k, v in d.items()]
+        self.owners, self.keys, self.values = [d for d, _, _ in items], [k for _, k, _ in items], [v for *_, v in items]
+
+    def holds(self) -> bool:
+        return list(map(len, self.dicts)) == self.lens and all(
+            map(operator.is_, map(dict.get, self.owners, self.keys), self.values))
 
 
 def _same(d: dict, seen: dict) -> bool:
