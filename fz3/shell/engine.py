@@ -374,14 +374,15 @@ class Engine(DeepSpeedSurface):
         """A backward that met no fz3 node and no hooked param (one from the output of an inert
         call inside another) queued no end: the grads it left in unhooked params' .grad are
         reported now, as its BackwardEnded ([Note: persistent grads at the end of backward],
-        fz3/core/calls.py). Called where the core would next see it: after engine.backward, at
-        step() and at an outermost call's pre-forward. After an end they are all taken (None)."""
+        fz3/core/calls.py). Called where the core would next see it: after engine.backward (if
+        no end ran in it), at step() and at an outermost call's pre-forward. After an end they
+        are all taken (None)."""
         pending = self._unhooked_with_grad()
         if pending:
             self.apply(BackwardEnded(pending))
 
     def _unhooked_with_grad(self) -> frozenset[int]:
-        """`_with_grad` of every unhooked param, looked at in C (`map`, `compress`): up to four
+        """`_with_grad` of every unhooked param, looked at in C (`map`, `compress`): up to three
         times a step (196 params on the deep narrow GPT). By identity: `list.count(None)` would
         compare each grad with None by Tensor.__eq__, ~13 us a grad."""
         return frozenset(compress(self.unhooked, map(operator.is_not, map(_GRAD, self.unhooked_params),

@@ -257,7 +257,9 @@ class _Seen:
     def __init__(self, dicts: list[dict]) -> None:
         self.dicts, self.lens = list(dicts), [len(d) for d in dicts]
         items = [(d, k, v) for d in dicts for k, v in d.items()]
-        self.owners, self.keys, self.values = [d for d, _, _ in items], [k for _, k, _ in items], [v for *_, v in items]
+        self.owners = [d for d, _, _ in items]
+        self.keys = [k for _, k, _ in items]
+        self.values = [v for _, _, v in items]
 
     def holds(self) -> bool:
         return list(map(len, self.dicts)) == self.lens and all(
