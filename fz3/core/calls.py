@@ -88,7 +88,9 @@ sends that BackwardEnded itself: right after engine.backward, or, after a bare
 loss.backward(), at step() or at the next outermost call's pre-forward (so each such backward
 still counts as one micro-step). Left open: a bare one followed by another backward with no
 forward or step between (retain_graph); the second's end takes both backwards' grads as one
-micro-step, since by its first event its own grads may already be in the same .grad.
+micro-step, since by its first event its own grads may already be in the same .grad. And a
+.grad set by hand on such a param (not a ZeRO-3 grad in DeepSpeed either) is taken for a
+backward that sent no end: nothing tells the two apart without a hook on every such param.
 
 [Note: leaf modules] A leaf module's own params (in no other module) get no grad hooks: its
 calls' backwards may each add to them (a MoE block's experts), so they are reduced together
