@@ -303,7 +303,7 @@ class Engine(DeepSpeedSurface):
                 return None
         m, grad, tree, flat = self.module_ids[id(module)], torch.is_grad_enabled(), (args, kwargs), None
         recomputing = torch._C._current_graph_task_id() != -1
-        if not recomputing and self._running() < 0:  # the outermost call: an earlier backward is over
+        if self.unhooked and not recomputing and self._running() < 0:  # outermost: a backward before is over
             self._end_unreported_backward()
         # an inert call's inputs matter to nobody: the core wraps them only for calls that are not
         # ([Note: inert modules], fz3/core/calls.py), so they are not walked
