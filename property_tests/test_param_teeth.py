@@ -22,7 +22,7 @@ import fz3.core.param.backward as backward
 import fz3.core.param.fetch as fetch
 import fz3.core.param.release as release
 import fz3.core.param.step as step
-from fz3.core.param.state import AVAILABLE, INFLIGHT, unit_params
+from fz3.core.param.state import AVAILABLE, INFLIGHT, NOT_AVAILABLE, unit_params
 from fz3.testing.models import HUGE
 from fz3.testing.param_machine import ParamLifecycleMachine
 
@@ -218,4 +218,28 @@ def test_prefetch_never_past_the_next_step_is_caught(monkeypatch):
         tx.trace = tx.trace._replace(plan=plan)
 
     monkeypatch.setattr(fetch, "prefetch", short_sighted)
+    assert_caught(r"liveness: .* prefetched .*; the rules prefetch", examples=LIVENESS_EXAMPLES)
+
+
+def test_prefetch_taking_a_bucket_more_at_every_fetch_is_caught(monkeypatch):
+    """(m) DeepSpeed's rule instead of fz3's reach ([Note: prefetch bounds]): every fetch takes
+    up to prefetch_bucket_size more, wherever the last prefetch left the queue, so what is
+    gathered ahead grows to max_live_parameters."""
+
+    def a_bucket_more(tx, step_, *, forward, config):
+        tr = tx.trace
+        i = reach = max(tr.cursor, tr.plan.step_start[step_ + 1])
+        numel, end = 0, len(tr.plan.queue)
+        while reach < end and numel < config.prefetch_bucket_size:  # DeepSpeed's batch
+            p = tr.plan.queue[reach][1]
+            if tx.status(p) == NOT_AVAILABLE:
+                numel += tx.st.spec.params[p].numel
+            reach += 1
+        chosen, i = tx.not_available_fitting(tr.plan.queue, i, reach, config.max_live_parameters - tx.live)
+        tx.trace = fetch.advanced(tr, i)
+        if chosen:
+            pids = tuple(sorted(chosen))
+            fetch.gather(tx, pids, prefetch=True, forward=forward, fetched_for=tuple(chosen[p] for p in pids))
+
+    monkeypatch.setattr(fetch, "prefetch", a_bucket_more)
     assert_caught(r"liveness: .* prefetched .*; the rules prefetch", examples=LIVENESS_EXAMPLES)

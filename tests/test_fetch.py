@@ -139,16 +139,34 @@ def test_prefetch_table(why, bucket, live, expected):
 
 
 def test_at_most_two_gathers_in_flight():
-    """Modules without params prefetch on; the third gather waits the oldest first."""
+    """Modules whose params are already gathered (a tied weight kept for reuse) move the reach on
+    without waiting; the third gather waits the oldest first."""
+    d = Driver([("w", 8), ("a.w", 8), ("b.w", 8), ("c.w", 8)],
+               [("", [], False), ("e", [0], False), ("x", [0], False), ("y", [0], False),
+                ("z", [0], False), ("a", [1], False), ("b", [2], False), ("c", [3], False)],
+               config=cfg(bucket=17, reuse=HUGE))
+    one_pass(d, [1, 2, 3, 4, 5, 6, 7])
+    got = one_pass(d, [1, 2, 3, 4, 5, 6, 7])
+    fetches = [got[i] for i in (0, 1, 3, 5, 7, 9, 11, 13)]  # root, e, x, y, z, a, b, c
+    assert fetches == [[G(0, [0], True)], [Wait(0)], [G(1, [1], True)], [G(2, [2], True)],
+                       [Wait(1), G(3, [3], True)], [], [Wait(2)], [Wait(3)]]
+    assert len(d.st.inflight) == 0
+
+
+def test_prefetch_reaches_a_bucket_ahead_not_a_bucket_more_each_fetch():
+    """[Note: prefetch bounds] Params gathered ahead of need stay within prefetch_bucket_size
+    elements of the plan: modules without params do not move the reach, so a chain of them
+    prefetches nothing more (DeepSpeed's loop would take another bucket at each of them, up to
+    max_live_parameters)."""
     d = Driver([("a.w", 4), ("b.w", 4), ("c.w", 4)],
                [("", [], False), ("x", [], False), ("y", [], False), ("a", [0], False),
                 ("b", [1], False), ("c", [2], False)], config=cfg(bucket=4))
-    one_pass(d, [1, 2, 3, 4, 5])  # handles 0..2; the next pass counts from 0 again
+    one_pass(d, [1, 2, 3, 4, 5])
     got = one_pass(d, [1, 2, 3, 4, 5])
     fetches = [got[i] for i in (0, 1, 3, 5, 7, 9)]  # root, x, y, a, b, c
-    assert fetches == [[G(0, [0], True)], [G(1, [1], True)], [Wait(0), G(2, [2], True)],
-                       [], [Wait(1)], [Wait(2)]]
-    assert len(d.st.inflight) == 0
+    assert fetches == [[G(0, [0], True)], [], [], [Wait(0), G(1, [1], True)], [Wait(1), G(2, [2], True)],
+                       [Wait(2)]]
+    assert d.st.peak_live_numel == 8  # one in use, one ahead
 
 
 def test_departure_invalidates_and_drops_prefetched_params():

@@ -100,20 +100,21 @@ def test_grad_outputs_counts_one_backward_fetch():
 
 
 def test_param_prefetched_for_a_later_step_is_kept():
-    """Y's param was prefetched for W (a later step) while X held it: Y's release keeps it for W
-    even with reuse distance 0. Steps: root, X(p0), V(p1), Y(p0), U(p2), W(p0)."""
-    d = Driver([("p0", 4), ("p1", 4), ("p2", 8)],
+    """Y's param was prefetched for W (a later step) once X's walk had passed Y's entry while X
+    held it: Y's release keeps it for W even with reuse distance 0. Steps: root, X(p0), V(p1),
+    Y(p0), U(p2), W(p0); the plan's offsets 0, 4, 8, 12, 13, the reach 6 elements."""
+    d = Driver([("p0", 4), ("p1", 4), ("p2", 1)],
                [("", [], False), ("X", [0], False), ("V", [1], False), ("Y", [0], False),
-                ("U", [2], False), ("W", [0], False)], config=cfg(reuse=0, bucket=5))
+                ("U", [2], False), ("W", [0], False)], config=cfg(reuse=0, bucket=6))
     d(reset_step)
     d.forward([[0, [1, 2, 3, 4, 5]]], inputs=0)  # RECORD: handles 0..4; the next pass counts from 0 again
     d(reset_step)
     got = d.forward([[0, [1, 2, 3, 4, 5]]], inputs=0)
     root, x, x_rel, v, v_rel, y, y_rel, u, u_rel, w, w_rel, root_rel = got
     assert root == [AllGather(0, (0, 1), True, True)]
-    assert x == [Wait(0), AllGather(1, (2,), True, True)] and x_rel == [Free((0,), True)]
-    assert v == [AllGather(2, (0,), True, True)]  # p0 again, for W at step 5
-    assert y == [Wait(2)] and y_rel == []  # kept: it was prefetched for step 5
+    assert x == [Wait(0)] and x_rel == [Free((0,), True)]  # its walk passed Y's p0, still gathered
+    assert v == [AllGather(1, (0, 2), True, True)]  # p2 for U, and p0 again, for W at step 5
+    assert y == [Wait(1)] and y_rel == []  # kept: it was prefetched for step 5
     assert w == [] and w_rel == [Free((0,), True)]
 
 

@@ -3,10 +3,12 @@ from DeepSpeed's rules in words by plain Python (of fz3.core it reads only Confi
 records), so a core that prefetches less or keeps less than the rules say fails the parameter
 machine.
 
-    pass start (trace COMPLETE)   queue = deque of (step, param): the plan's steps in order, each
-                                  step's unit sorted (DeepSpeed's __param_queue)
-    fetch of plan step s          drop the entries of steps <= s; then, while the batch is below
-                                  prefetch_bucket_size, look at the head:
+    pass start (trace COMPLETE)   queue = deque of (step, param, offset): the plan's steps in
+                                  order, each step's unit sorted (DeepSpeed's __param_queue),
+                                  offset = the elements of the entries before it
+    fetch of plan step s          drop the entries of steps <= s; then, while the head starts
+                                  less than prefetch_bucket_size elements past the first entry
+                                  of step s + 1, look at the head:
                                     NOT_AVAILABLE, not chosen yet, fits the live budget -> take it
                                     NOT_AVAILABLE, not chosen yet, does not fit         -> stop
                                     anything else                                       -> skip it
@@ -33,31 +35,41 @@ from fz3.core.effects import AllGather, Free
 if TYPE_CHECKING:
     from fz3.core.param.state import ParamState
 
-Queue = deque  # deque[tuple[int, int]]: (step, param), plan order
+Queue = deque  # deque[tuple[int, int, int]]: (step, param, offset), plan order
 
 
-def plan_queue(units: Sequence[frozenset[int]]) -> Queue:
-    """A pass's prefetch queue: every (step, param) of the plan, step by step, params sorted."""
-    return deque((s, p) for s, unit in enumerate(units) for p in sorted(unit))
+def plan_queue(units: Sequence[frozenset[int]], numel: Sequence[int]) -> tuple[Queue, list[int]]:
+    """A pass's prefetch queue: every (step, param) of the plan, step by step, params sorted, each
+    with its offset (the numel of the entries before it); and the offset where each step starts
+    (one more at the end)."""
+    queue, starts, offset = deque(), [], 0
+    for s, unit in enumerate(units):
+        starts.append(offset)
+        for p in sorted(unit):
+            queue.append((s, p, offset))
+            offset += numel[p]
+    starts.append(offset)
+    return queue, starts
 
 
-def prefetch(queue: Queue, step: int, *, not_available: set[int], numel: Sequence[int],
-             live: int, config: Config) -> dict[int, int]:
+def prefetch(queue: Queue, step: int, *, starts: Sequence[int], not_available: set[int],
+             numel: Sequence[int], live: int, config: Config) -> dict[int, int]:
     """Pop `queue` as the prefetch after the fetch of plan step `step` walks it; -> {param: the
-    step it is prefetched for}. `live`: numel gathered or in flight once this fetch's own
-    gather is out.
+    step it is prefetched for}. `starts`: each step's first offset. `live`: numel gathered or in
+    flight once this fetch's own gather is out.
 
+    The reach: entries starting less than prefetch_bucket_size elements past step + 1's start
+    (the last one may overshoot it); DeepSpeed instead takes up to the bucket more at every fetch.
     The walk stops *before* a param that would lift live numel past max_live_parameters (it
-    stays at the head for the next fetch): fz3's documented departure, [Note: prefetch bounds]
-    in fz3/core/param/fetch.py; DeepSpeed bounds the batch by min(bucket, budget - live) and may
-    overshoot the budget by one param. The batch bound is DeepSpeed's: take while the batch is
-    below prefetch_bucket_size, so the last param may overshoot it."""
+    stays at the head for the next fetch); DeepSpeed may overshoot the budget by one param. Both
+    are fz3's documented departures, [Note: prefetch bounds] in fz3/core/param/fetch.py."""
     while queue and queue[0][0] <= step:
         queue.popleft()
     chosen: dict[int, int] = {}
     batch = 0
-    while queue and batch < config.prefetch_bucket_size:
-        t, p = queue[0]
+    end = starts[step + 1] + config.prefetch_bucket_size
+    while queue and queue[0][2] < end:
+        t, p, _ = queue[0]
         if p in not_available and p not in chosen:
             if live + batch + numel[p] > config.max_live_parameters:
                 break
@@ -105,6 +117,7 @@ class Liveness:
     def __init__(self, numel: Sequence[int], config: Config) -> None:
         self.numel, self.config = numel, config
         self.queue: Queue = deque()
+        self.starts: list[int] = []  # the plan's offset where each step starts (plan_queue)
         # resident param -> the latest step it was prefetched for in this pass ([Note: fetch
         # marks]); dropped when it is freed
         self.fetched_for: dict[int, int] = {}
@@ -118,7 +131,7 @@ class Liveness:
     def start_pass(self, complete: bool, units: Sequence[frozenset[int]]) -> None:
         """A reset: a new queue from the plan (DeepSpeed rebuilds __param_queue each step), and
         the prefetched-for marks go (DeepSpeed: __most_recent_step_id_param_fetched_for)."""
-        self.queue = plan_queue(units) if complete else deque()
+        self.queue, self.starts = plan_queue(units, self.numel) if complete else (deque(), [])
         self.fetched_for, self.fetch_step = {}, {}
 
     def begin(self, ev, fetching: bool, releasing: bool) -> None:
@@ -139,8 +152,9 @@ class Liveness:
         if not self.prefetch_due:
             return
         self.prefetch_due = False
-        self.want_prefetch = prefetch(self.queue, self.step, not_available=not_available,
-                                      numel=self.numel, live=live, config=self.config)
+        self.want_prefetch = prefetch(self.queue, self.step, starts=self.starts,
+                                      not_available=not_available, numel=self.numel, live=live,
+                                      config=self.config)
         self.fetched_for.update(self.want_prefetch)
 
     def released(self, m: int, candidates: set[int], live: int, plan: list[int] | None,

@@ -274,14 +274,14 @@ class Txn:
                 candidates.append(p)
         return candidates
 
-    def not_available_fitting(self, queue: tuple[tuple[int, ParamId], ...], i: int, bucket: int,
+    def not_available_fitting(self, queue: tuple[tuple[int, ParamId], ...], i: int, reach: int,
                               room: int) -> tuple[dict[ParamId, int], int]:
-        """Walk `queue` ((step, param) pairs) from index `i`, taking NOT_AVAILABLE params not yet
-        taken while their numel is below `bucket`; stop before one that would take it past
+        """Walk `queue` ((step, param) pairs) from index `i` up to index `reach`, taking
+        NOT_AVAILABLE params not yet taken; stop before one that would take their numel past
         `room`. -> ({param: its step}, the index the walk stopped at). Prefetch's walk
-        (fetch.py says what bucket and room are)."""
-        spec, slots, chosen, numel, end = self.st.spec.params, self._slots, {}, 0, len(queue)
-        while i < end and numel < bucket:
+        (fetch.py says what reach and room are)."""
+        spec, slots, chosen, numel = self.st.spec.params, self._slots, {}, 0
+        while i < reach:
             t, p = queue[i]
             if slots[p][_STATUS] == NOT_AVAILABLE and p not in chosen:
                 n = spec[p].numel

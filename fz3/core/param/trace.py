@@ -39,6 +39,8 @@ class TracePlan(NamedTuple):
     order: tuple[ModuleId, ...]  # module fetched at each step
     queue: tuple[tuple[int, ParamId], ...]  # (step, param) in fetch order; one step's params sorted
     step_start: tuple[int, ...]  # queue index where step s starts; len(order) + 1 entries
+    offsets: tuple[int, ...]  # offsets[i]: numel of queue entries before index i; len(queue) + 1
+    # entries (a param used at two steps counts twice): how far ahead an entry lies, in elements
     reused: tuple[tuple[ParamId, ...], ...]  # per step: its params used again within the distance
     # (sorted tuples, not frozensets: tuples of ints leave CPython's GC, so a plan of a 10 000-
     # module model adds nothing for full collections to walk)
@@ -141,17 +143,21 @@ def _close(tr: TraceState, unit: Callable[[ModuleId], tuple[ParamId, ...]],
 
 def build_plan(order: tuple[ModuleId, ...], unit: Callable[[ModuleId], tuple[ParamId, ...]],
                numel: Callable[[ParamId], int], max_reuse_distance: int) -> TracePlan:
-    """Param queue and reuse sets for a module order.
+    """Param queue, its offsets and reuse sets for a module order.
 
-    A param of step s is *reused* if its next use is at step t and the modules strictly between
+    The queue's offsets say how many elements of the plan lie ahead of each entry: prefetch
+    reaches `prefetch_bucket_size` of them past the current step ([Note: prefetch bounds],
+    fetch.py). A param of step s is *reused* if its next use is at step t and the modules strictly between
     s and t hold fewer than `max_reuse_distance` elements: DeepSpeed's __params_to_release walks
     forward from s + 1 adding each module's numel and stops once the sum reaches the distance.
     """
     units = [unit(m) for m in order]
-    queue, step_start = [], []
+    queue, step_start, offsets = [], [], [0]
     for s, pids in enumerate(units):
         step_start.append(len(queue))
         queue.extend((s, p) for p in pids)
+        for p in pids:
+            offsets.append(offsets[-1] + numel(p))
     step_start.append(len(queue))
     before = [0]  # before[s]: numel of steps 0..s-1
     for pids in units:
@@ -166,5 +172,5 @@ def build_plan(order: tuple[ModuleId, ...], unit: Callable[[ModuleId], tuple[Par
                 keep.add(p)
             next_use[p] = s
         reused[s] = tuple(sorted(keep))
-    return TracePlan(order, tuple(queue), tuple(step_start), tuple(reused))
+    return TracePlan(order, tuple(queue), tuple(step_start), tuple(offsets), tuple(reused))
 
