@@ -50,6 +50,19 @@ def test_a_buffer_of_32_mib_is_advised_and_a_smaller_one_is_not():
     assert big.sum().item() == BIG
 
 
+def test_a_fake_tensor_is_not_advised_and_not_asked_for_its_memory():
+    """fz3.plan runs the engine on fake tensors: they have no memory to advise, and reading their
+    data pointer warns (a UserWarning under every plan of a model with a 32 MiB buffer)."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        fake = torch.empty(BIG)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not pages.advise_huge(fake)
+
+
 def test_the_pool_advises_the_buffers_it_makes_only_when_asked():
     on = BufferPool(CPU, limit_bytes=1 << 30, huge_pages=True).take(BIG, torch.float32)
     off = BufferPool(CPU, limit_bytes=1 << 30).take(BIG, torch.float32)

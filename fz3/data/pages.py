@@ -29,6 +29,7 @@ import ctypes
 import sys
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 HUGE_PAGE = 2 << 20
@@ -54,13 +55,16 @@ _MADVISE = _madvise()
 
 def advise_huge(t: torch.Tensor) -> bool:
     """Ask for huge pages behind `t`'s storage, before it is written: [Note: huge pages for
-    fresh buffers]. -> whether the kernel took the advice (False: not CPU, below MIN_BYTES, not
-    Linux, or the kernel refused it). Never changes `t`."""
+    fresh buffers]. -> whether the kernel took the advice (False: not CPU, below MIN_BYTES, a
+    fake tensor, not Linux, or the kernel refused it). Never changes `t`."""
     if _MADVISE is None or t.device.type != "cpu":
         return False
     storage = t.untyped_storage()
-    size, ptr = storage.nbytes(), storage.data_ptr()
-    if size < MIN_BYTES or not ptr:
+    size = storage.nbytes()
+    if size < MIN_BYTES or is_fake(t):  # fz3.plan's fake tensors have no memory (and warn when asked)
+        return False
+    ptr = storage.data_ptr()
+    if not ptr:
         return False
     lo = -(-ptr // HUGE_PAGE) * HUGE_PAGE
     hi = (ptr + size) // HUGE_PAGE * HUGE_PAGE
