@@ -50,7 +50,8 @@ class Config:
     Sizes are in elements (numel), as in DeepSpeed.
     """
 
-    prefetch_bucket_size: int = 50_000_000  # numel prefetched at most per fetch; 0 turns prefetch off
+    prefetch_bucket_size: int = 50_000_000  # numel of the plan prefetch reaches ahead (so the params
+    # gathered ahead of need, give or take one param: [Note: prefetch bounds]); 0 turns prefetch off
     max_live_parameters: int = 1_000_000_000  # prefetch never lifts live full-param numel past this
     max_reuse_distance: int = 1_000_000_000  # keep a param if reused within this numel ahead
     param_persistence_threshold: int = 100_000  # params this small stay gathered all step
