@@ -1,7 +1,8 @@
 """Liveness: what a COMPLETE trace says each fetch prefetches and each release keeps, predicted
-from DeepSpeed's rules in words by plain Python (of fz3.core it reads only Config and the effect
-records), so a core that prefetches less or keeps less than the rules say fails the parameter
-machine.
+from the rules in words by plain Python (of fz3.core it reads only Config and the effect
+records), so a core that prefetches or keeps less than the rules say, or prefetches further,
+fails the parameter machine. The rules are DeepSpeed's, but for the two bounds fz3 departs on
+([Note: prefetch bounds] in fz3/core/param/fetch.py).
 
     pass start (trace COMPLETE)   queue = deque of (step, param, offset): the plan's steps in
                                   order, each step's unit sorted (DeepSpeed's __param_queue),

@@ -147,7 +147,9 @@ def build_plan(order: tuple[ModuleId, ...], unit: Callable[[ModuleId], tuple[Par
 
     The queue's offsets say how many elements of the plan lie ahead of each entry: prefetch
     reaches `prefetch_bucket_size` of them past the current step ([Note: prefetch bounds],
-    fetch.py). A param of step s is *reused* if its next use is at step t and the modules strictly between
+    fetch.py).
+
+    A param of step s is *reused* if its next use is at step t and the modules strictly between
     s and t hold fewer than `max_reuse_distance` elements: DeepSpeed's __params_to_release walks
     forward from s + 1 adding each module's numel and stops once the sum reaches the distance.
     """
