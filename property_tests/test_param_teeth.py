@@ -221,25 +221,35 @@ def test_prefetch_never_past_the_next_step_is_caught(monkeypatch):
     assert_caught(r"liveness: .* prefetched .*; the rules prefetch", examples=LIVENESS_EXAMPLES)
 
 
+def _a_bucket_more(tx, step_, *, forward, config):
+    """DeepSpeed's prefetch walk: from where the last one stopped, up to a bucket more."""
+    tr = tx.trace
+    i = reach = max(tr.cursor, tr.plan.step_start[step_ + 1])
+    numel, end = 0, len(tr.plan.queue)
+    while reach < end and numel < config.prefetch_bucket_size:  # DeepSpeed's batch
+        p = tr.plan.queue[reach][1]
+        if tx.status(p) == NOT_AVAILABLE:
+            numel += tx.st.spec.params[p].numel
+        reach += 1
+    chosen, i = tx.not_available_fitting(tr.plan.queue, i, reach, config.max_live_parameters - tx.live)
+    tx.trace = fetch.advanced(tr, i)
+    if chosen:
+        pids = tuple(sorted(chosen))
+        fetch.gather(tx, pids, prefetch=True, forward=forward, fetched_for=tuple(chosen[p] for p in pids))
+
+
 def test_prefetch_taking_a_bucket_more_at_every_fetch_is_caught(monkeypatch):
     """(m) DeepSpeed's rule instead of fz3's reach ([Note: prefetch bounds]): every fetch takes
     up to prefetch_bucket_size more, wherever the last prefetch left the queue, so what is
     gathered ahead grows to max_live_parameters."""
-
-    def a_bucket_more(tx, step_, *, forward, config):
-        tr = tx.trace
-        i = reach = max(tr.cursor, tr.plan.step_start[step_ + 1])
-        numel, end = 0, len(tr.plan.queue)
-        while reach < end and numel < config.prefetch_bucket_size:  # DeepSpeed's batch
-            p = tr.plan.queue[reach][1]
-            if tx.status(p) == NOT_AVAILABLE:
-                numel += tx.st.spec.params[p].numel
-            reach += 1
-        chosen, i = tx.not_available_fitting(tr.plan.queue, i, reach, config.max_live_parameters - tx.live)
-        tx.trace = fetch.advanced(tr, i)
-        if chosen:
-            pids = tuple(sorted(chosen))
-            fetch.gather(tx, pids, prefetch=True, forward=forward, fetched_for=tuple(chosen[p] for p in pids))
-
-    monkeypatch.setattr(fetch, "prefetch", a_bucket_more)
+    monkeypatch.setattr(fetch, "prefetch", _a_bucket_more)
     assert_caught(r"liveness: .* prefetched .*; the rules prefetch", examples=LIVENESS_EXAMPLES)
+
+
+def test_prefetch_past_its_reach_is_caught_by_the_invariant_alone(monkeypatch):
+    """(n) the same planted walk, with the liveness rules silenced: check_prefetch_reach (the
+    bound itself, also run by Options(debug_checks=True)) catches it by itself."""
+    from fz3.testing import naive_rules
+    monkeypatch.setattr(naive_rules.Liveness, "check", lambda self, effects, st: None)
+    monkeypatch.setattr(fetch, "prefetch", _a_bucket_more)
+    assert_caught(r"gathered ahead of step .* more than prefetch_bucket_size", examples=LIVENESS_EXAMPLES)

@@ -12,7 +12,7 @@ import pytest
 from fz3.config.config import Config
 from fz3.core.effects import AllGather, Free, Wait
 from fz3.core.param.invariants import (InvariantError, check_fetched, check_live_budget,
-                                 check_quiescent, check_state)
+                                 check_prefetch_reach, check_quiescent, check_state)
 from fz3.core.spec import build_spec
 from fz3.core.param.state import (AVAILABLE, INFLIGHT, NOT_AVAILABLE, Inflight, ModuleSlot, ParamSlot,
                             ParamState, initial_state)
@@ -144,6 +144,33 @@ def test_check_live_budget_passes_at_the_budget_and_without_a_prefetch():
     check_live_budget(after, PREFETCH, config=Config(max_live_parameters=9))  # live == budget
     demand = (AllGather(0, (B, C), False, True), Wait(0), Free((A,)))  # on demand: not bound
     check_live_budget(after, demand, config=Config(max_live_parameters=8))
+
+
+# ---- check_prefetch_reach ------------------------------------------------------------------------
+
+def ahead_state(marks: dict, now: int = 2) -> ParamState:
+    """b and c in flight on handle 0, each marked fetched for the step in `marks` (a gathered too,
+    marked likewise if in `marks`); the latest fetch was at step `now`."""
+    rows = {p: ParamSlot(INFLIGHT if p != A else AVAILABLE, 0 if p != A else None, 0, t, False)
+            for p, t in marks.items()}
+    st = state(rows, inflight=[(0, [p for p in marks if p != A])])
+    return st._replace(trace=st.trace._replace(step_id=now + 1))
+
+
+def test_check_prefetch_reach_catches_more_than_a_bucket_gathered_ahead():
+    after = ahead_state({B: 3, C: 4})
+    with pytest.raises(InvariantError, match=r"prefetch left 9 elements gathered ahead of step 2 \(b, c\), "
+                                             "more than prefetch_bucket_size=3 plus one param"):
+        check_prefetch_reach(after, PREFETCH, config=Config(prefetch_bucket_size=3))
+
+
+def test_check_prefetch_reach_passes_at_the_bound_and_counts_only_what_is_ahead():
+    check_prefetch_reach(ahead_state({B: 3, C: 4}), PREFETCH, config=Config(prefetch_bucket_size=4))
+    # b's mark is the latest fetch's (in use now, not ahead); a persists with a mark from an
+    # earlier pass; neither counts
+    check_prefetch_reach(ahead_state({A: 9, B: 2, C: 4}), PREFETCH, config=Config(prefetch_bucket_size=0))
+    demand = (AllGather(0, (B, C), False, True),)  # no prefetch: not bound
+    check_prefetch_reach(ahead_state({B: 3, C: 4}), demand, config=Config(prefetch_bucket_size=0))
 
 
 # ---- check_quiescent -----------------------------------------------------------------------------

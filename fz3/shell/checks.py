@@ -16,6 +16,7 @@ def after_event(state, effects, config: Config) -> None:
     """After any event on the engine's Lifecycle (fz3/core/calls.py): both lifecycles' states."""
     invariants.check_state(state.params)
     invariants.check_live_budget(state.params, effects, config=config)
+    invariants.check_prefetch_reach(state.params, effects, config=config)
     invariants_grad.check_grad_state(state.grads, config=config)
     for frame in state.calls.stack:  # every open call finds its unit gathered
         invariants.check_fetched(state.params, frame.module)

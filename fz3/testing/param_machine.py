@@ -177,6 +177,7 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
             covered("I5", f"{ev.kind}, trace {mode}")
         if type(ev) in (Fetch, BackwardFetch):
             _inv.check_live_budget(self.state, effects, config=self.config)
+            _inv.check_prefetch_reach(self.state, effects, config=self.config)
             prefetch = any(isinstance(e, AllGather) and e.prefetch for e in effects)
             covered("I1", f"{ev.kind}, trace {mode}, {'with' if prefetch else 'no'} prefetch")
         assert snapshot(before) == seen, f"{ev} changed the state it was given"  # purity

@@ -8,6 +8,8 @@ so they are for checking, never for the hot path.
                       an active param is AVAILABLE, counters >= 0
     check_fetched     a module about to compute has every param AVAILABLE
     check_live_budget I1: a fetch that prefetched left live numel <= max_live_parameters
+    check_prefetch_reach  a fetch that prefetched left the params gathered ahead of need (for a
+                      later step of the pass) within prefetch_bucket_size plus one param of them
     check_quiescent   I2: after a whole forward+backward nothing is in flight, every
                       non-persistent non-external param is NOT_AVAILABLE, counters are 0
 """
@@ -80,6 +82,25 @@ def check_live_budget(after: ParamState, effects: Effects, *, config: Config) ->
         if after.live_numel > config.max_live_parameters:
             _fail(f"prefetch left {after.live_numel} elements live, over max_live_parameters="
                   f"{config.max_live_parameters}")
+
+
+def check_prefetch_reach(after: ParamState, effects: Effects, *, config: Config) -> None:
+    """[Note: prefetch bounds] (fz3/core/param/fetch.py): prefetch reaches prefetch_bucket_size
+    elements of the plan past the current step, so what it has gathered for later steps (params
+    gathered or in flight, marked for a step after the latest fetch's) adds up to at most the
+    bucket plus the largest of them. Persistent, external and held params stay gathered across
+    passes with their marks from earlier passes: they are not ahead of anything."""
+    if not any(isinstance(e, AllGather) and e.prefetch for e in effects):
+        return
+    spec, now, held = after.spec.params, after.trace.step_id - 1, set(after.held)
+    ahead = [p for p, s in enumerate(after.params)
+             if s.status is not Status.NOT_AVAILABLE and s.fetched_for > now and not s.external
+             and not spec[p].persistent and p not in held]
+    numel = sum(spec[p].numel for p in ahead)
+    if ahead and numel > config.prefetch_bucket_size + max(spec[p].numel for p in ahead):
+        _fail(f"prefetch left {numel} elements gathered ahead of step {now} "
+              f"({', '.join(spec[p].name for p in ahead)}), more than prefetch_bucket_size="
+              f"{config.prefetch_bucket_size} plus one param")
 
 
 def check_quiescent(st: ParamState) -> None:
