@@ -87,13 +87,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--md", default=None, help="write the table here (default: print it)")
     args = ap.parse_args()
-    from fz3.launch import run
     import deepspeed
     import torch
-    import fz3
+    from fz3.launch import run
     lines = [f"`python3 bench/prefetch_depth.py --models {args.models} --steps {args.steps}`, "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
-             f"deepspeed {deepspeed.__version__}, fz3 at {fz3.__file__ and _commit()}.", "",
+             f"deepspeed {deepspeed.__version__}, fz3 at {_commit()}.", "",
              "| model | params | prefetch bucket / max live / reuse distance | system | gathered or in flight at the forward's end | largest at a forward boundary | share of the model at the end |",
              "|---|---:|---|---|---:|---:|---:|"]
     raw = {}
