@@ -305,6 +305,24 @@ def test_a_core_that_prefetches_past_the_budget_fails_I1(monkeypatch):
     assert "over max_live_parameters=0" in failure.detail and "micro-step 1" in failure.detail  # prefetch: pass 2
 
 
+def test_a_core_that_prefetches_past_its_reach_fails_the_reach_check(monkeypatch):
+    """Planted: the watch holds the ranks to a prefetch bucket of 0 while their core prefetches a
+    bucket of 5e7 ahead (the whole model at the forward's first fetch), as a core walking past its
+    reach would."""
+    from fz3.observe import check_watch
+    real = check_watch.Watch.__init__
+
+    def short(self, engine):
+        real(self, engine)
+        self.config = engine.config.replace(prefetch_bucket_size=0)
+
+    monkeypatch.setattr(check_watch.Watch, "__init__", short)
+    report = fz3.check(clean, world_sizes=(2,), examples=1, config=fz3.Config(param_persistence_threshold=0))
+    failure = report.failures[0]
+    assert failure.check == "prefetch reach", report.summary()
+    assert "more than prefetch_bucket_size=0 plus one param" in failure.detail and "micro-step 1" in failure.detail
+
+
 def test_counters_left_after_a_backward_fail_I2(monkeypatch):
     from fz3.core.param.invariants import InvariantError
     from fz3.observe import check_watch

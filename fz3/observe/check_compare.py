@@ -68,7 +68,7 @@ def compare(ex: Example, ref: Reference, ranks: Sequence[RankRun], again: Option
     losses, losses_exact, loss_dev = _losses(ex, ref, ranks, tol, cause)
     params, params_exact, param_dev = _params(ex, ref, ranks, tol, cause)
     found += losses + params + _buffers(ex, ref, ranks, tol, broadcast)
-    for check, attr in (("I1 live budget", "i1"), ("I2 counts", "i2")):
+    for check, attr in (("I1 live budget", "i1"), ("prefetch reach", "reach"), ("I2 counts", "i2")):
         hit = next((r for r in ranks if getattr(r, attr)), None)
         if hit is not None:
             found.append((_micro_of(getattr(hit, attr)), Failure(check, ex, getattr(hit, attr), rank=hit.rank)))

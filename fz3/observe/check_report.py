@@ -22,6 +22,7 @@ CHECKS = {
     "params": "every param after every optimizer step equals one process's",
     "buffers": "every forward starts from the same buffers on every rank, and from one process's",
     "I1 live budget": "the live full params nothing pins never exceed max_live_parameters",
+    "prefetch reach": "the params prefetched for later steps never hold more than prefetch_bucket_size plus one",
     "I2 counts": "after every backward the counters are 0 and nothing gathered leaks",
     "determinism": "a second run of the example emits the same effects and losses on every rank",
     "divergence": "no DivergenceError, and every rank emits the same effects as rank 0",
@@ -140,8 +141,8 @@ def _lines(rep: CheckReport) -> list[str]:
            f"{', '.join(map(str, rep.world_sizes))}, {rep.steps} step{'s' if rep.steps != 1 else ''} each; "
            f"seed {rep.seed}; optimizer {rep.optimizer}; {rep.seconds:.1f} s",
            f"your config: {config_source(rep.base)}",
-           f"checks: losses and params against one process ({tol}), buffers, I1 live budget, I2 counts, "
-           "determinism (each example run twice), divergence"
+           f"checks: losses and params against one process ({tol}), buffers, I1 live budget, prefetch reach, "
+           "I2 counts, determinism (each example run twice), divergence"
            + ("; the loss: derived from the output (build() gave example_inputs)" if rep.derived_loss else ""),
            "", f"{'#':>3}  {'W':>2}  {'steps':>5}  {'result':<40}  config (fields that differ from yours)"]
     for r in rep.results:

@@ -97,6 +97,7 @@ class RankRun:
     entered: dict[int, list[str]] = field(default_factory=dict)
     callers: dict[int, list[str]] = field(default_factory=dict)
     i1: Optional[str] = None
+    reach: Optional[str] = None
     i2: Optional[str] = None
     micro: int = -1  # the micro-step running (or last run)
     error: Optional[BaseException] = None
@@ -307,7 +308,7 @@ def _rank(rank: int, world_size: int, subject: Subject, job: Job, models: list[n
     finally:
         if watch is not None:
             out.effects, out.entered, out.callers = watch.effects, watch.entered, watch.callers
-            out.i1, out.i2 = watch.i1, watch.i2
+            out.i1, out.reach, out.i2 = watch.i1, watch.reach, watch.i2
     out.error = _without_frames(out.error)
     return out
 

@@ -1,4 +1,5 @@
-"""One thread rank under fz3.check's eye: every core event it runs, and I1 and I2 after each.
+"""One thread rank under fz3.check's eye: every core event it runs, and I1, the prefetch reach
+and I2 after each.
 
     watch = Watch(engine)       # wraps the engine's core door (engine.update), as fz3.timeline does
     watch.micro = i             # the rank's loop says which micro-step runs
@@ -6,7 +7,7 @@
     watch.entered[i]            # the modules micro-step i entered (Enter events), by name: every
                                 # call, a quiet module's inside another too (engine.every_call)
     watch.callers[i]            # for each, the module whose forward ran around it ('' at the top)
-    watch.i1, watch.i2          # the first violation of each, or None
+    watch.i1, watch.reach, watch.i2   # the first violation of each, or None
     watch.active()              # the modules whose forward runs now, innermost last
 
 Every rank's core is deterministic and rank-agnostic (DESIGN.md §2), so the effect streams are
@@ -17,6 +18,9 @@ names entered say where the ranks' (or the passes') calls departed from each oth
     I1  after every event: the live full-param numel that nothing pins (an active module's
         unit, a gathered_parameters hold, a persistent or external param) is at most
         max_live_parameters (the parity tests' LiveWatch, tests/support/live_watch.py)
+    prefetch reach  after every event that prefetched: check_prefetch_reach
+        (fz3/core/param/invariants.py): the params gathered for later steps of the pass hold at
+        most prefetch_bucket_size plus one param ([Note: prefetch bounds])
     I2  after every BackwardEnded: check_quiescent (fz3/core/param/invariants.py): no gather in
         flight, counters back to 0, every non-persistent non-external param NOT_AVAILABLE
 
@@ -27,7 +31,8 @@ from __future__ import annotations
 
 from fz3.core import replay
 from fz3.core.events import BackwardEnded, Enter, Leave, Raised
-from fz3.core.param.invariants import InvariantError, check_quiescent
+from fz3.core.effects import AllGather
+from fz3.core.param.invariants import InvariantError, check_prefetch_reach, check_quiescent
 from fz3.core.param.state import NOT_AVAILABLE, unit_of
 
 
@@ -38,12 +43,14 @@ class Watch:
         self.numel = [p.numel for p in engine.spec.params]
         self.persistent = [p.persistent for p in engine.spec.params]
         self.budget = engine.config.max_live_parameters
+        self.config = engine.config
         self.micro = 0
         self.effects: dict[int, list] = {}
         self.entered: dict[int, list[str]] = {}
         self.callers: dict[int, list[str]] = {}
         self.stack: list[int] = []
         self.i1: str | None = None
+        self.reach: str | None = None
         self.i2: str | None = None
         self.inner = engine.update
         engine.update = self.update  # the instance's attribute: the engine's own calls come here
@@ -63,6 +70,11 @@ class Watch:
                 del self.stack[len(self.stack) - 1 - self.stack[::-1].index(event.module)]
         if self.i1 is None and params.live_numel > self.budget:
             self._live_budget(params, kind.__name__)
+        if self.reach is None and any(type(e) is AllGather and e.prefetch for e in effects):
+            try:
+                check_prefetch_reach(params, effects, config=self.config)
+            except InvariantError as e:
+                self.reach = f"micro-step {self.micro}, after {kind.__name__}: {e}"
         if self.i2 is None and kind is BackwardEnded:
             try:
                 check_quiescent(params)
