@@ -43,9 +43,13 @@ def zero_config(numel: int) -> dict:
 
 
 def worker(rank: int, world: int, system: str, model: str, steps: int) -> dict:
+    import dataclasses
+
     import torch
-    from systems.common import MODELS, batches, loss_fn, make_model
-    numel = sum(p.numel() for p in make_model(model).parameters())
+    from memory import count_params
+    from systems.common import batches, loss_fn
+    from systems.deepspeed_z3 import ds_config
+    numel = count_params(model)
     zero = zero_config(numel)
     torch.manual_seed(0)
     if system == "deepspeed":
@@ -59,10 +63,9 @@ def worker(rank: int, world: int, system: str, model: str, steps: int) -> dict:
     else:
         import fz3
         from systems.fz3_z3 import Fz3
-        cfg = fz3.Config.from_deepspeed({"zero_optimization": zero})
-        s = Fz3({"model": model, "options": {"config": {k: getattr(cfg, k) for k in (
-            "reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold",
-            "max_live_parameters", "max_reuse_distance")}}})
+        # the very config DeepSpeed gets, read as memory.py reads it
+        fields = dataclasses.asdict(fz3.Config.from_deepspeed(ds_config(model, world, zero)))
+        s = Fz3({"model": model, "options": {"config": fields}})
 
         def live() -> int:
             return s.engine.stats()["live_numel"]
