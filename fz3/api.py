@@ -8,6 +8,7 @@ from torch import nn
 
 from fz3.config.config import Config
 from fz3.build import meta
+from fz3.data import heap
 from fz3.data.shards import shard_of
 from fz3.shell import log, registry
 from fz3.shell.pick import check_group_backend, pick_device
@@ -64,6 +65,9 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
         raise RuntimeError(f"fz3.launch.run_threads runs on CPU only; this rank picked {device.torch_device} "
                            "(set FZ3_DEVICE=cpu)")
     device.set_device()
+    thresholds = "left alone"
+    if options.malloc_thresholds and device.torch_device.type == "cpu":
+        thresholds = heap.set_thresholds()  # [Note: heap thresholds]
     if meta.has_meta(model):  # built on torch.device("meta"): one module at a time (meta.py)
         if isinstance(transport, threads.ThreadTransport):
             raise ValueError("fz3.initialize: a model built on the meta device needs a process group "
@@ -77,7 +81,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
                     interpreter=lambda store: DistInterpreter(store, config=config, device=device,
                                                               transport=transport, options=options))
     registry.register(engine)
-    log.initialized(engine)
+    log.initialized(engine, thresholds)
     return engine
 
 

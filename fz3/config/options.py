@@ -31,6 +31,12 @@ huge_pages   on CPU, each new buffer of 32 MiB or more that fz3 makes for itself
     pages before it is written (madvise MADV_HUGEPAGE; Linux with transparent huge pages
     "madvise" or "always"): [Note: huge pages for fresh buffers], fz3/data/pages.py. False: 4 KiB
     pages, as torch allocates them
+malloc_thresholds   on CPU with glibc, fz3.initialize sets malloc's mmap threshold to 32 MiB and
+    its trim threshold to 64 MiB, where glibc's own rule takes them once a 32 MiB buffer is freed
+    (DDP's buckets do it), so that buffers below 32 MiB (the loss's logits, fz3's full values)
+    reuse the heap instead of faulting in fresh pages every step; left alone where the
+    environment sets glibc's heap policy (MALLOC_*_ or GLIBC_TUNABLES): [Note: heap
+    thresholds], fz3/data/heap.py. False: glibc's dynamic thresholds, as they stand
 """
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ class Options:
     broadcast_buffers: bool = True
     replay: bool = True
     huge_pages: bool = True
+    malloc_thresholds: bool = True
 
     def __post_init__(self) -> None:
         for name in ("gloo_all_gather", "gloo_reduce_scatter"):
@@ -57,7 +64,7 @@ class Options:
         n = self.gloo_coalesce_numel
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"Options.gloo_coalesce_numel must be an int >= 0 (0: no packing), got {n!r}")
-        for name in ("debug_checks", "broadcast_buffers", "replay", "huge_pages"):
+        for name in ("debug_checks", "broadcast_buffers", "replay", "huge_pages", "malloc_thresholds"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -1,8 +1,9 @@
 """fz3's log: `logging.getLogger("fz3")` (silent until the application configures logging).
 
     INFO     at fz3.initialize, rank 0: world size, device, backend and the carriers of the
-             gathers and reduces, params sharded and persistent, bytes per rank, and the config's
-             differences from DeepSpeed's defaults
+             gathers and reduces, params sharded and persistent, bytes per rank, what was done
+             with glibc's heap thresholds (fz3/data/heap.py), and the config's differences from
+             DeepSpeed's defaults
     INFO     at engine.compile(), rank 0: the backend and the modules compiled
     DEBUG    after each optimizer step, every rank: gathers (on demand / prefetched), bytes
              gathered and reduced, reduces, the trace's state and invalidations, peak live params,
@@ -32,8 +33,9 @@ STEP_KEYS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "gathe
              "reduced_bytes", "graphs", "graph_breaks", "compiled_frames")
 
 
-def initialized(engine) -> None:
-    """The INFO summary of a new engine (rank 0)."""
+def initialized(engine, thresholds: str = "left alone") -> None:
+    """The INFO summary of a new engine (rank 0); `thresholds`: what fz3.initialize did with glibc's
+    heap thresholds (fz3/data/heap.py)."""
     if engine.rank != 0 or not LOG.isEnabledFor(logging.INFO):
         return
     spec, store = engine.spec, engine.store
@@ -44,10 +46,11 @@ def initialized(engine) -> None:
     changed = ", ".join(f"{k}={v!r}" for k, v in differences(engine.config).items()) or "none"
     LOG.info("fz3: %d ranks on %s, backend %s (all-gather by %s, reduce-scatter by %s); %d params "
              "sharded (%s elements), %d persistent (%s elements); per rank: param shards %s, grad "
-             "partitions %s; config differences from the defaults: %s",
+             "partitions %s; glibc heap thresholds: %s; config differences from the defaults: %s",
              engine.world_size, engine.accelerator.torch_device, engine.accelerator.backend, gather_by, reduce_by,
              len(spec.params) - len(persistent), f"{sum(p.numel for p in spec.params if not p.persistent):,}",
-             len(persistent), f"{sum(p.numel for p in persistent):,}", human_bytes(shards), human_bytes(grads), changed)
+             len(persistent), f"{sum(p.numel for p in persistent):,}", human_bytes(shards), human_bytes(grads),
+             thresholds, changed)
 
 
 class StepLog:
