@@ -171,6 +171,9 @@ def main() -> int:
     ap.add_argument("--no-volume-timed", action="store_true",
                     help="do not time fz3-vol (it still gets a stats launch, for the volume check)")
     ap.add_argument("--skip", default="", help="comma list of: stats, breakdown, core, copies")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
+                    help="one more fz3 system: LABEL, fz3 with these Config / Options fields "
+                         "(e.g. fz3-dynamic='{\"malloc_thresholds\": false}'); add it to --systems")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default=os.path.join(HERE, "results.json"))
     ap.add_argument("--md", default=os.path.join(HERE, "RESULTS.md"))
@@ -186,6 +189,11 @@ def main() -> int:
     models = args.models.split(",")
     skip = set(filter(None, args.skip.split(",")))
     table, ds_equals_default, ds_fields = systems_table(True)
+    for variant in args.variant:
+        label, sep, fields = variant.partition("=")
+        if not sep or not label or label in table:
+            raise SystemExit(f"--variant {variant!r}: want LABEL=JSON with a new label (taken: {sorted(table)})")
+        table[label] = {"module": "fz3_z3", "world": 2, "options": {"config": json.loads(fields)}}
     labels = args.systems.split(",") if args.systems else [k for k in table if k != "fz3-vol" or not args.no_volume_timed]
     stats_labels = labels + (["fz3-vol"] if "fz3-vol" not in labels and "fz3" in labels else [])
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
