@@ -31,6 +31,10 @@ huge_pages   on CPU, each new buffer of 32 MiB or more that fz3 makes for itself
     pages before it is written (madvise MADV_HUGEPAGE; Linux with transparent huge pages
     "madvise" or "always"): [Note: huge pages for fresh buffers], fz3/data/pages.py. False: 4 KiB
     pages, as torch allocates them
+shared_memory   gloo ranks all on one host (x86-64 Linux) send the point-to-point carrier's large
+    messages (64 KiB or more) through rings in shared memory, one of 1 MiB a direction a pair of
+    ranks, instead of over TCP: [Note: shared-memory carrier], fz3/interpreters/shared_memory.py.
+    False: every message over gloo's TCP
 malloc_thresholds   on CPU with glibc, fz3.initialize sets malloc's mmap threshold to 32 MiB and
     its trim threshold to 64 MiB, where glibc's own rule takes them once a 32 MiB buffer is freed
     (DDP's buckets do it), so that buffers below 32 MiB (the loss's logits, fz3's full values)
@@ -56,6 +60,7 @@ class Options:
     replay: bool = True
     huge_pages: bool = True
     malloc_thresholds: bool = True
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         for name in ("gloo_all_gather", "gloo_reduce_scatter"):
@@ -64,7 +69,8 @@ class Options:
         n = self.gloo_coalesce_numel
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"Options.gloo_coalesce_numel must be an int >= 0 (0: no packing), got {n!r}")
-        for name in ("debug_checks", "broadcast_buffers", "replay", "huge_pages", "malloc_thresholds"):
+        for name in ("debug_checks", "broadcast_buffers", "replay", "huge_pages", "malloc_thresholds",
+                     "shared_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 

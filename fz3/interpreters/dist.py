@@ -57,7 +57,7 @@ from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, 
                               HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import BufferPool
-from fz3.interpreters import accounting, agreement, carriers, p2p
+from fz3.interpreters import accounting, agreement, carriers, p2p, shared_memory
 from fz3.interpreters.transport import Transport
 from fz3.config.options import Options
 from fz3.data.store import TensorStore
@@ -136,7 +136,10 @@ class DistInterpreter:
         limit = min((live + inputs + reduce) * elem, 3 * total * elem) + (64 << 20) \
             if store.device.type == "cpu" else 0
         self.buffers_pool = BufferPool(store.device, limit_bytes=limit, huge_pages=options.huge_pages)
-        ctx = carriers.Context(self.rank, W, self.spec, transport, self.async_op, self.agreement,
+        # [Note: shared-memory carrier] the P2P carrier's large messages, on one host
+        p2p_comm = shared_memory.for_carrier(transport, options.shared_memory and "p2p" in (self.gather_by,
+                                                                                             self.reduce_scatter_by))
+        ctx = carriers.Context(self.rank, W, self.spec, p2p_comm, self.async_op, self.agreement,
                                self.buffers_pool.take, self.reduce_buffer, self.on, self.gather_stream,
                                self.reduce_stream, self.bucket_capacity, self.shard_capacity, self.scratch_capacity,
                                options.gloo_coalesce_numel, self.counts)
