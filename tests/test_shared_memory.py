@@ -168,7 +168,14 @@ class Wide(nn.Module):
 
 
 def _train(rank: int, world: int, shared: bool, extra_on: int = -1, exit_on: int = -1) -> dict:
+    import logging
+
     import fz3
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("fz3").addHandler(handler)
+    logging.getLogger("fz3").setLevel(logging.INFO)
     model = Wide(extra_on)
     engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                             fz3.Config(reduce_bucket_size=100_000), options=fz3.Options(shared_memory=shared))
@@ -187,7 +194,8 @@ def _train(rank: int, world: int, shared: bool, extra_on: int = -1, exit_on: int
     except fz3.DivergenceError as e:
         return {"error": str(e), "seconds": time.monotonic() - t0}
     comm = engine.interp.gather.ctx.comm
-    return {"losses": losses, "kind": type(comm).__name__, "moved": getattr(comm, "moved", 0)}
+    return {"losses": losses, "kind": type(comm).__name__, "moved": getattr(comm, "moved", 0),
+            "said": [m for m in said if m.startswith("fz3: 2 ranks")]}
 
 
 def test_the_engine_trains_the_same_bits_with_the_rings_carrying_the_bytes():
@@ -198,6 +206,8 @@ def test_the_engine_trains_the_same_bits_with_the_rings_carrying_the_bytes():
         assert r["kind"] == "SharedMemoryTransport" and t["kind"] == "TorchTransport"
         # each step gathers a, b and extra's shards (128 KiB each), and reduces a and b's
         assert r["moved"] >= 4 * 4 * 128 * KiB, r
+    assert "all-gather by p2p (large messages through shared memory)" in rings[0]["said"][0], rings[0]["said"]
+    assert "all-gather by p2p," in tcp[0]["said"][0], tcp[0]["said"]
 
 
 def test_ranks_that_diverge_raise_divergence_errors_with_the_rings():

@@ -139,6 +139,7 @@ class DistInterpreter:
         # [Note: shared-memory carrier] the P2P carrier's large messages, on one host
         p2p_comm = shared_memory.for_carrier(transport, options.shared_memory and "p2p" in (self.gather_by,
                                                                                              self.reduce_scatter_by))
+        self.shared_memory = isinstance(p2p_comm, shared_memory.SharedMemoryTransport)
         ctx = carriers.Context(self.rank, W, self.spec, p2p_comm, self.async_op, self.agreement,
                                self.buffers_pool.take, self.reduce_buffer, self.on, self.gather_stream,
                                self.reduce_stream, self.bucket_capacity, self.shard_capacity, self.scratch_capacity,

@@ -19,11 +19,12 @@ is left behind, whatever happens later). Each rank's RSS grows by the rings it w
   sides, fz3.core.messages); the receiver checks each header against the receive it posted.
 - Messages below `SMALL` bytes, and every collective, go through gloo as before (`inner`).
 - Nothing moves in the background: the bytes move while a rank posts or waits (`progress`,
-  every queue of every peer), so a message completes once both ranks wait for it, and a rank
-  waiting polls the ring, after `SPIN` idle polls sleeping `NAP` between them (its core is then
-  free for gloo's threads; yielding it instead, the small GPT stepped 2-5 ms slower). Every rank waits for the same
-  collectives in the same order (SPMD), and the divergence check's descriptors, which ride on
-  gloo, are compared before any of a collective's data is read (agreement.Guarded).
+  every queue of every peer), so a message completes once both ranks wait for it. A waiting
+  rank polls the rings, after `SPIN` idle polls sleeping `NAP` between polls, so that its core
+  is free for gloo's threads (yielding the core instead, the small GPT stepped 2-5 ms slower).
+  Every rank waits for the same collectives in the same order (SPMD), and the divergence
+  check's descriptors, which ride on gloo, are compared before any of a collective's data is
+  read (agreement.Guarded).
 - A header that is not the one expected (the ranks are at different collectives) stops that
   peer's stream where it is: no byte of it is read, and the wait fails naming both, after the
   descriptors have had their say. A peer whose process exits fails the wait at once; one alive

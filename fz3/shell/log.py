@@ -1,7 +1,8 @@
 """fz3's log: `logging.getLogger("fz3")` (silent until the application configures logging).
 
     INFO     at fz3.initialize, rank 0: world size, device, backend and the carriers of the
-             gathers and reduces, params sharded and persistent, bytes per rank, what was done
+             gathers and reduces (and whether their large messages go through shared memory:
+             fz3/interpreters/shared_memory.py), params sharded and persistent, bytes per rank, what was done
              with glibc's heap thresholds (fz3/data/heap.py), and the config's differences from
              DeepSpeed's defaults
     INFO     at engine.compile(), rank 0: the backend and the modules compiled
@@ -44,6 +45,9 @@ def initialized(engine, thresholds: str = "left alone") -> None:
     shards = store.shard_bytes()["param_shards"]
     grads = sum(g.numel() * g.element_size() for g in store.segment_grads())
     changed = ", ".join(f"{k}={v!r}" for k, v in differences(engine.config).items()) or "none"
+    if getattr(engine.interp, "shared_memory", False):  # fz3/interpreters/shared_memory.py
+        gather_by, reduce_by = (f"{c} (large messages through shared memory)" if c == "p2p" else c
+                                for c in (gather_by, reduce_by))
     LOG.info("fz3: %d ranks on %s, backend %s (all-gather by %s, reduce-scatter by %s); %d params "
              "sharded (%s elements), %d persistent (%s elements); per rank: param shards %s, grad "
              "partitions %s; glibc heap thresholds: %s; config differences from the defaults: %s",
