@@ -8,7 +8,8 @@ Bytes are the size of the collective's full buffer, the same definition as fz3's
 engine.stats(): all-gather -> output bytes (W x shard), reduce-scatter -> input bytes
 (W x shard), all-reduce / broadcast / reduce -> the tensor's bytes. A rank sends and receives
 (W-1)/W of that with a ring. Point-to-point sends (fz3's gloo collectives, p2p.py) count the
-bytes sent. Nested calls (e.g. _all_gather_base -> all_gather_into_tensor)
+bytes sent, over gloo or through fz3's shared-memory rings (SharedMemoryTransport.isend: a
+large message never reaches torch.distributed). Nested calls (e.g. _all_gather_base -> all_gather_into_tensor)
 count once, at the outermost.
 """
 from __future__ import annotations
@@ -71,9 +72,10 @@ class Counter:
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {k: {"calls": self.calls[k], "bytes": self.bytes[k]} for k in sorted(self.calls)}
 
-    def wrap(self, name: str, fn):
+    def wrap(self, name: str, fn, arg: str | None = None):
+        """fn counted as op `name`; `arg`: the argument holding the buffer, when not OPS's."""
         sig = inspect.signature(fn)
-        arg, kind = OPS[name], KIND[name]
+        arg, kind = arg or OPS[name], KIND[name]
 
         @functools.wraps(fn)
         def counted(*args, **kwargs):
@@ -94,7 +96,9 @@ class Counter:
         return counted
 
 
-def install() -> Counter:
+def install(rings: bool = False) -> Counter:
+    """Wrap torch.distributed's collectives; `rings`: fz3's shared-memory sends too (fz3's
+    processes only: the peers' stay without fz3 imported)."""
     counter = Counter()
     c10d = dist.distributed_c10d
     for name in OPS:
@@ -103,4 +107,9 @@ def install() -> Counter:
             if fn is None or getattr(fn, "__fz3_bench_counted__", False):
                 continue
             setattr(mod, name, counter.wrap(name, fn))
+    if not rings:
+        return counter
+    from fz3.interpreters.shared_memory import SharedMemoryTransport
+    if not getattr(SharedMemoryTransport.isend, "__fz3_bench_counted__", False):
+        SharedMemoryTransport.isend = counter.wrap("isend", SharedMemoryTransport.isend, arg="t")
     return counter

@@ -160,7 +160,7 @@ def worker(rank: int, world: int, system: str, spec: dict) -> dict:
     counter = None
     if spec["mode"] == "stats":
         from systems import comm_count
-        counter = comm_count.install()
+        counter = comm_count.install(rings=system == "fz3_z3")
     mod = importlib.import_module(f"systems.{system}")
     t_build = time.perf_counter()
     sysobj = mod.build(rank, world, spec)
