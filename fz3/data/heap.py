@@ -9,9 +9,9 @@ rebuilds its buckets after the first step, so from then on its process serves ev
 25 MiB from the heap, and the model's own activations reuse memory. fz3 keeps no buffer that
 large on a model this size, so the threshold stays where the model's parameters left it, and
 the loss's (batch, seq, vocab) tensors, 8 MiB on the small benchmark GPT, came fresh from the
-kernel every step: 2,000-11,000 page faults a step on each rank, 3-8 ms of a 170 ms step
-(bench/RESULTS.md, "glibc's heap thresholds"). The plain model in one process has the same
-faults; it is not fz3's buffers but the heap they all share.
+kernel step after step: 400-2,900 page faults a step on a rank on average, up to 11,000 in one,
+2-7 ms of a 170 ms step (bench/RESULTS.md, "glibc's heap thresholds"). The plain model alone in
+one process faults the same; it is not fz3's buffers but the heap they all share.
 
 So on CPU, fz3.initialize sets the two thresholds to what glibc's own rule reaches after a
 32 MiB buffer is freed: mmap at 32 MiB, trim at 64 MiB (mallopt M_MMAP_THRESHOLD,

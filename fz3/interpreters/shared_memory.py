@@ -2,15 +2,16 @@
 
 [Note: shared-memory carrier] gloo moves every point-to-point message over TCP, even between two
 processes on one host: the sender's kernel copies it into the socket and runs the loopback's
-protocol work, the receiver's copies it out. On the small benchmark GPT that was 3.5-4.7 ms of a
-rank's CPU in each forward for the gather's 8 MiB each way (the send posts 2-2.9 ms, the wait
-1.5-1.8 ms), where a copy into memory both ranks map and one out of it cost ~1.4 ms.
+protocol work, the receiver's copies it out. On the small benchmark GPT the forward's gather of
+8 MiB each way took 3.5-4.7 ms of a rank's CPU (posting 2.0-2.9 ms, waiting 1.5-1.8); through
+the rings below, a copy into memory both ranks map and one out of it, 2.5-2.9 ms (1.3-1.5 and
+1.2-1.4; this rank's own shard copied into the full values in both), and the step 3-5 % less.
 
 So when every rank of the group is on one host (one host name and boot id) and the CPU is
 x86-64 (its stores become visible in order: a ring's counter never runs ahead of the bytes it
 covers), the P2P carrier (p2p.py) sends its large messages through rings in shared memory:
-one ring a direction a pair of ranks, `CAPACITY` bytes (1 MiB; 256 KiB rings cost the small GPT
-~4 ms a step more), made in /dev/shm and unlinked as soon as both ends have mapped them (nothing
+one ring a direction a pair of ranks, `CAPACITY` bytes (1 MiB; with 256 KiB rings the small GPT
+stepped 4.6 ms slower, with 512 KiB ones ~1.4 ms), made in /dev/shm and unlinked as soon as both ends have mapped them (nothing
 is left behind, whatever happens later). Each rank's RSS grows by the rings it writes and reads:
 2 (W - 1) MiB.
 
@@ -27,8 +28,9 @@ is left behind, whatever happens later). Each rank's RSS grows by the rings it w
   read (agreement.Guarded).
 - A header that is not the one expected (the ranks are at different collectives) stops that
   peer's stream where it is: no byte of it is read, and the wait fails naming both, after the
-  descriptors have had their say. A peer whose process exits fails the wait at once; one alive
-  but not coming, after the transport's timeout, as on gloo.
+  descriptors have had their say. A peer whose process exits fails the wait within a tenth of
+  a second of silence (`CHECK_EVERY`); one alive but not coming, after the transport's timeout,
+  as on gloo.
 
 Off with `fz3.Options(shared_memory=False)`; off also where /dev/shm cannot hold the rings (a
 rank that cannot make or map one tells the others, and all stay on gloo).
@@ -134,7 +136,7 @@ class SharedMemoryTransport:
         self.recvs: dict[int, deque[Message]] = {j: deque() for j in incoming}
         self.mismatch: dict[int, str] = {}  # peer -> why its stream stopped
         self.pids = {j: int(r.pid_cell.item()) for j, r in incoming.items()}
-        self.moved = 0  # bytes this rank wrote into its rings (tests, stats)
+        self.moved = 0  # bytes this rank wrote into its rings (the tests read it)
 
     # ---- the point-to-point part ------------------------------------------------------------
 
