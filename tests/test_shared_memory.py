@@ -28,10 +28,8 @@ pytestmark = [pytest.mark.timeout(300),
 KiB = 1 << 10
 
 
-def _transport(**patch):
+def _transport():
     from fz3.interpreters.transport import TorchTransport
-    for name, value in patch.items():
-        setattr(shared_memory, name, value)
     return shared_memory.for_carrier(TorchTransport())
 
 

@@ -5,7 +5,8 @@ processes on one host: the sender's kernel copies it into the socket and runs th
 protocol work, the receiver's copies it out. On the small benchmark GPT the forward's gather of
 8 MiB each way took 3.5-4.7 ms of a rank's CPU (posting 2.0-2.9 ms, waiting 1.5-1.8); through
 the rings below, a copy into memory both ranks map and one out of it, 2.5-2.9 ms (1.3-1.5 and
-1.2-1.4; this rank's own shard copied into the full values in both), and the step 3-5 % less.
+1.2-1.4; this rank's own shard copied into the full values in both), and the step 2-3 % less
+timed in the same launch.
 
 So when every rank of the group is on one host (one host name and boot id) and the CPU is
 x86-64 (its stores become visible in order: a ring's counter never runs ahead of the bytes it
@@ -38,6 +39,7 @@ rank that cannot make or map one tells the others, and all stay on gloo).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import platform
 import secrets
@@ -51,23 +53,23 @@ import torch
 CAPACITY = 1 << 20  # bytes of data in one ring
 SMALL = 64 << 10  # messages below this many bytes go through gloo
 HEADER = 16  # a message's header: int64 bytes, int64 tag
-_HEAD, _TAIL, _PID = 0, 8, 16  # int64 slots of a ring's control block (64-byte lines apart)
-CONTROL = 192  # bytes before the data
+_HEAD, _TAIL = 0, 8  # int64 slots of a ring's control block (64-byte lines apart)
+CONTROL = 128  # bytes before the data
 SPIN = 64  # idle polls before a waiting rank starts sleeping between polls
 NAP = 2e-5  # seconds
 CHECK_EVERY = 0.1  # seconds between looks at a silent peer's process
 
 
 class Ring:
-    """One direction between two ranks: CONTROL bytes (the writer's head, the reader's tail, the
-    writer's pid) then CAPACITY bytes of data, in a file both map. `head` and `tail` count every
+    """One direction between two ranks: CONTROL bytes (the writer's head, the reader's tail) then
+    CAPACITY bytes of data, in a file both map. `head` and `tail` count every
     byte ever written and read; this end's own counter is kept here, the other's read through."""
 
     def __init__(self, path: str) -> None:
         storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=CONTROL + CAPACITY)
         whole = torch.empty(0, dtype=torch.uint8).set_(storage)
         control = whole[:CONTROL].view(torch.int64)
-        self.head_cell, self.tail_cell, self.pid_cell = control[_HEAD], control[_TAIL], control[_PID]
+        self.head_cell, self.tail_cell = control[_HEAD], control[_TAIL]
         self.data = whole[CONTROL:]
         self.head = int(self.head_cell.item())
         self.tail = int(self.tail_cell.item())
@@ -75,15 +77,13 @@ class Ring:
 
 def make_ring(path: str) -> Ring:
     """The ring file, written whole so that a full /dev/shm fails here (OSError), never later at
-    a page of the mapping (SIGBUS), with this process as its writer."""
+    a page of the mapping (SIGBUS)."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.write(fd, bytes(CONTROL + CAPACITY))
     finally:
         os.close(fd)
-    ring = Ring(path)
-    ring.pid_cell.fill_(os.getpid())
-    return ring
+    return Ring(path)
 
 
 class Message:
@@ -129,30 +129,29 @@ class SharedMemoryTransport:
     """The Transport interface (transport.py) over `inner`: large point-to-point messages through
     the rings, everything else through `inner`. Made by `for_carrier`."""
 
-    def __init__(self, inner, outgoing: dict[int, Ring], incoming: dict[int, Ring]) -> None:
-        self.inner, self.out, self.inn = inner, outgoing, incoming
+    def __init__(self, inner, outgoing: dict[int, Ring], incoming: dict[int, Ring], pids: dict[int, int]) -> None:
+        """`pids`: each peer's process, watched while a wait on it is silent."""
+        self.inner, self.out, self.inn, self.pids = inner, outgoing, incoming, pids
         self.rank, self.world_size, self.backend = inner.rank, inner.world_size, inner.backend
         self.sends: dict[int, deque[Message]] = {j: deque() for j in outgoing}
         self.recvs: dict[int, deque[Message]] = {j: deque() for j in incoming}
         self.mismatch: dict[int, str] = {}  # peer -> why its stream stopped
-        self.pids = {j: int(r.pid_cell.item()) for j, r in incoming.items()}
         self.moved = 0  # bytes this rank wrote into its rings (the tests read it)
 
     # ---- the point-to-point part ------------------------------------------------------------
 
     def isend(self, t: torch.Tensor, dst: int, tag: int):
-        if t.numel() * t.element_size() < SMALL:
-            return self.inner.isend(t, dst, tag)
-        m = Message(dst, tag, _flat(t))
-        self.sends[dst].append(m)
-        self.progress()
-        return Work(self, m)
+        return self._post(self.sends, self.inner.isend, t, dst, tag)
 
     def irecv(self, t: torch.Tensor, src: int, tag: int):
+        return self._post(self.recvs, self.inner.irecv, t, src, tag)
+
+    def _post(self, queues: dict[int, deque], by_gloo, t: torch.Tensor, peer: int, tag: int):
+        """A small message by gloo; a large one queued for the ring to `peer`, moved as far as fits."""
         if t.numel() * t.element_size() < SMALL:
-            return self.inner.irecv(t, src, tag)
-        m = Message(src, tag, _flat(t))
-        self.recvs[src].append(m)
+            return by_gloo(t, peer, tag)
+        m = Message(peer, tag, _flat(t))
+        queues[peer].append(m)
         self.progress()
         return Work(self, m)
 
@@ -279,10 +278,8 @@ def _host() -> int:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    h = 0
-    for c in (socket.gethostname() + "/" + boot).encode():
-        h = (h * 131 + c) % (1 << 61)
-    return h
+    digest = hashlib.blake2b((socket.gethostname() + "/" + boot).encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
 
 
 def supported() -> bool:
@@ -304,7 +301,7 @@ def for_carrier(inner, enabled: bool = True):
     rows = every.view(W, -1).tolist()
     if any(r[0] != rows[0][0] or not r[1] for r in rows):
         return inner
-    token = rows[0][2]
+    token, pids = rows[0][2], {j: r[3] for j, r in enumerate(rows) if j != rank}
     name = lambda src, dst: f"/dev/shm/fz3-{token:x}-{src}-{dst}"  # noqa: E731
     outgoing, incoming, made = {}, {}, []
 
@@ -334,4 +331,4 @@ def for_carrier(inner, enabled: bool = True):
             os.unlink(path)
         except OSError:
             pass
-    return SharedMemoryTransport(inner, outgoing, incoming) if ok else inner
+    return SharedMemoryTransport(inner, outgoing, incoming, pids) if ok else inner
