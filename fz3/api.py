@@ -79,7 +79,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
                     world_size=transport.world_size, transport=transport, lr_scheduler=lr_scheduler,
                     options=options,
                     interpreter=lambda store: DistInterpreter(store, config=config, device=device,
-                                                              transport=transport, options=options))
+                                                              transport=transport, options=options,
+                                                              training=lambda: model.training))
     registry.register(engine)
     log.initialized(engine, thresholds)
     return engine

@@ -426,3 +426,86 @@ def test_a_collective_whose_data_fails_after_its_descriptors_agreed_names_the_pe
         ag.post(agreement.GATHER, (0,), 4)
     monkeypatch.setenv("FZ3_DIVERGENCE_TIMEOUT", "3")
     assert agreement.timeout_for(_Comm())[0].total_seconds() == 3
+
+
+# ---- a pass one rank runs alone (issue #45 point 4) ----------------------------------------------
+
+def _rank_only_eval(rank: int, world: int, when: int, train_mode: bool) -> dict:
+    """nanoGPT's loop: at iteration `when`, rank 0 alone evaluates (`if master_process:
+    estimate_loss()`, under torch.no_grad(), in model.eval() unless `train_mode`) while rank 1
+    goes on training. Both must stop at rank 0's first gather of the evaluation."""
+    import fz3
+    from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, d_model=32, n_head=2, n_layer=2, seq=16))
+    engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                            fz3.Config(param_persistence_threshold=0))
+    t0 = time.monotonic()
+    try:
+        for it in range(when + 2):
+            x, y = markov_batch(it, batch=2, seq=16, vocab=64)
+            t0 = time.monotonic()
+            if it == when and rank == 0:
+                engine.train(train_mode)
+                with torch.no_grad():
+                    for _ in range(3):  # eval_iters
+                        loss_fn(engine(x), y)
+                engine.train()
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+    except fz3.DivergenceError as e:
+        return {"error": str(e), "it": it, "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("when, train_mode", [(0, False), (2, True)])
+def test_an_evaluation_on_one_rank_alone_names_the_pass_and_what_to_do(when, train_mode):
+    """[Note: rank-only evaluation] (fz3/interpreters/pass_hint.py). Its first forward's gathers
+    are the training forward's own, so without the pass in the descriptor the ranks went on
+    together and diverged later, in rank 1's backward, naming module 'lm_head'. At the first
+    iteration (traces recording) and at the third (the train trace complete: prefetch)."""
+    mode = "model.train()" if train_mode else "model.eval()"
+    for rank, out in enumerate(launch.run(_rank_only_eval, world_size=2, args=(when, train_mode), timeout=200)):
+        msg = out["error"]
+        assert msg is not None and out["it"] == when and out["seconds"] < 60, (rank, out)
+        assert f"rank 0: step {when + 1}, collective 1: all-gather" in msg, msg
+        assert f"of module 'wte' (shared with 'lm_head'), under torch.no_grad() in {mode}\n" in msg, msg
+        assert "of module 'wte' (shared with 'lm_head'), with grad on in model.train()\n" in msg, msg
+        differ = "grad mode" if train_mode else "grad mode and train/eval mode"
+        assert f"The ranks are in different kinds of pass (they differ in {differ}): rank 0 runs under " \
+               f"torch.no_grad() in {mode}" in msg, msg
+        assert "rank 1 runs with grad on in model.train() (training)" in msg, msg
+        assert "Every rank must run every forward under ZeRO-3" in msg, msg
+        assert "Run the evaluation on every rank" in msg and "engine.full_state_dict() on every rank" in msg, msg
+        assert "lm_head'), in a backward" not in msg, msg  # caught at the evaluation, not rank 1's backward
+
+
+def test_pass_words_and_hint_for_each_kind_of_pass():
+    """The descriptor's phase in words, and the paragraph only when stamped ranks differ."""
+    from fz3.interpreters import agreement
+    from fz3.interpreters.pass_hint import BACKWARD, GRAD, PHASE, TRAINING, pass_hint, phase_reader, words
+    assert words(PHASE | GRAD | TRAINING) == "with grad on in model.train()"
+    assert words(PHASE) == "under torch.no_grad() in model.eval()"
+    assert words(PHASE | BACKWARD | TRAINING) == "in a backward" and words(0) == ""
+
+    def at(*phases):
+        return {r: [1, 0, 1, 1, 0, 0, 1, 4, ph] for r, ph in enumerate(phases)}
+    F = agreement.PHASE_FIELD
+    assert pass_hint(at(PHASE | GRAD | TRAINING, PHASE | GRAD | TRAINING), F) == ""
+    assert pass_hint(at(0, PHASE | GRAD | TRAINING), F) == ""  # a step's collective: unstamped
+    three = pass_hint(at(PHASE, PHASE | BACKWARD | TRAINING, PHASE | BACKWARD | TRAINING), F)
+    assert "(they differ in forward or backward and train/eval mode): rank 0 runs under torch.no_grad() in " \
+           "model.eval() (an evaluation); ranks 1, 2 run in a backward (training)." in three, three
+    describe = agreement.describe_with(["wte.weight"], [("wte", "lm_head")])
+    assert describe([1, 0, 1, 1, 0, 0, 1, 4, PHASE]) == ("step 1, collective 1: all-gather of 1 param ('wte.weight', "
+                                                        "4 elements) of module 'wte' (shared with 'lm_head'), under "
+                                                        "torch.no_grad() in model.eval()")
+    read = phase_reader(lambda: False)
+    with torch.no_grad():
+        assert read() == PHASE
+    assert read() == PHASE | GRAD
+    x = torch.ones(1, requires_grad=True)
+    seen = []
+    x.register_hook(lambda g: seen.append(read()))
+    (x * 2).sum().backward()
+    assert seen == [PHASE | BACKWARD]

@@ -8,10 +8,11 @@ default). fz3 checks instead.
 
 Before each collective of the interpreter (all-gather, reduce, the grad norm's all-reduce, the
 buffers' broadcast, the leaf-grad flags' all-reduce), every
-rank sends the others a descriptor of it, eight integers:
+rank sends the others a descriptor of it, nine integers:
 
     kind, optimizer step, collective number in that step, params, first and last ParamId,
-    a hash of the ParamIds, elements
+    a hash of the ParamIds, elements, and (gathers and reduces) the pass it is made in: grad
+    mode, train/eval mode, forward or backward (pass_hint.py: [Note: rank-only evaluation])
 
 and compares what it receives with its own. The exchange is point-to-point messages under one
 tag of their own, `DESCRIPTORS`: the k-th descriptor of one rank always pairs with the k-th of
@@ -22,7 +23,9 @@ that runs an extra module, skips one, or runs a backward the others do not is ca
 first collective where the descriptors differ. Every rank then raises
 DivergenceError, naming each rank's step, collective and params (and the module that owns them);
 when those are modules under one parent, it names the parent as the leaf module that would make
-them one fetch unit (leaf_hint.py: an MoE whose experts run only when routed to).
+them one fetch unit (leaf_hint.py: an MoE whose experts run only when routed to); when the
+ranks are in different kinds of pass, it says which rank runs what (pass_hint.py: an evaluation
+on rank 0 alone).
 
 No data meant for another collective is ever received:
 
@@ -60,13 +63,16 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
+from fz3.interpreters import pass_hint
 from fz3.interpreters.threads import WorldFailed
 from fz3.interpreters.transport import PeerFailed, Transport
 
 GATHER, REDUCE, NORM, BUFFERS, FLAGS = 1, 2, 3, 4, 5
 KINDS = {GATHER: "all-gather", REDUCE: "reduce", NORM: "grad-norm all-reduce", BUFFERS: "buffer broadcast",
          FLAGS: "all-reduce of which leaf params got a grad"}
-FIELDS = 8  # compared
+FIELDS = 9  # compared
+PHASE_FIELD = 8  # the pass a gather or reduce is made in (pass_hint.py); 0 for the other kinds
+STAMPED = (GATHER, REDUCE)
 MESSAGE = FIELDS + 1  # and one int64 of payload (the grad norm's all-reduce)
 MOD = (1 << 61) - 1
 
@@ -114,6 +120,8 @@ class Agreement:
         self.failed: DivergenceError | None = None  # once raised, every later collective raises it
         self.on_failure: Callable[[DivergenceError], None] | None = None  # told of it, once (the engine)
         self.hint: Callable[[Mapping[int, Sequence[int]]], str] = lambda where: ""  # leaf_hint
+        self.phase: Callable[[], int] = lambda: 0  # this rank's pass now (pass_hint.phase_reader)
+        self.stamping = True  # gathers and reduces carry `phase()` (off: the step's refresh)
         self.seconds = 0.0  # spent checking (bench/divergence_overhead.py reports it)
 
     @classmethod
@@ -147,8 +155,9 @@ class Agreement:
         h = 0
         for p in params:
             h = (h * 1000003 + p + 1) % MOD
+        phase = self.phase() if kind in STAMPED and self.stamping else 0
         fields = (kind, self.step, self.seq, len(params), params[0] if params else -1,
-                  params[-1] if params else -1, h, numel)
+                  params[-1] if params else -1, h, numel, phase)
         mine = torch.tensor([*fields, payload], dtype=torch.int64)
         got = {j: torch.empty(MESSAGE, dtype=torch.int64) for j in self.peers}
         recvs = {j: self.comm.irecv(got[j], j, DESCRIPTORS) for j in self.peers}
@@ -221,11 +230,13 @@ class Agreement:
         if differ:
             where = {self.rank: mine.tolist(), **{j: got[j].tolist() for j in self.peers}}
             lines = "\n".join(f"  rank {r}: {self.describe(where[r])}" for r in sorted(where))
-            hint = self.hint(where)
+            passes = pass_hint.pass_hint(where, PHASE_FIELD)
+            hint = "" if passes else self.hint(where)
+            rule = passes or ("Every rank must run the same modules, in the same order, with the same params "
+                              "requiring grad.")
             raise DivergenceError(f"ranks diverged (seen on rank {self.rank}; ranks {sorted(differ)} differ from "
-                                  f"it): each rank's next collective is\n{lines}\nEvery rank must run the same "
-                                  "modules, in the same order, with the same params requiring grad; fz3 stopped "
-                                  "before any data of this collective was received." + (f"\n{hint}" if hint else ""))
+                                  f"it): each rank's next collective is\n{lines}\n{rule} fz3 stopped before any "
+                                  "data of this collective was received." + (f"\n{hint}" if hint else ""))
 
     def lost(self, j: int | None, error: BaseException, waited: float, posted: "Posted") -> DivergenceError:
         """The error for a wait on rank `j` (None: some peer) that failed `waited` seconds in,
@@ -310,18 +321,22 @@ class Posted(NamedTuple):
     tag: int
 
 
-def describe_with(names: Sequence[str], owner: Sequence[str]) -> Callable[[Sequence[int]], str]:
-    """A describe function over the model's param names and each param's owning module name."""
+def describe_with(names: Sequence[str], owner: Sequence[str | Sequence[str]]) -> Callable[[Sequence[int]], str]:
+    """A describe function over the model's param names and each param's owning module name (a
+    tied param: the names of the modules that share it, the first named first)."""
     def describe(v: Sequence[int]) -> str:
-        kind, step, seq, n, first, last, _, numel = v
+        kind, step, seq, n, first, last, _, numel = v[:8]
+        mode = pass_hint.words(v[PHASE_FIELD]) if len(v) > PHASE_FIELD else ""
+        mode = f", {mode}" if mode else ""
         what = KINDS.get(kind, f"collective kind {kind}")
         head = f"step {step + 1}, collective {seq}: {what}"
         if n <= 0:
-            return head
+            return head + mode
         if not (0 <= first < len(names) and 0 <= last < len(names)):
-            return f"{head} of {n} params (ids {first}..{last}, not this model's)"
-        module = owner[first] or "<root>"
+            return f"{head} of {n} params (ids {first}..{last}, not this model's){mode}"
+        own = (owner[first],) if isinstance(owner[first], str) else tuple(owner[first]) or ("",)
+        module = repr(own[0] or "<root>") + (f" (shared with {', '.join(map(repr, own[1:]))})" if len(own) > 1 else "")
         params = repr(names[first]) if n == 1 else f"{names[first]!r} .. {names[last]!r}"
-        return f"{head} of {n} param{'s' if n > 1 else ''} ({params}, {numel:,} elements) of module {module!r}"
+        return f"{head} of {n} param{'s' if n > 1 else ''} ({params}, {numel:,} elements) of module {module}{mode}"
     return describe
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter, deque
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -57,7 +57,7 @@ from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, 
                               HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import BufferPool
-from fz3.interpreters import accounting, agreement, carriers, p2p, shared_memory
+from fz3.interpreters import accounting, agreement, carriers, p2p, pass_hint, shared_memory
 from fz3.interpreters.transport import Transport
 from fz3.config.options import Options
 from fz3.data.store import TensorStore
@@ -83,10 +83,11 @@ buffer is reused."""
 
 class DistInterpreter:
     def __init__(self, store: TensorStore, *, config: Config, device, transport: Transport,
-                 options: Options = Options()) -> None:
+                 options: Options = Options(), training: Callable[[], bool] = lambda: True) -> None:
         """`transport` moves the bytes (fz3/interpreters/transport.py): torch.distributed on a
         process group, or a rank of a ThreadWorld (N ranks in one process); `options` picks the
-        gloo carriers (fz3/config/options.py)."""
+        gloo carriers (fz3/config/options.py); `training()`: the model's train mode, which the
+        divergence check's descriptors carry ([Note: rank-only evaluation], pass_hint.py)."""
         self.store, self.config, self.device, self.comm = store, config, device, transport
         self.rank, self.world_size = store.rank, store.world_size
         self.spec = store.spec
@@ -114,12 +115,14 @@ class DistInterpreter:
         self.scratch_capacity = (self.world_size - 1) * self.shard_capacity
         self.counts: Counter[str] = Counter()
         self.held_bytes = self.peak_held_bytes = 0  # grads held for a reduce (HoldGrad), now and at most
-        owner = [""] * len(self.spec.params)
+        owners: list[list[str]] = [[] for _ in self.spec.params]
         for m, ms in enumerate(self.spec.modules):
             for p in ms.params:
-                owner[p] = store.module_names[m]
+                owners[p].append(store.module_names[m])
         # [Note: descriptors beside the data] fz3/interpreters/agreement.py
-        self.agreement = agreement.Agreement.for_transport(transport, agreement.describe_with(store.names, owner))
+        self.agreement = agreement.Agreement.for_transport(transport, agreement.describe_with(store.names, owners))
+        if self.agreement is not None:  # [Note: rank-only evaluation]
+            self.agreement.phase = pass_hint.phase_reader(training)
         # CPU: room for what the live budget can need at once, and no more than the model could:
         # the live full params (within max_live_parameters plus the unit fetched on demand past
         # it, fz3/core/param/fetch.py), the gathers' packed inputs (not for p2p, which sends from the
@@ -234,7 +237,13 @@ class DistInterpreter:
         self.gathers[h] = (work, ps, fulls, keep)  # keep: alive until the work completes
 
     def _refresh(self, ps: tuple[int, ...]) -> None:
-        work, then = self.gather.refresh(ps, self._shards(ps, False), [self.store.full[p] for p in ps])
+        if self.agreement is not None:  # the step's, in no pass: unstamped
+            self.agreement.stamping = False
+        try:
+            work, then = self.gather.refresh(ps, self._shards(ps, False), [self.store.full[p] for p in ps])
+        finally:
+            if self.agreement is not None:
+                self.agreement.stamping = True
         self._landed(work)
         then()
         self.store.rewritten(ps)
