@@ -5,6 +5,11 @@
         FUNCTION() returns (model, example_inputs); MODULE is an importable module or a .py file.
         Prints fz3.plan's table: per step and per rank, gathers, bytes moved, buckets, peak live
         params and resident bytes, without a process group (any world size on one machine).
+        --config is read as fz3.deepspeed.initialize reads it, and a config whose "auto" values
+        only Hugging Face's Trainer fills is filled as fz3.hf.Trainer fills it (from
+        TrainingArguments' defaults; needs transformers): one reader, [Note: one reader] in
+        fz3/deepspeed/settings.py. Its "optimizer" is the one whose state the plan counts
+        (--optimizer then refused), its "scheduler" is checked; a line above the table says so.
     python -m fz3 timeline RUN.json RUN.png
         fz3.timeline's trace-event file drawn with matplotlib: per rank, bars for compute,
         communication and the core, and the live bytes over time.
@@ -18,6 +23,9 @@
         fz3.check's report is printed: per example pass, or the first step and param where they
         differ, with the smallest failing config as fz3.Config(...) (docs/check.md). Exit status
         0: every example passed; 1: a failure was found, or something could not be decided.
+        --config is read as for plan, its batch sizes left unchecked (several world sizes); the
+        check steps --optimizer, not the config's "optimizer" (SGD shows a wrong grad scale,
+        which Adam hides).
     python -m fz3 verify [--examples N] [--steps K] [--machines params,grads,layout,calls]
         The Hypothesis machines against their naive models, N examples each (up to K rules per
         example), then what each invariant covered: checks and situations. Exit status 1 with
@@ -31,9 +39,9 @@ too big to check here) print one line naming the value and what is allowed and e
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.util
-import json
 import os
 import sys
 
@@ -51,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="a DeepSpeed JSON config (default: DeepSpeed's defaults)")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps to plan (default 2: the first "
                    "records the trace, the next prefetch along it)")
-    p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd (default adamw)")
+    p.add_argument("--optimizer", default=None, help="adamw | adam | sgd (default: the config's \"optimizer\", "
+                   "else adamw)")
     p.add_argument("--backend", default=None, help="gloo | nccl | hccl (default: this machine's)")
     k = sub.add_parser("check", help="does this model train the same on N thread ranks as in one process?")
     k.add_argument("target", metavar="MODULE:FUNCTION",
@@ -102,13 +111,20 @@ def _plan(args) -> int:
         raise UsageError(f"--world-size must be >= 1, got {args.world_size}")
     if args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
-    config = _config(args.config)
+    ds = _read_config(args.config)
     model, inputs = _call(args.target)
+    config, optimizer, notes = _config(args.config, ds, world_size=args.world_size, steps=args.steps,
+                                       model=lambda: model, use="the plan counts its state (\"optimizer state\")")
+    if optimizer is not None and args.optimizer is not None:
+        raise UsageError(f"an optimizer came both as --optimizer {args.optimizer} and as the config's "
+                         "\"optimizer\" section; pass one (fz3.deepspeed.initialize refuses the pair too)")
     try:
         plan = fz3.plan(model, config, world_size=args.world_size, example_inputs=inputs,
-                        optimizer=args.optimizer, steps=args.steps, backend=args.backend)
+                        optimizer=optimizer or args.optimizer or "adamw", steps=args.steps, backend=args.backend)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
+    for note in notes:
+        print(note)
     print(plan.table())
     return 0
 
@@ -136,8 +152,14 @@ def _check(args) -> int:
         worlds = tuple(int(w) for w in args.world_sizes.split(",") if w.strip())
     except ValueError:
         raise UsageError(f"--world-sizes {args.world_sizes!r}: give comma-separated ints, e.g. 1,2,3") from None
-    config = _config(args.config)
+    ds = _read_config(args.config)
     build = _function(args.target)
+    config, _, notes = _config(args.config, ds, world_size=None, steps=args.steps,
+                               model=lambda: _built_model(build, args.target),
+                               use=f"the check steps --optimizer {args.optimizer} instead"
+                                   + (" (SGD shows a wrong grad scale, which Adam hides)" if args.optimizer == "sgd" else ""))
+    for note in notes:
+        print(note)
     try:
         report = fz3.check(build, world_sizes=worlds, examples=args.examples, steps=args.steps, config=config,
                            seed=args.seed, options=fz3.Options(broadcast_buffers=not args.no_broadcast_buffers),
@@ -159,23 +181,94 @@ def _timeline(args) -> int:
     return 0
 
 
-def _config(path: str | None):
-    import fz3
+def _read_config(path: str | None) -> dict | None:
+    """--config's file as fz3.deepspeed reads a config file (read_config: strict JSON, a
+    duplicate key refused)."""
+    from fz3.deepspeed.settings import read_config
     if path is None:
-        return fz3.Config()
+        return None
+    if not os.path.exists(path):  # read_config would try it as base64 JSON
+        raise UsageError(f"--config {path!r}: cannot read it ({os.strerror(errno.ENOENT)})")
     try:
-        with open(path) as f:
-            ds = json.load(f)
+        ds = read_config(path)
     except OSError as e:
         raise UsageError(f"--config {path!r}: cannot read it ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--config {path!r} is not JSON: {e}") from None
+    except ValueError as e:
+        raise UsageError(f"--config {path!r} is not JSON: {e.__cause__ or e}") from None
     if not isinstance(ds, dict):
         raise UsageError(f"--config {path!r} holds a {type(ds).__name__}; a DeepSpeed config is a JSON object")
+    return ds
+
+
+def _config(path: str | None, ds: dict | None, *, world_size: int | None, steps: int, model, use: str):
+    """--config read as fz3.deepspeed.initialize reads it ([Note: one reader] in
+    fz3/deepspeed/settings.py), "auto" values only Hugging Face's Trainer fills filled first as
+    fz3.hf.Trainer fills them (`model()` gives the model, for the hidden-size ones). world_size
+    None: batch sizes unchecked (check). `use`: what the caller does with a JSON optimizer.
+    -> (fz3.Config, the JSON optimizer as a factory of params or None, lines to print: what was
+    filled, the JSON optimizer and scheduler)."""
+    import fz3
+    from fz3.deepspeed.settings import read_settings, unresolved_autos
+    if ds is None:
+        return fz3.Config(), None, []
+    notes = []
     try:
-        return fz3.Config.from_deepspeed(ds)
+        autos = unresolved_autos(ds)
+        if autos:
+            ds, note = _fill_auto(path, ds, autos, world_size, steps, model())
+            notes.append(note)
+        settings = read_settings(ds, world_size=world_size, batch_sizes_required=False)
+        optimizer, said = _json_optimizer(settings, use)
     except (TypeError, ValueError, KeyError) as e:
-        raise UsageError(f"--config {path!r} is not a valid DeepSpeed config: {e}") from None
+        one_line = " ".join(str(e).split())  # transformers' mismatch list spans lines
+        raise UsageError(f"--config {path!r} is not a valid DeepSpeed config: {one_line}") from None
+    if said is not None:
+        notes.append(f"--config {path}: {said}")
+    return settings.config, optimizer, notes
+
+
+def _fill_auto(path: str, ds: dict, autos: list[str], world_size: int | None, steps: int, model):
+    """`ds` filled as fz3.hf.Trainer fills it (fz3/hf/arguments.py fill_auto) -> (dict, line)."""
+    try:
+        from fz3.hf.arguments import fill_auto
+    except ImportError as e:
+        raise UsageError(f"--config {path!r} has \"auto\" values that Hugging Face's Trainer fills from "
+                         f"TrainingArguments ({', '.join(autos)}); fz3 fills them as fz3.hf.Trainer does, "
+                         f"which needs transformers and accelerate ({e}): pip install 'fz3[hf]', or set "
+                         "the values") from None
+    ds, filled = fill_auto(ds, model=model, world_size=world_size or 1, steps=steps)
+    ranks = f" on {world_size} ranks" if world_size else ""
+    return ds, (f"--config {path}: \"auto\" filled as fz3.hf.Trainer fills it from TrainingArguments' "
+                f"defaults{ranks}: " + ", ".join(f"{k}={v!r}" for k, v in filled.items()))
+
+
+def _json_optimizer(settings, use: str):
+    """The JSON "optimizer" as a factory of params, built as fz3.deepspeed builds it, or None;
+    and a line naming it (and `use`) and the JSON "scheduler", or None. Both are built here on a probe
+    param, so a section fz3.deepspeed.initialize would refuse is refused now."""
+    import torch
+    from fz3.deepspeed.optimizers import build_optimizer
+    from fz3.deepspeed.schedulers import build_scheduler
+    probe = [torch.nn.Parameter(torch.zeros(1))]
+    section, said = settings.optimizer, []
+    optimizer = torch.optim.SGD(probe, lr=1e-3) if section is None else build_optimizer(section, probe)
+    if section is not None:
+        hyper = ", ".join(f"{k} {v!r}" for k, v in optimizer.defaults.items()
+                          if k in ("lr", "betas", "eps", "weight_decay"))
+        said.append(f"optimizer {section.get('type')!r} built as fz3.deepspeed builds it "
+                    f"({type(optimizer).__name__}: {hyper}): {use}")
+    if settings.scheduler is not None:
+        said.append(f"scheduler {type(build_scheduler(settings.scheduler, optimizer)).__name__}")
+    make = None if section is None else (lambda params: build_optimizer(section, params))
+    return make, "; ".join(said) or None
+
+
+def _built_model(build, target: str):
+    """The model of the check's build() (its first return value), for "auto" filling."""
+    try:
+        return build()[0]
+    except Exception as e:
+        raise UsageError(f"{target}() raised {type(e).__name__}: {e}") from None
 
 
 def _call(target: str):

@@ -105,6 +105,113 @@ def test_a_config_that_is_not_valid_is_named(tmp_path):
     assert got.returncode == 2 and "is not JSON" in got.stderr
 
 
+# transformers' DeepSpeed docs, "ZeRO-3 example": every value the Trainer fills is "auto". Its
+# offload_optimizer / offload_param sections (device "cpu") are left out: fz3 has no offload, and
+# fz3.deepspeed.initialize, fz3.hf.Trainer and the CLI refuse them with the same message.
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+                          "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+DS_EXAMPLE = os.path.join(ROOT, "examples", "deepspeed_config.json")  # a JSON optimizer and scheduler
+
+
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    from fz3.__main__ import main
+    code = main(list(args))
+    got = capsys.readouterr()
+    return code, got.out, got.err
+
+
+def test_plan_reads_hf_zero3_json_as_fz3_hf_trainer_does(tmp_path, capsys, monkeypatch):
+    """HF's ZeRO-3 JSON: its "auto" values filled as fz3.hf.Trainer fills them (TrainingArguments'
+    defaults; the bucket sizes from the Llama's hidden_size, 64), the JSON AdamW built and counted,
+    WarmupLR checked. One reader: fz3/deepspeed/settings.py [Note: one reader]."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(ROOT)
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(HF_ZERO3))
+    code, out, err = _main(capsys, "plan", "examples/05_plan.py:tiny_llama", "--world-size", "64",
+                           "--config", str(cfg))
+    assert code == 0, err
+    assert f'--config {cfg}: "auto" filled as fz3.hf.Trainer fills it from TrainingArguments\' defaults on 64 ' \
+           "ranks: fp16.enabled=False" in out, out
+    for filled in ("optimizer.params.lr=5e-05", "zero_optimization.reduce_bucket_size=4096",
+                   "train_batch_size=512", "train_micro_batch_size_per_gpu=8", "gradient_accumulation_steps=1"):
+        assert filled in out, (filled, out)
+    assert "optimizer 'AdamW' built as fz3.deepspeed builds it (AdamW: lr 5e-05, betas (0.9, 0.999), eps 1e-08, " \
+           'weight_decay 0.0): the plan counts its state ("optimizer state"); scheduler WarmupLR' in out, out
+    assert "on 64 ranks" in out and "prefetch_bucket_size=3686, param_persistence_threshold=640, " \
+           "reduce_bucket_size=4096" in out and "step 2" in out, out
+
+
+def test_plan_reads_the_deepspeed_example_json_and_counts_its_optimizer(tmp_path, capsys, monkeypatch):
+    """examples/deepspeed_config.json (fz3.deepspeed.initialize's: AdamW, WarmupDecayLR, batch
+    sizes for 2 ranks) plans on 2 ranks; the JSON optimizer is the one whose state is counted:
+    AdamW keeps 2 fp32 states per element (twice the shards), a JSON SGD without momentum none."""
+    monkeypatch.chdir(ROOT)
+    code, out, err = _main(capsys, "plan", TARGET, "--world-size", "2", "--config", DS_EXAMPLE)
+    assert code == 0, err
+    assert "optimizer 'AdamW' built as fz3.deepspeed builds it (AdamW: lr 0.01, betas (0.9, 0.999), eps 1e-08, " \
+           'weight_decay 0.01): the plan counts its state ("optimizer state"); scheduler WarmupDecayLR' in out, out
+    assert "on 2 ranks" in out and "gradient_accumulation_steps=2" in out, out
+    rows = {line[:40].strip(): line[40:].split()[:2] for line in out.splitlines()}
+    assert rows["optimizer state"] == ["16.18", "MiB"] and rows["param shards (fp32 masters)"] == ["8.09", "MiB"]
+    sgd = tmp_path / "sgd.json"
+    sgd.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3},
+                               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    code, out, err = _main(capsys, "plan", TARGET, "--world-size", "2", "--config", str(sgd))
+    assert code == 0, err
+    rows = {line[:40].strip(): line[40:].split()[:2] for line in out.splitlines()}
+    assert rows["optimizer state"] == ["0", "B"], out  # --optimizer's default, adamw, would keep 16 MiB
+
+
+@pytest.mark.parametrize("edit, extra, message", [
+    (None, ("--world-size", "64"), "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * "
+                                   "world_size 16 != 4 * 2 * 64"),  # DeepSpeed's check, as initialize
+    (None, ("--world-size", "2", "--optimizer", "sgd"), "an optimizer came both as --optimizer sgd and as the "
+                                                        "config's \"optimizer\" section"),
+    ({"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}}, ("--world-size", "2"), "DeepSpeed optimizer 'Lamb': "
+                                                                                      "fz3 builds only"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, ("--world-size", "2"), "total_num_steps"),
+    ({"zero_optimization": {"stage": 3, "reduce_bucket_sise": 5}}, ("--world-size", "2"), "reduce_bucket_sise"),
+    ({"dataloader_drop_last": "auto"}, ("--world-size", "2"), "'dataloader_drop_last' is \"auto\""),
+])
+def test_a_json_fz3_deepspeed_refuses_is_refused_with_its_message(edit, extra, message, tmp_path, capsys,
+                                                                  monkeypatch):
+    """examples/deepspeed_config.json edited: what fz3.deepspeed.initialize refuses (or, for a top-level
+    "auto" fz3.hf.Trainer does not fill either, refuses after filling) is one line, exit status 2."""
+    if "dataloader_drop_last" in (edit or {}):
+        pytest.importorskip("transformers")  # a top-level "auto" is filled by fz3.hf's code first
+    monkeypatch.chdir(ROOT)
+    with open(DS_EXAMPLE) as f:
+        cfg = {**json.load(f), **(edit or {})}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    code, out, err = _main(capsys, "plan", TARGET, "--config", str(path), *extra)
+    assert code == 2 and message in err and "Traceback" not in err, (code, err)
+    assert len(err.strip().splitlines()) == 1 and out == "", (out, err)
+
+
+def test_check_reads_the_deepspeed_example_json(capsys, monkeypatch):
+    """check --config takes the JSON optimizer and scheduler too (read, built, named) and steps its
+    own --optimizer; the batch sizes (for 2 ranks) are not checked against its world sizes."""
+    monkeypatch.chdir(ROOT)
+    code, out, err = _main(capsys, "check", "tests/test_check.py:clean", "--config", DS_EXAMPLE,
+                           "--world-sizes", "1,2", "--examples", "2", "--steps", "1")
+    assert code == 0, out + err
+    assert "optimizer 'AdamW' built as fz3.deepspeed builds it" in out and "the check steps --optimizer sgd " \
+           "instead" in out and "scheduler WarmupDecayLR" in out, out
+    assert "OK: 2 examples passed" in out, out
+
+
 @pytest.mark.parametrize("target, code, says", [
     ("tests/test_check.py:clean", 0, "OK: 3 examples passed"),
     ("tests/test_check.py:written", 1, "FAILED: 3 of 3 examples"),

@@ -16,6 +16,8 @@ run, one after the other in the same ranks, and the tests read what it returned:
     j        a JSON "optimizer" and "scheduler" with "auto" params, as    test_json_...
              in transformers' DeepSpeed docs, and 16-bit weights on
              save: 2 steps, a checkpoint at step 2
+    d        run a's config as fz3.hf.TrainingArguments(deepspeed=...),  test_deepspeed_argument_...
+             no fz3_config: what a script that kept --deepspeed gets
     refused  train() of a config that contradicts TrainingArguments,    test_refused_...
              and of an epoch of 3 micro-batches with gas 2: both raise
              before any engine is built
@@ -30,7 +32,11 @@ another order (two half batches and a reduce); seen: <= 3e-7 relative, losses an
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
+import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -75,12 +81,12 @@ def _data(n: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in x]
 
 
-def _args(output_dir: str, micro: int, **overrides) -> TrainingArguments:
+def _args(output_dir: str, micro: int, cls=TrainingArguments, **overrides) -> TrainingArguments:
     kw = dict(output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=GAS,
               max_steps=STEPS, optim="sgd", learning_rate=0.5, lr_scheduler_type="linear", warmup_steps=1,
               max_grad_norm=CLIP, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
               seed=0, use_cpu=True)
-    return TrainingArguments(**{**kw, **overrides})
+    return cls(**{**kw, **overrides})
 
 
 def _logs(trainer, after: int = 0) -> list[dict]:
@@ -128,6 +134,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     c = fz3.hf.Trainer(model=_model(), args=_args(f"{root}/c", MICRO, torch_compile=True, torch_compile_backend="eager"),
                        train_dataset=_data(WORLD * MICRO * GAS * STEPS), fz3_config=DS_CONFIG)
     c.train()
+    deepspeed_args = _deepspeed_argument(root)
     cfg = a.engine.config
     refused = {
         "mismatch": _refusal(lambda: fz3.hf.Trainer(
@@ -148,7 +155,38 @@ def _worker(rank: int, world: int, root: str) -> dict:
             "json": {"optimizer": {k: j.engine.optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")},
                      "scheduler": type(j.engine.lr_scheduler).__name__, "lr": j.engine.get_lr(),
                      "checkpoint": sorted(os.listdir(f"{root}/j/checkpoint-2"))},
-            "tag": sorted(os.listdir(f"{root}/a/checkpoint-2/global_step2"))}
+            "tag": sorted(os.listdir(f"{root}/a/checkpoint-2/global_step2")), "deepspeed_args": deepspeed_args}
+
+
+def _deepspeed_argument(root: str) -> dict:
+    """Run d: a's run with its config given as fz3.hf.TrainingArguments(deepspeed=...) and no
+    fz3_config; what the "fz3" log said (rank 0), and transformers' ZeRO-3 flag after the
+    arguments, after the Trainer and after training."""
+    import fz3.hf
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    said = _Said()
+    logging.getLogger("fz3").addHandler(said)
+    try:
+        args = _args(f"{root}/d", MICRO, cls=fz3.hf.TrainingArguments, deepspeed=DS_CONFIG)
+        flags = [is_deepspeed_zero3_enabled()]
+        d = fz3.hf.Trainer(model=_model(), args=args, train_dataset=_data(WORLD * MICRO * GAS * STEPS))
+        flags.append(is_deepspeed_zero3_enabled())
+        d.train()
+        flags.append(is_deepspeed_zero3_enabled())
+    finally:
+        logging.getLogger("fz3").removeHandler(said)
+    return {"logs": _logs(d), "said": said.lines, "flags": flags, "deepspeed_imported": "deepspeed" in sys.modules,
+            "plugin": d.accelerator.state.deepspeed_plugin, "args": (args.deepspeed, args.fz3_config == DS_CONFIG)}
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("fz3.hf.Trainer: "):
+            self.lines.append(record.getMessage())
 
 
 @contextlib.contextmanager
@@ -270,3 +308,99 @@ def test_resume_is_bit_for_bit(ranks):
     assert ranks["b"] == ranks["a"][2:], (ranks["b"], ranks["a"][2:])
     for k, v in ranks["full_a"].items():
         assert torch.equal(ranks["full_b"][k], v), k
+
+
+def test_deepspeed_argument_is_trained_by_fz3_as_fz3_config(ranks):
+    """A script that kept --deepspeed: fz3.hf.TrainingArguments(deepspeed=DS_CONFIG) and no
+    fz3_config trains as run a (fz3_config=DS_CONFIG) did, bit for bit; rank 0 says so once in the
+    "fz3" log; deepspeed is never imported and transformers' ZeRO-3 flag (from_pretrained's
+    zero.Init) is never on; Accelerate has no DeepSpeed plugin."""
+    got = ranks["deepspeed_args"]
+    assert got["logs"] == ranks["a"], (got["logs"], ranks["a"])
+    assert got["said"] == ["fz3.hf.Trainer: TrainingArguments(deepspeed=<a dict: train_micro_batch_size_per_gpu, "
+                           "train_batch_size, gradient_accumulation_steps, gradient_clipping, zero_optimization>) "
+                           "is trained by fz3 (ZeRO-3), as fz3_config= would be: DeepSpeed is not imported, and no "
+                           "deepspeed.zero.Init or DeepSpeed engine touches the model"], got["said"]
+    assert got["flags"] == [False, False, False] and got["plugin"] is None and not got["deepspeed_imported"], got
+    assert got["args"] == (None, True)  # deepspeed= moved to fz3_config before transformers saw it
+
+
+# ---- where the config comes from (in this process, no training) ----------------------------------
+
+def _no_deepspeed() -> None:
+    if importlib.util.find_spec("deepspeed") is not None:
+        pytest.skip("deepspeed is installed: these tests show fz3.hf without it")
+
+
+def test_hf_argument_parser_takes_deepspeed_flag_without_deepspeed(tmp_path):
+    """HfArgumentParser(fz3.hf.TrainingArguments) parses --deepspeed ds.json with deepspeed not
+    installed (transformers' own TrainingArguments cannot: it checks deepspeed's version); the
+    config lands in fz3_config and nothing of DeepSpeed is set up."""
+    _no_deepspeed()
+    import fz3.hf
+    from transformers import HfArgumentParser
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(DS_CONFIG))
+    flags = ["--output_dir", str(tmp_path), "--deepspeed", str(path), "--use_cpu", "--report_to", "none"]
+    with pytest.raises(Exception, match="deepspeed"):  # the reason fz3.hf.TrainingArguments exists
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(flags)
+    (args,) = HfArgumentParser(fz3.hf.TrainingArguments).parse_args_into_dataclasses(flags)
+    assert (args.deepspeed, args.fz3_config, args.deepspeed_plugin) == (None, str(path), None)
+    assert not is_deepspeed_zero3_enabled() and "deepspeed" not in sys.modules
+    trainer = fz3.hf.Trainer(model=_model(), args=args, train_dataset=_data(8))
+    assert trainer.fz3_config.config["gradient_accumulation_steps"] == 1 and not trainer.is_deepspeed_enabled
+
+
+def test_a_config_given_twice_must_be_one(tmp_path):
+    """deepspeed= and fz3_config= (of the arguments, or of the Trainer) that differ: a ValueError
+    naming both; the same config twice (a path and the dict it holds) is one."""
+    import fz3.hf
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(DS_CONFIG))
+    other = {**DS_CONFIG, "gradient_clipping": 1.0}
+    with pytest.raises(ValueError, match=r"fz3.hf.TrainingArguments: a DeepSpeed config came twice, as "
+                                         r"TrainingArguments\(deepspeed='.*ds.json'\) and as TrainingArguments"
+                                         r"\(fz3_config=<a dict: .*>\), and they differ: pass one"):
+        _args(str(tmp_path), MICRO, cls=fz3.hf.TrainingArguments, deepspeed=str(path), fz3_config=other)
+    args = _args(str(tmp_path), MICRO, cls=fz3.hf.TrainingArguments, deepspeed=str(path))
+    with pytest.raises(ValueError, match=r"as TrainingArguments\(deepspeed='.*ds.json'\) and as "
+                                         r"fz3.hf.Trainer\(fz3_config=<a dict: .*>\), and they differ"):
+        fz3.hf.Trainer(model=_model(), args=args, train_dataset=_data(8), fz3_config=other)
+    same = fz3.hf.Trainer(model=_model(), args=args, train_dataset=_data(8), fz3_config=DS_CONFIG)
+    assert same.fz3_config.config["gradient_clipping"] == CLIP
+
+
+def test_plain_arguments_set_up_for_deepspeed_are_turned_off(tmp_path, caplog):
+    """transformers.TrainingArguments(deepspeed=...) where deepspeed is installed: what its
+    __post_init__ sets up (an HfDeepSpeedConfig behind transformers' global ZeRO-3 flag,
+    Accelerate's DeepSpeed plugin) is made here by hand, since deepspeed is not installed. The
+    Trainer takes the config, turns the flag and the plugin off, and says so once; a model
+    zero.Init already partitioned (its params carry ds_id) is refused."""
+    import fz3.hf
+    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import (is_deepspeed_zero3_enabled, set_hf_deepspeed_config,
+                                                     unset_hf_deepspeed_config)
+    args = _args(str(tmp_path), MICRO)
+    args.deepspeed, args.hf_deepspeed_config = DS_CONFIG, HfDeepSpeedConfig(DS_CONFIG)
+    set_hf_deepspeed_config(args.hf_deepspeed_config)  # transformers' HfDeepSpeedConfig.__init__ does this
+    args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
+    try:
+        assert is_deepspeed_zero3_enabled()
+        partitioned = _model()
+        next(partitioned.parameters()).ds_id = 0
+        with pytest.raises(ValueError, match="partitioned by DeepSpeed's zero.Init"):
+            fz3.hf.Trainer(model=partitioned, args=args, train_dataset=_data(8))
+        with caplog.at_level(logging.WARNING, logger="fz3"):
+            trainer = fz3.hf.Trainer(model=_model(), args=args, train_dataset=_data(8))
+    finally:
+        flag = is_deepspeed_zero3_enabled()
+        unset_hf_deepspeed_config()  # this process's later tests see no DeepSpeed, whatever happened
+    assert not flag
+    assert not trainer.is_deepspeed_enabled
+    assert (args.deepspeed, args.deepspeed_plugin, args.hf_deepspeed_config) == (None, None, None)
+    assert trainer.fz3_config.config["gradient_accumulation_steps"] == GAS
+    said = [r.getMessage() for r in caplog.records if r.name == "fz3"]
+    assert len(said) == 1 and said[0].startswith("fz3.hf.Trainer: TrainingArguments(deepspeed=<a dict: ") \
+        and "is trained by fz3 (ZeRO-3), as fz3_config= would be; what transformers set up for DeepSpeed" in said[0]

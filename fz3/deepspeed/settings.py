@@ -4,6 +4,7 @@ rest as fz3's Config.
 
     read_config(config)                       a dict, a JSON path, or base64 JSON -> dict
     read_settings(ds_dict, world_size=W)      -> Settings
+    unresolved_autos(ds_dict)                 the "auto" values only Hugging Face's Trainer fills
 
     DeepSpeed JSON --read_settings--> Settings --+-- config: fz3.Config (Config.from_deepspeed)
                                                  +-- batch sizes, derived and checked
@@ -16,6 +17,15 @@ handed a built optimizer. `fz3.deepspeed.initialize` builds them, so it takes th
 (and the batch sizes, dataloader_drop_last and stage3_gather_16bit_weights_on_model_save) out
 before the rest goes to Config.from_deepspeed, which still names every other key it does not
 implement. DeepSpeed: runtime/config.py DeepSpeedConfig.
+
+[Note: one reader] `python -m fz3 plan --config` and `check --config` read the file through
+read_config and read_settings too, so a JSON that fz3.deepspeed.initialize takes is taken there
+with the same meaning: the JSON optimizer is built (the plan counts its state), the scheduler
+checked. What a plan or a check has that initialize has not: its example inputs are the batch,
+so a config without batch sizes is read (`batch_sizes_required=False`), and a check runs several
+world sizes, so it keeps the given ones unchecked (`world_size=None`). A config whose "auto"
+values only Hugging Face's Trainer fills (unresolved_autos) is first filled as fz3.hf.Trainer
+fills it (fz3/hf/arguments.py), then read here.
 """
 from __future__ import annotations
 
@@ -48,8 +58,8 @@ class Settings:
     """A DeepSpeed JSON read for a world of `world_size` ranks."""
 
     config: Config
-    train_batch_size: int
-    train_micro_batch_size_per_gpu: int
+    train_batch_size: Optional[int]  # None only where not required and not given ([Note: one reader])
+    train_micro_batch_size_per_gpu: Optional[int]
     gradient_accumulation_steps: int
     optimizer: Optional[Mapping[str, object]]  # the JSON "optimizer" section, or None
     scheduler: Optional[Mapping[str, object]]  # the JSON "scheduler" section, or None
@@ -95,17 +105,24 @@ def _no_duplicates(pairs):
     return out
 
 
-def read_settings(ds: Mapping[str, object], *, world_size: int) -> Settings:
+def read_settings(ds: Mapping[str, object], *, world_size: Optional[int],
+                  batch_sizes_required: bool = True) -> Settings:
     """[Note: the keys fz3.deepspeed reads] Settings from a DeepSpeed dict for `world_size`
     ranks: the batch sizes as DeepSpeed derives and checks them, the optimizer and scheduler
-    sections as given, the rest through Config.from_deepspeed."""
+    sections as given, the rest through Config.from_deepspeed. For a plan or a check
+    ([Note: one reader]): `batch_sizes_required` False reads a config that gives neither
+    train_batch_size nor train_micro_batch_size_per_gpu (they stay None); `world_size` None
+    keeps the given ones as they are, unchecked."""
     if not isinstance(ds, Mapping):
         raise TypeError(f"DeepSpeed config must be a dict, got {type(ds).__name__}")
     rest = dict(ds)
-    train, micro, gas = batch_sizes(rest, world_size=world_size)
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
-        rest.pop(key, None)
-    rest["gradient_accumulation_steps"] = gas
+    if world_size is not None and (batch_sizes_required or any(rest.get(k) is not None for k in BATCH_KEYS[:2])):
+        train, micro, gas = batch_sizes(rest, world_size=world_size)
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+            rest.pop(key, None)
+        rest["gradient_accumulation_steps"] = gas
+    else:  # Config.from_deepspeed reads gradient_accumulation_steps
+        train, micro = (_batch_value(rest, key) for key in BATCH_KEYS[:2])
     optimizer, scheduler = (_section(rest.pop(k, None), k) for k in ("optimizer", "scheduler"))
     drop_last = rest.pop("dataloader_drop_last", False)
     if is_auto(drop_last):
@@ -131,8 +148,30 @@ def read_settings(ds: Mapping[str, object], *, world_size: int) -> Settings:
     for w in caught:  # re-raised here, so the warning points at the user's initialize call
         warnings.warn(w.message, w.category, stacklevel=4)
     return Settings(config=config, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
-                    gradient_accumulation_steps=gas, optimizer=optimizer, scheduler=scheduler,
-                    gather_16bit_weights_on_model_save=gather, dataloader_drop_last=drop_last)
+                    gradient_accumulation_steps=config.gradient_accumulation_steps, optimizer=optimizer,
+                    scheduler=scheduler, gather_16bit_weights_on_model_save=gather,
+                    dataloader_drop_last=drop_last)
+
+
+def unresolved_autos(ds: Mapping[str, object]) -> list[str]:
+    """The keys of `ds` whose "auto" fz3.deepspeed does not resolve ([Note: "auto"] in
+    fz3/config/deepspeed_keys.py): the top-level ones auto_means_default refuses, and any in the
+    JSON optimizer's or scheduler's params (their builders refuse "auto": check_params in
+    optimizers.py). Hugging Face's Trainer fills them from TrainingArguments, and so does
+    fz3.hf.Trainer; python -m fz3 plan and check read such a config as fz3.hf.Trainer does
+    ([Note: one reader])."""
+    out = []
+    for key, value in ds.items():
+        if is_auto(value):
+            try:
+                auto_means_default(key, None)
+            except ValueError:
+                out.append(key)
+    for key in ("optimizer", "scheduler"):
+        params = ds.get(key, {}).get("params") if isinstance(ds.get(key), Mapping) else None
+        if isinstance(params, Mapping):
+            out.extend(f"{key}.params.{name}" for name, value in params.items() if is_auto(value))
+    return out
 
 
 def _section(value: object, key: str) -> Optional[Mapping[str, object]]:

@@ -7,7 +7,9 @@ transformers wires DeepSpeed.
     trainer.save_model(out_dir)           # every rank calls it; from_pretrained(out_dir) loads it
 
 Run it on N ranks as any Trainer script (torchrun, or fz3.launch.run); without fz3_config it is
-the plain transformers.Trainer. The Trainer's own loop (transformers 5.24 `_run_epoch`) runs
+the plain transformers.Trainer. A script that kept `--deepspeed ds.json` builds its arguments as
+fz3.hf.TrainingArguments and trains that config through fz3, DeepSpeed never set up
+(fz3/hf/arguments.py, [Note: deepspeed=]). The Trainer's own loop (transformers 5.24 `_run_epoch`) runs
 unchanged; what it calls is answered as Accelerate answers it under DeepSpeed:
 
     Trainer call site                   plain Trainer            fz3.hf.Trainer (HF + DeepSpeed)
@@ -39,45 +41,20 @@ from __future__ import annotations
 
 import copy
 import glob
+import logging
 import os
 
 import torch
 import transformers
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils.deepspeed import HfDeepSpeedConfig
-from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 from transformers.trainer_pt_utils import remove_dummy_checkpoint
 from transformers.trainer_utils import has_length
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
+from fz3.hf.arguments import AutoFill, take_config
+
+LOG = logging.getLogger("fz3")
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name for the Trainer's scheduler state
-
-
-class AutoFill(HfDeepSpeedConfig):
-    """A DeepSpeed dict (or JSON path) whose "auto" values are filled from TrainingArguments by
-    transformers' own code: `trainer_config_process` (batch sizes, gradient_clipping, the JSON
-    optimizer's and scheduler's params, bf16) and, once the model and the number of steps are
-    known, `trainer_config_finalize` (hidden-size based bucket sizes, the scheduler's steps;
-    mismatches between the dict and TrainingArguments raise there, listing every one).
-
-    transformers' HfTrainerDeepSpeedConfig cannot be built without deepspeed installed (its
-    __init__ checks deepspeed's version; its base class is accelerate's reader only when
-    deepspeed imports), so this is accelerate's reader with transformers' methods borrowed, one
-    by one. Nothing here sets transformers' global "DeepSpeed ZeRO-3 is on" flag, which would
-    send from_pretrained through deepspeed.zero.Init.
-    transformers: integrations/deepspeed.py HfTrainerDeepSpeedConfig."""
-
-    def __init__(self, config_file_or_dict) -> None:
-        super().__init__(config_file_or_dict)  # a dict is deep-copied: the caller's stays as it was
-        self._dtype = None
-        self.mismatches: list[str] = []
-
-    dtype = HfTrainerDeepSpeedConfig.dtype
-    is_auto = HfTrainerDeepSpeedConfig.is_auto
-    fill_match = HfTrainerDeepSpeedConfig.fill_match
-    fill_only = HfTrainerDeepSpeedConfig.__dict__["fill_only"]  # a partialmethod of fill_match
-    trainer_config_process = HfTrainerDeepSpeedConfig.trainer_config_process
-    trainer_config_finalize = HfTrainerDeepSpeedConfig.trainer_config_finalize
 
 
 class EngineOptimizer(AcceleratedOptimizer):
@@ -122,15 +99,20 @@ class EngineScheduler:
 
 class Trainer(transformers.Trainer):
     """transformers.Trainer training through fz3 when given `fz3_config` (a DeepSpeed dict or
-    JSON path, "auto" values filled from `args` as transformers fills them for DeepSpeed).
-    Without fz3_config: the plain Trainer."""
+    JSON path, "auto" values filled from `args` as transformers fills them for DeepSpeed), or
+    TrainingArguments(deepspeed=...) (fz3/hf/arguments.py: taken as fz3_config, said once in
+    the "fz3" log). Without either: the plain Trainer."""
 
     def __init__(self, *args, fz3_config=None, **kwargs) -> None:
+        fz3_config, said = take_config(fz3_config, kwargs.get("args", args[1] if len(args) > 1 else None),
+                                       kwargs.get("model", args[0] if args else None))
         super().__init__(*args, **kwargs)
         self.engine = None
         self.fz3_config = None if fz3_config is None else AutoFill(fz3_config)
         if self.fz3_config is None:
             return
+        if said and self.is_world_process_zero():
+            LOG.warning(said)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("fz3.hf.Trainer: fz3_config= trains through fz3; TrainingArguments also asks "
                              f"for {'DeepSpeed' if self.is_deepspeed_enabled else 'FSDP'}: drop one")
