@@ -90,9 +90,37 @@ BUGS = {  # name: (module, attribute, replacement, error types, message)
 }
 
 
-@pytest.mark.parametrize("bug", sorted(BUGS))
+_real_zero_grads = epilogue.zero_grads
+
+
+def zero_grads_blind_to_older(state, *, config):
+    """Planted: zero_grad drops the grads since the last step() even when a step() off the
+    boundary summed older ones into the same partitions (they go too)."""
+    return _real_zero_grads(state._replace(committed=False), config=config)
+
+
+# the window's decisions ([Note: the window closes at step()], [Note: zero_grad in a window]):
+# only the machine draws step() calls apart from backwards, overrides and zero_grad
+WINDOW_BUGS = {
+    "the window closes at every step()": (
+        epilogue, "is_boundary", lambda state, *, config, override=None: True, AssertionError,
+        "closed at another step"),
+    "set_gradient_accumulation_boundary ignored": (
+        epilogue, "is_boundary",
+        lambda state, *, config, override=None: not config.managed_gradient_accumulation or (
+            (state.micro_step + 1) % config.gradient_accumulation_steps == 0),
+        AssertionError, "closed at another step"),
+    "zero_grad drops older grads too": (
+        epilogue, "zero_grads", zero_grads_blind_to_older, AssertionError, "older grads share"),
+    "zero_grad drops nothing": (
+        epilogue, "zero_grads", lambda state, *, config: (state._replace(micro_backwards=0), ()), AssertionError,
+        "I3|older grads share"),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS) + sorted(WINDOW_BUGS))
 def test_machine_catches(bug, monkeypatch):
-    module, attr, fn, errors, msg = BUGS[bug]
+    module, attr, fn, errors, msg = BUGS.get(bug) or WINDOW_BUGS[bug]
     monkeypatch.setattr(module, attr, fn)
     with pytest.raises(errors, match=msg):
         run_state_machine_as_test(GradMachine, settings=STRICT)

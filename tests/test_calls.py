@@ -20,6 +20,12 @@ from fz3.core.param.state import initial_state
 CFG = Config(param_persistence_threshold=2)
 
 
+def stepped(st, **kw):
+    """The engine's step() at the boundary: StepCalled closes the window, then Stepped."""
+    st, _ = calls.step_called(st, config=CFG)
+    return calls.stepped(st, config=CFG, **kw)
+
+
 def lifecycle(params, modules, trainable=None):
     spec = build_spec(params, modules, world_size=2, persistence_threshold=CFG.param_persistence_threshold)
     trainable = trainable or [True] * len(params)
@@ -71,7 +77,7 @@ def test_persistent_grads_are_reported_at_the_end_of_backward_only_if_they_came(
         assert (pg.reported == b) is reported and (pg.got == st.grads.window) is reported, with_grad
         assert not any(isinstance(e, ZeroGrads) for e in eff)
         assert any(isinstance(e, CopyToBucket) and e.param == 1 for e in eff) is reported, eff
-        st, eff = calls.stepped(st, config=CFG)
+        st, eff = stepped(st)
         assert (1 in eff[0].no_grad) is not reported
 
 
@@ -385,7 +391,7 @@ def a_pass(st, *, twice):
     st, _ = calls.grad_ready(st, 2, config=CFG, dtype="float32")
     st, _ = calls.post_backward(st, 1, config=CFG)
     st, _ = calls.end_of_backward(st, config=CFG)
-    st, _ = calls.stepped(st, config=CFG)
+    st, _ = stepped(st)
     return st, ended
 
 
@@ -409,7 +415,7 @@ def test_a_forward_that_raises_in_a_planned_pass_keeps_a_param_the_plan_reuses()
                      (calls.post_backward, 0)):
         st, _ = event(st, m, config=CFG)
     st, _ = calls.end_of_backward(st, config=CFG)
-    st, _ = calls.stepped(st, config=CFG)
+    st, _ = stepped(st)
     st, _ = calls.enter(st, 0, config=CFG, grad=True, grad_inputs=True)
     assert st.params.trace.mode is TraceMode.COMPLETE
     st, _ = calls.enter(st, 4, config=CFG, grad=True, grad_inputs=True)
@@ -732,13 +738,13 @@ def test_the_step_leaves_every_param_without_a_grad_in_its_window_without_one(mo
     """StepOptimizer names the trainable params no grad reached: w and g (never used), and e
     unless this rank or another got a real grad for it (leaf_grads)."""
     st, _ = backward_through_lin_and_moe(moe_grad)
-    _, eff = calls.stepped(st, config=CFG)  # leaf_grads None: this rank's own
+    _, eff = stepped(st)  # leaf_grads None: this rank's own
     assert eff[0] == StepOptimizer((0, 1) if moe_grad else (0, 1, 2))
     assert FreePartitions() in eff
     if not moe_grad:  # what the other ranks say decides
-        _, eff = calls.stepped(st, config=CFG, leaf_grads=frozenset({2}))  # another rank's expert got one
+        _, eff = stepped(st, leaf_grads=frozenset({2}))  # another rank's expert got one
         assert eff[0] == StepOptimizer((0, 1))
-        _, eff = calls.stepped(st, config=CFG, leaf_grads=frozenset())
+        _, eff = stepped(st, leaf_grads=frozenset())
         assert eff[0] == StepOptimizer((0, 1, 2))
 
 
@@ -746,7 +752,7 @@ def test_frozen_params_are_never_named_without_a_grad():
     """A frozen param has no optimizer grad anyway: only trainable ones are named."""
     st = forward_through_lin(lifecycle(*MODEL, [False, True, True, True]))  # w frozen
     st, _ = calls.end_of_backward(st, config=CFG)
-    _, eff = calls.stepped(st, config=CFG)
+    _, eff = stepped(st)
     assert eff[0] == StepOptimizer((1, 2, 3))
 
 
@@ -755,10 +761,10 @@ def test_a_step_with_a_grad_norm_not_finite_is_skipped_and_the_weights_stay():
     params' lifecycle moves: no Free, no gather (the shards did not change)."""
     st, _ = backward_through_lin_and_moe(True)
     params = st.params
-    st, eff = calls.stepped(st, config=CFG, finite=False)
+    st, eff = stepped(st, finite=False)
     assert eff == (SkipStep(1), FreePartitions())
     assert st.params is params and (st.grads.window, st.grads.micro_step, st.grads.skipped) == (1, 0, 1)
     assert st.grads.applied is False
     st, _ = backward_through_lin_and_moe(True)
-    st, eff = calls.stepped(st, config=CFG)
+    st, eff = stepped(st)
     assert isinstance(eff[0], StepOptimizer) and st.grads.applied is True and st.grads.skipped == 0

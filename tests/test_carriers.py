@@ -201,6 +201,8 @@ def _route(rank: int, world: int, carrier: str) -> dict:
         most = max(most, it.bucket_bytes())
     state, eff = epilogue.epilogue(state, config=config)
     it.run(eff)
+    state, eff = epilogue.micro_step_end(state, config=config)  # the step(): the average
+    it.run(eff)
     return {"in_place": it.in_place_reduce_scatter, "placed": placed, "bucket_bytes": most,
             "parts": [it.store.partitions[p].clone() for p in ps], "sent": sent}
 

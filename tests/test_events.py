@@ -15,7 +15,7 @@ import fz3
 import fz3.core.calls as calls
 from fz3 import launch
 from fz3.core import events
-from fz3.core.events import EVENTS, Enter, Leave, Stepped, update
+from fz3.core.events import EVENTS, Enter, GradsZeroed, Leave, Resumed, StepCalled, Stepped, update
 from fz3.core.hook_effects import WrapOutputs
 from fz3.testing.calls_machine import CallsMachine
 from fz3.testing.param_machine import snapshot as params_snapshot
@@ -117,7 +117,8 @@ def test_update_refuses_what_is_not_an_event():
 
 def test_every_event_prints_as_the_python_that_builds_it():
     from fz3.core.pvec import Log
-    samples = [Enter(1, True, False, saved=3), Leave(1, True, (2,), Log([4, 5])), Stepped(False, frozenset({3}))]
+    samples = [Enter(1, True, False, saved=3), Leave(1, True, (2,), Log([4, 5])), Stepped(False, frozenset({3})),
+               StepCalled(True), GradsZeroed(), Resumed(3, 7, 1, micro_step=1)]
     for e in samples:
         assert eval(repr(e), vars(events) | {"Log": Log}) == e
-    assert len(EVENTS) == len(set(EVENTS)) == 13
+    assert len(EVENTS) == len(set(EVENTS)) == 15

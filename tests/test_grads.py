@@ -4,7 +4,7 @@ import pytest
 from fz3.config.config import Config
 from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, HoldGrad, ReduceBucket, Slot,
                               WritePartition)
-from fz3.core.grad.epilogue import epilogue, optimizer_step
+from fz3.core.grad.epilogue import epilogue, micro_step_end, optimizer_step
 from fz3.core.grad.grads import (NEVER, GradError, ParamGrad, bucket_add, flush, grad_route,
                             init_grad_state, resumed)
 from fz3.core.grad.invariants import check_grad_state
@@ -189,6 +189,8 @@ def test_flags_reset_by_epilogue_and_write_modes_follow_the_window():
         state, eff = flush(state, config=config)
         assert [e.mode for e in eff if isinstance(e, WritePartition)] == [mode]
     state, _ = epilogue(state, config=config)
+    for _ in range(2):  # the window closes at its second step()
+        state, _ = micro_step_end(state, config=config)
     state, _ = optimizer_step(state, config=config)
     state, _ = bucket_add(state, 0, config=config)
     assert [e.mode for e in flush(state, config=config)[1] if isinstance(e, WritePartition)] == [COPY]
@@ -324,6 +326,7 @@ def test_the_route_flag_is_static():
     state = init_grad_state(grad_spec([3], 1), in_place_reduce_scatter=True)
     state, _ = bucket_add(state, 0, config=config)
     state, _ = epilogue(state, config=config)
+    state, _ = micro_step_end(state, config=config)
     state, _ = optimizer_step(state, config=config)
     assert state.in_place_reduce_scatter
     assert bucket_add(state, 0, config=config)[1] == (HoldGrad(1, "float32", 0, 0, 3),)  # bucket 1

@@ -196,6 +196,8 @@ def test_pass_kind_names_are_the_documented_ones():
     """docs/architecture.md names the four kinds; they key the parked traces."""
     assert [pass_kind(g, t) for g, t in ((True, True), (True, False), (False, True), (False, False))] == [
         "train", "eval", "train_no_grad", "eval_no_grad"]
+    assert [pass_kind(True, t, True) for t in (True, False)] == ["train_grad_inputs", "eval_grad_inputs"]
+    assert pass_kind(False, True, True) == "train_no_grad"  # without grad mode nothing needs grad
 
 
 # ---- departure: where the last invalidation happened --------------------------------------------

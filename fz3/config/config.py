@@ -60,6 +60,10 @@ class Config:
     reduce_scatter: bool = True  # False, with contiguous_gradients: all-reduce + local slice
     overlap_comm: bool = True  # gathers and reduces on their own streams
     gradient_accumulation_steps: int = 1
+    # False: every engine.step() closes the accumulation window, whatever the count of step()
+    # calls before it (DeepSpeed's top-level key; [Note: the window closes at step()],
+    # fz3/core/grad/epilogue.py)
+    managed_gradient_accumulation: bool = True
     gradient_clipping: float = 0.0  # global grad-norm clip; 0 = off
     compute_dtype: str = "fp32"  # "fp32" | "bf16"; master shards are always fp32
     # the dtype grads are reduced in: "fp32" | "bf16" | "fp16"; None = each grad's own dtype.
@@ -86,7 +90,8 @@ class Config:
             _check_int(name, getattr(self, name), low=0)
         _check_int("reduce_bucket_size", self.reduce_bucket_size, low=1)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, low=1)
-        for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "prescale_gradients"):
+        for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "prescale_gradients",
+                     "managed_gradient_accumulation"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         clip = self.gradient_clipping

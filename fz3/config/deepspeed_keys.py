@@ -23,6 +23,7 @@ TOP_FIELDS = {
     "communication_data_type": "communication_data_type",  # DeepSpeed lowercases it; None = default
     "prescale_gradients": "prescale_gradients",
     "gradient_predivide_factor": "gradient_predivide_factor",
+    "managed_gradient_accumulation": "managed_gradient_accumulation",
 }
 # zero_optimization key -> Config field
 ZERO_FIELDS = {
@@ -93,8 +94,6 @@ TOP_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
                   "your optimizer and pass it as fz3.initialize(..., lr_scheduler=...)"),
     "torch_autocast": (_enabled, "fz3 computes in one dtype (bf16.enabled, with fp32 master "
                        "shards) and has no autocast mode: use bf16 or fp32"),
-    "managed_gradient_accumulation": (lambda v: not v, "fz3 always steps the optimizer once per "
-                                      "gradient_accumulation_steps backwards: remove the key"),
     "checkpoint": (_any_true("load_universal", "use_node_local_storage"),
                    "fz3 saves and loads its own sharded checkpoints (engine.save_checkpoint / "
                    "load_checkpoint, any world size): remove load_universal / use_node_local_storage"),

@@ -20,6 +20,10 @@ effects for the interpreter and the hook effects (hook_effects.py) for the hook 
     grad_ready(p)      GradReady: p's grad       bucket_add; calls waiting on p's grad: release
                        accumulated
     end_of_backward    BackwardEnded             leaves left, epilogue, finish_backward
+    step_called        StepCalled: the user's  off the boundary the micro-step joins the window;
+                       step()                    at it ZeroPartitions, AverageGrads
+    zero_grad          GradsZeroed: the user's   the grads since the last step() dropped
+                       zero_grad()
     stepped            Stepped: at the boundary, finite: StepOptimizer (unused params without a
                        the grad norm known       grad), optimizer_step, end_of_step;
                                                  else SkipStep, the window closed, nothing stale
@@ -111,7 +115,7 @@ from typing import NamedTuple, Sequence
 
 from fz3.core.param import backward as core_bwd
 from fz3.config.config import COMM_DTYPES, Config
-from fz3.core.grad.epilogue import epilogue, optimizer_step, without_grad
+from fz3.core.grad.epilogue import epilogue, micro_step_end, optimizer_step, without_grad, zero_grads
 from fz3.core.param.fetch import fetch
 from fz3.core.param import hold
 from fz3.core.grad.grads import GradState, bucket_add, new_pass
@@ -236,7 +240,7 @@ def enter(st: Lifecycle, m: ModuleId, *, config: Config, grad: bool, grad_inputs
     params, grads, calls, effects = st.params, st.grads, st.calls, []
     if m == 0 and not recomputing:
         params, eff = reset_step(params, config=config, grad_enabled=grad, training=training,
-                                 aborted=calls.aborted or bool(calls.stack))
+                                 aborted=calls.aborted or bool(calls.stack), grad_inputs=grad_inputs)
         grads = new_pass(grads)  # [Note: a pass forgets] (fz3/core/replay.py)
         # a backward still marked running never reached its end (it raised): it is over now
         calls = calls._replace(stack=(), aborted=False, waiting=(), leaves=frozenset(), backward=False)
@@ -409,6 +413,22 @@ def end_of_backward(st: Lifecycle, *, config: Config, with_grad: frozenset[Param
     params, eff2 = finish_backward(st.params, config=config)
     calls = calls._replace(waiting=(), backward=False)
     return Lifecycle(params, grads, calls), effects + eff + eff2 + (EndOfBackward(),)
+
+
+def step_called(st: Lifecycle, *, config: Config, boundary: bool | None = None) -> tuple[Lifecycle, tuple]:
+    """The user called step(): off the accumulation boundary the micro-step joins the window; at
+    it the partitions are averaged and `stepped` comes next, once the shell knows the grad norm
+    ([Note: the window closes at step()], fz3/core/grad/epilogue.py). `boundary`:
+    set_gradient_accumulation_boundary's override, or None."""
+    grads, effects = micro_step_end(st.grads, config=config, override=boundary)
+    return st._replace(grads=grads), effects
+
+
+def zero_grad(st: Lifecycle, *, config: Config) -> tuple[Lifecycle, tuple]:
+    """The user's zero_grad() (the engine's, the model's or the optimizer's): the grads of the
+    backwards since the last step() are dropped ([Note: zero_grad in a window], epilogue.py)."""
+    grads, effects = zero_grads(st.grads, config=config)
+    return st._replace(grads=grads), effects
 
 
 def stepped(st: Lifecycle, *, config: Config, finite: bool = True,

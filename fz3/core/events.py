@@ -18,6 +18,10 @@ test to paste (fz3/testing/calls_machine.py).
     PostBackwardRan(module, with_grad)      a call's input grads are done (its PostBackward node)
     GradReady(param, dtype, graph_task)     autograd accumulated a param's grad
     BackwardEnded(with_grad)                autograd finished the backward (queue_callback)
+    StepCalled(boundary)                    the user called step() (set_gradient_accumulation_
+                                            boundary's override, or None)
+    GradsZeroed()                           the user called zero_grad() (the engine's, the
+                                            model's or the optimizer's)
     Stepped(finite, leaf_grads)             the accumulation boundary, the grad norm known
 
     what fz3's own features report (the param and grad lifecycles' own transitions)
@@ -25,7 +29,8 @@ test to paste (fz3/testing/calls_machine.py).
     Unhold(params, stale)                   ... closed; `stale`: their values were rewritten
     ShardsReplaced()                        the shards were written outside a step
                                             (load_weights): every full param is stale
-    Resumed(window, backward, skipped)      a checkpoint was loaded: the grad lifecycle starts
+    Resumed(window, backward, skipped, micro_step)
+                                            a checkpoint was loaded: the grad lifecycle starts
                                             again at its counters, and the shards are new
 
 The functions `update` calls are looked up on their modules when it runs, so a test may replace
@@ -101,6 +106,16 @@ class BackwardEnded(NamedTuple):
 
 
 @record
+class StepCalled(NamedTuple):
+    boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's override; None: the count
+
+
+@record
+class GradsZeroed(NamedTuple):
+    pass
+
+
+@record
 class Stepped(NamedTuple):
     finite: bool = True  # the global grad norm is finite (on every rank alike)
     leaf_grads: Optional[frozenset] = None  # leaf params that got a grad on some rank; None: this rank's
@@ -127,9 +142,11 @@ class Resumed(NamedTuple):
     window: int  # accumulation windows closed (skipped ones too)
     backward: int  # backwards run
     skipped: int = 0  # windows whose step was skipped
+    micro_step: int = 0  # the engine's place in its cycle of step() calls (kept by a load)
 
 
-TORCH_EVENTS = (Enter, Read, Leave, Raised, PreBackwardRan, PostBackwardRan, GradReady, BackwardEnded, Stepped)
+TORCH_EVENTS = (Enter, Read, Leave, Raised, PreBackwardRan, PostBackwardRan, GradReady, BackwardEnded, StepCalled,
+                GradsZeroed, Stepped)
 EVENTS = TORCH_EVENTS + (Hold, Unhold, ShardsReplaced, Resumed)
 
 
@@ -154,6 +171,10 @@ def update(st: Lifecycle, event, *, config: Config) -> tuple[Lifecycle, tuple]:
             return calls.grad_ready(st, p, config=config, dtype=dtype, graph_task=graph_task)
         case BackwardEnded(with_grad):
             return calls.end_of_backward(st, config=config, with_grad=with_grad)
+        case StepCalled(boundary):
+            return calls.step_called(st, config=config, boundary=boundary)
+        case GradsZeroed():
+            return calls.zero_grad(st, config=config)
         case Stepped(finite, leaf_grads):
             return calls.stepped(st, config=config, finite=finite, leaf_grads=leaf_grads)
         case Hold(ps):
@@ -164,9 +185,9 @@ def update(st: Lifecycle, event, *, config: Config) -> tuple[Lifecycle, tuple]:
         case ShardsReplaced():
             params, effects = step.end_of_step(st.params, config=config)
             return st._replace(params=params), effects
-        case Resumed(window, backward, skipped):
+        case Resumed(window, backward, skipped, micro_step):
             params, effects = step.end_of_step(st.params, config=config)
-            return Lifecycle(params, grads.resumed(st.grads, window=window, backward=backward, skipped=skipped),
-                             st.calls), effects
+            return Lifecycle(params, grads.resumed(st.grads, window=window, backward=backward, skipped=skipped,
+                                                   micro_step=micro_step), st.calls), effects
     raise TypeError(f"fz3: update takes one of the events of fz3/core/events.py "
                     f"({', '.join(e.__name__ for e in EVENTS)}), got {event!r}")

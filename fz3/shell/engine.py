@@ -36,8 +36,8 @@ from torch import nn
 
 from fz3.core import calls, replay
 from fz3.core.calls import Lifecycle, initial_calls
-from fz3.core.events import (BackwardEnded, Enter, GradReady, Leave, PostBackwardRan, PreBackwardRan, Raised, Read,
-                             Stepped)
+from fz3.core.events import (BackwardEnded, Enter, GradReady, GradsZeroed, Leave, PostBackwardRan, PreBackwardRan,
+                             Raised, Read, StepCalled, Stepped)
 from fz3.config.config import Config
 from fz3.core.grad.epilogue import at_boundary
 from fz3.core.grad.grads import init_grad_state
@@ -50,7 +50,7 @@ from fz3.interpreters.agreement import DivergenceError
 from fz3.interpreters.leaf_hint import leaf_hint
 from fz3.interpreters.protocol import Interpreter
 from fz3.data import shards
-from fz3.shell import checks, log, pytree, state_dict
+from fz3.shell import checks, log, pytree, state_dict, zero_grad
 from fz3.shell.buffers import BufferSync
 from fz3.shell.compiled import compile_stats, outside_graph, refuse_compiled_engine
 from fz3.shell.log import StepLog
@@ -109,6 +109,8 @@ class Engine(DeepSpeedSurface):
         # fz3.deepspeed.initialize sets the batch sizes and the 16-bit save switch
         self.micro_steps, self.global_samples, self.step_applied = 0, 0, False
         self.boundary_override: bool | None = None
+        self.in_step = self.inside_no_sync = False  # step() runs; a coalesce_grad_reduction block is open
+        self.unmanaged_backwards = 0  # engine.backward calls since the last step() (managed_gradient_accumulation off)
         self.batch = BatchSizes(None, None)
         self.gather_16bit_weights_on_model_save = False
         self.saved = SavedParams(self.store, self.tables.names, self.param_ids, watch=calls.saves_matter(self.spec))
@@ -121,6 +123,7 @@ class Engine(DeepSpeedSurface):
                                   world_size=world_size)  # the interpreter of the units of the time
         bind_optimizer(optimizer, self.tables.params, self.store.masters)
         self.flat_steps = FlatSteps(optimizer, self.store, runs)
+        self.zero_grad_undo = zero_grad.install(self, (model, optimizer))  # [Note: zero_grad in a window]
 
     def _take_units(self) -> None:
         """What follows from the fetch units (the tables' modules): the interpreter, the core
@@ -465,6 +468,7 @@ class Engine(DeepSpeedSurface):
         gradient_accumulation_steps, detached: what DeepSpeed's backward returns (its scaled loss)."""
         self._refuse_if_stopped()
         ends = self.ends
+        self.unmanaged_backwards += 1
         loss.backward(**kwargs)
         if self.ends == ends:  # an end that ran took every grad of this backward
             self._end_unreported_backward()
@@ -474,15 +478,23 @@ class Engine(DeepSpeedSurface):
         """At the accumulation boundary: the global grad norm, then clipping, the optimizer step
         on the fp32 master shards and the lr scheduler (`lr_scheduler.step(**lr_kwargs)`); or,
         the norm not finite, none of them (a WARNING names the step and the first param whose
-        grad is not finite; was_step_applied() is False). A no-op between boundaries, as
-        DeepSpeed's, but for its counters ([Note: DeepSpeed's counters], surface.py)."""
+        grad is not finite; was_step_applied() is False). Between boundaries the micro-step's
+        grads join the window. The boundary is DeepSpeed's: every gradient_accumulation_steps-th
+        step() call ([Note: the window closes at step()], fz3/core/grad/epilogue.py), and every
+        backward before it adds ([Note: DeepSpeed's counters], surface.py)."""
         self._refuse_if_stopped()
+        if self.inside_no_sync:
+            raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")
         self._end_unreported_backward()  # a bare loss.backward() of that kind counts before the boundary
-        self.step_applied = False
-        boundary = at_boundary(replay.view(self.cell).grads, config=self.config)  # micro_step: no shift
-        if boundary:
-            self._step_at_boundary(lr_kwargs)
-        self._count_step(boundary)
+        self.step_applied, self.in_step = False, True
+        try:
+            self.apply(StepCalled(self.boundary_override))
+            boundary = at_boundary(replay.view(self.cell).grads, config=self.config)  # a flag: no shift
+            if boundary:
+                self._step_at_boundary(lr_kwargs)
+            self._count_step(boundary)
+        finally:
+            self.in_step = False
 
     def _step_at_boundary(self, lr_kwargs: dict | None) -> None:
         self.grad_norm = norm = global_grad_norm(self.store, self.interp.all_reduce_sum)
@@ -494,6 +506,14 @@ class Engine(DeepSpeedSurface):
         if self.step_applied and self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.step_log.step(self)
+
+    def grads_zeroed(self) -> None:
+        """The user's zero_grad() (the engine's, the model's or the optimizer's): the core drops
+        the grads of the backwards since the last step() ([Note: zero_grad in a window],
+        fz3/core/grad/epilogue.py)."""
+        self._refuse_if_stopped()
+        self._end_unreported_backward()
+        self.apply(GradsZeroed())
 
     def was_step_applied(self) -> bool:
         """Whether the last step() stepped the optimizer: False before the first, after a step()

@@ -12,14 +12,17 @@ micro_steps += 1 at the end of every step(); at a boundary step global_steps += 
 global_samples += train_batch_size() (a skipped step counts too, and skipped_steps says how
 many). `is_gradient_accumulation_boundary()` answers whether the NEXT step() will be a boundary:
 (micro_steps + 1) % gradient_accumulation_steps == 0. So with 2 accumulation steps, asked before
-forward / after backward / after step over two micro-steps, it says (F, F, T), (T, T, F).
-fz3's own step decides the boundary from the backwards the core has counted
-(fz3/core/grad/epilogue.py at_boundary); in a loop that calls step() once per backward, as DeepSpeed
-requires, the two agree. `was_step_applied()` is False after every step() that did not step the
-optimizer: between boundaries, and at a skipped one. After load_checkpoint, global_steps,
-global_samples and skipped_steps are the saved ones and micro_steps is this engine's (0 for a
-fresh engine), as DeepSpeed's load_checkpoint leaves them. DeepSpeed: runtime/engine.py step,
-_take_model_step, is_gradient_accumulation_boundary, _load_checkpoint.
+forward / after backward / after step over two micro-steps, it says (F, F, T), (T, T, F). fz3's
+step() closes the window at the same step() calls (the core decides it from its own count of
+them, micro_steps mod gas: fz3/core/grad/epilogue.py is_boundary), and every backward before it
+adds. With managed_gradient_accumulation false every step() is the boundary, and
+is_gradient_accumulation_boundary() is True only while step() runs, as DeepSpeed's; each
+backward then adds train_batch_size / gas samples. `was_step_applied()` is False after every
+step() that did not step the optimizer: between boundaries, and at a skipped one. After
+load_checkpoint, global_steps, global_samples and skipped_steps are the saved ones and
+micro_steps is this engine's (0 for a fresh engine), as DeepSpeed's load_checkpoint leaves them.
+DeepSpeed: runtime/engine.py step, _take_model_step, is_gradient_accumulation_boundary,
+_load_checkpoint.
 """
 from __future__ import annotations
 
@@ -93,11 +96,32 @@ class DeepSpeedSurface:
         return self.module.parameters(recurse=recurse)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Every model param's .grad = None. fz3 keeps the gradients it accumulates in its own
-        partitions, not in .grad, so this clears nothing of an accumulation window (the
-        optimizer's grads are cleared after each step). DeepSpeed: DeepSpeedEngine.zero_grad."""
+        """Every model param's .grad = None, and the grads of the backwards since the last
+        step() dropped from fz3's partitions, as plain PyTorch's zero_grad drops them ([Note:
+        zero_grad in a window], fz3/core/grad/epilogue.py: right after step() there are none).
+        DeepSpeed: DeepSpeedEngine.zero_grad."""
+        self.grads_zeroed()
         for p in self.module.parameters():
             p.grad = None
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self):
+        """DeepSpeed 0.19.8's block of several backwards for one optimizer step: their grads add,
+        and step() inside the block raises (AssertionError, with DeepSpeed's message), as does
+        nesting it. fz3's ZeRO-3 keeps no whole grads, so it reduces each backward's into the
+        partitions as they come, inside the block too: the same sum DeepSpeed's one reduction at
+        the block's exit makes ([Note: the window closes at step()], fz3/core/grad/epilogue.py).
+        DeepSpeed: DeepSpeedEngine.coalesce_grad_reduction."""
+        if not self.config.managed_gradient_accumulation:
+            raise AssertionError("coalesce_grad_reduction is not supported with managed_gradient_accumulation=False; "
+                                 "the caller already owns the accumulation boundary via step()")
+        if self.inside_no_sync:
+            raise AssertionError("coalesce_grad_reduction cannot be nested inside another no_sync context")
+        self.inside_no_sync = True
+        try:
+            yield
+        finally:
+            self.inside_no_sync = False
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -157,15 +181,21 @@ class DeepSpeedSurface:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next step() closes an accumulation window ([Note: DeepSpeed's counters]),
-        or what set_gradient_accumulation_boundary last set. DeepSpeed: is_gradient_accumulation_boundary."""
+        or what set_gradient_accumulation_boundary last set; without managed gradient
+        accumulation, whether step() is running. DeepSpeed: is_gradient_accumulation_boundary."""
+        if not self.config.managed_gradient_accumulation:
+            return self.in_step
         if self.boundary_override is not None:
             return self.boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Override is_gradient_accumulation_boundary()'s answer (None: DeepSpeed's counter
-        again). fz3's step still closes the window after gradient_accumulation_steps
-        backwards. DeepSpeed: set_gradient_accumulation_boundary."""
+        """Override is_gradient_accumulation_boundary()'s answer, and so whether the next step()
+        closes the window (None: DeepSpeed's counter again). DeepSpeed:
+        set_gradient_accumulation_boundary."""
+        if not self.config.managed_gradient_accumulation:
+            raise AssertionError("set_gradient_accumulation_boundary() is not supported with "
+                                 "managed_gradient_accumulation=False; the caller owns the boundary by calling step()")
         if is_boundary is not None and not isinstance(is_boundary, bool):
             raise TypeError(f"set_gradient_accumulation_boundary expects a bool, got {is_boundary!r}")
         self.boundary_override = is_boundary
@@ -173,7 +203,12 @@ class DeepSpeedSurface:
     def _count_step(self, boundary: bool) -> None:
         """What DeepSpeed's step() counts ([Note: DeepSpeed's counters])."""
         if boundary and self.batch.train_batch_size is not None:
-            self.global_samples += self.batch.train_batch_size
+            if self.config.managed_gradient_accumulation:
+                self.global_samples += self.batch.train_batch_size
+            else:  # the micro-batches actually run since the last step()
+                self.global_samples += self.batch.train_batch_size // self.gradient_accumulation_steps() \
+                    * self.unmanaged_backwards
+        self.unmanaged_backwards = 0
         self.micro_steps += 1
 
     def gradient_accumulation_steps(self) -> int:

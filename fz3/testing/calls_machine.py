@@ -8,9 +8,13 @@ sends it event records, against a naive model (calls_naive.py).
                     params for backward or not
     one_pass        `times` passes of one program, each: a forward with grad and a complete or
                     partial backward, or none after it (abandoned); an eval forward (no grad);
-                    or a forward that raises midway. A backward at the accumulation boundary
-                    is preceded by the optimizer step
-    optimizer_step  Stepped, at the accumulation boundary, the grad norm finite or not
+                    or a forward that raises midway. After a backward, the engine's step()
+                    (StepCalled, and Stepped if it closed the window), unless the pass leaves
+                    its grads for a later backward to add to (`step_each` off)
+    step            StepCalled (DeepSpeed's count, or set_gradient_accumulation_boundary's
+                    override), then Stepped if the window closed, the grad norm finite or not
+    zero_grad       GradsZeroed: refused exactly when a step() off the boundary took grads
+                    older than the backwards since it
 
 After every event:
     the core's structural checks (check_state, check_grad_state);
@@ -48,8 +52,8 @@ from fz3.core import events as core_events
 from fz3.core.param import invariants as inv
 from fz3.core.calls import Lifecycle, initial_calls
 from fz3.core.grad.epilogue import at_boundary
-from fz3.core.events import BackwardEnded, Enter, GradReady, Leave, Read, Stepped
-from fz3.core.grad.grads import GradState, init_grad_state
+from fz3.core.events import BackwardEnded, Enter, GradReady, GradsZeroed, Leave, Read, StepCalled, Stepped
+from fz3.core.grad.grads import GradError, GradState, init_grad_state
 from fz3.core.hook_effects import HOOK_EFFECTS, GradDue, SkipStep, StepOptimizer, ZeroGrads
 from fz3.core.grad.invariants import check_grad_state
 from fz3.core.param.state import initial_state
@@ -64,7 +68,8 @@ KINDS = ("complete", "complete", "complete", "partial", "eval", "abandon", "rais
 
 
 def grads_snapshot(g: GradState) -> tuple:
-    return (list(g.params), g.buckets, g.next_bucket, g.backward, g.micro_step, g.window)
+    return (list(g.params), g.buckets, g.next_bucket, g.backward, g.micro_step, g.window, g.micro_backwards,
+            g.committed, g.averaged)
 
 
 def snapshot(s: Lifecycle) -> tuple:
@@ -100,7 +105,7 @@ class CallsMachine(RuleBasedStateMachine):
                                initial_calls(spec, trainable))
         self.sim = AutogradSim(spec, trainable, self, avoid=self.avoid, quiet=self.quiet)
         self.model = NaiveCalls(spec, trainable, case.config.param_persistence_threshold)
-        self.passes, self.last, self.log = 0, None, []
+        self.passes, self.last, self.log, self.step_each = 0, None, [], True
         self.events: list = []  # every event since the start, for the regression a failure prints
         self.reported: set[int] = set()
         homes: dict[int, list[bool]] = {}
@@ -142,7 +147,7 @@ class CallsMachine(RuleBasedStateMachine):
                 "from fz3.core.events import *\n"
                 "from fz3.core.pvec import Log\n"
                 "from fz3.testing.calls_machine import replay\n"
-                "from fz3.testing.models import Call, Case, Model\n"
+                "from fz3.testing.models import Call, Case, External, Model\n"
                 f"effects = replay({self.case!r}, [\n{lines}])")
 
     def saved(self, params: frozenset[int]) -> None:
@@ -227,10 +232,13 @@ class CallsMachine(RuleBasedStateMachine):
 
     # ---- rules -----------------------------------------------------------------------------------
     @rule(again=st.integers(0, 3), which=st.sampled_from([0, 0, 1, 2]),
-          kind=st.sampled_from(KINDS), times=st.integers(1, 3), data=st.data())
-    def one_pass(self, again: int, which: int, kind: str, times: int, data: st.DataObject) -> None:
+          kind=st.sampled_from(KINDS), times=st.integers(1, 3), step_each=st.sampled_from([True, True, True, False]),
+          data=st.data())
+    def one_pass(self, again: int, which: int, kind: str, times: int, step_each: bool, data: st.DataObject) -> None:
         """`times` identical passes; `again` > 0 repeats the previous pass exactly (repeats let
-        the trace complete, so prefetch and reuse keeping join in)."""
+        the trace complete, so prefetch and reuse keeping join in). `step_each`: the engine's
+        step() after each backward, as a training loop; else the grads wait for a later one."""
+        self.step_each = step_each
         if again and self.last is not None:
             which, kind, detail = self.last
         else:
@@ -260,17 +268,39 @@ class CallsMachine(RuleBasedStateMachine):
         finally:
             note("\n".join(self.log))
 
-    @precondition(lambda self: at_boundary(self.state.grads, config=self.config))
-    @rule(finite=st.sampled_from([True, True, False]))
-    def optimizer_step(self, finite: bool) -> None:
-        self.logged([f"optimizer step (grad norm {'finite' if finite else 'not finite'})"],
-                    lambda: self.sim.fire(Stepped(finite)))
+    @rule(finite=st.sampled_from([True, True, False]), boundary=st.sampled_from([None, None, None, True, False]))
+    def step(self, finite: bool, boundary: bool | None) -> None:
+        """The engine's step(): StepCalled, then Stepped once the window closed."""
+        self.logged([f"step() (override {boundary}; grad norm {'finite' if finite else 'not finite'})"],
+                    lambda: self.step_now(finite, boundary))
+
+    def step_now(self, finite: bool = True, boundary: bool | None = None) -> None:
+        self.sim.fire(StepCalled(boundary))
+        if at_boundary(self.state.grads, config=self.config):
+            self.sim.fire(Stepped(finite))
+            covered("call decisions", "window closed at step()" + (f" (override {boundary})" if boundary is not None
+                                                                   else ""))
+
+    @rule()
+    def zero_grad(self) -> None:
+        """The user's zero_grad(): refused exactly when a step() off the boundary summed older
+        grads with those of the backwards since it ([Note: zero_grad in a window])."""
+        g = self.state.grads
+        refused = g.committed and g.micro_backwards > 0
+        try:
+            self.logged(["zero_grad()"], lambda: self.sim.fire(GradsZeroed()))
+        except GradError as e:
+            assert refused and "cannot drop them alone" in str(e), f"zero_grad() refused: {e}"
+            self.events.pop()
+            covered("misuse refused", "zero_grad() after a step() inside the window")
+            return
+        assert not refused, "zero_grad() dropped grads a step() off the boundary had summed with older ones"
+        if g.micro_backwards:
+            self.model.got = set()  # the naive model's grads of the window: dropped with them
+            covered("call decisions", "zero_grad() drops the grads since the last step()")
 
     def run_pass(self, which: int, kind: str, detail: object = None) -> None:
         backward = kind in ("complete", "partial")
-        if backward and at_boundary(self.state.grads, config=self.config):
-            self.log.append("optimizer step")
-            self.sim.fire(Stepped())
         self.log.append(f"pass {self.passes}: program {which}, {kind} ({detail})")
         self.passes += 1
         self.sim.forward(self.case.programs[which], grad=kind != "eval",
@@ -278,6 +308,11 @@ class CallsMachine(RuleBasedStateMachine):
         if backward:
             self.reported = set()
             self.sim.backward(detail if kind == "partial" else None)
+            if self.step_each:
+                self.log.append("step()")
+                self.step_now()
+            else:
+                covered("call decisions", "a backward before another, one step() for both")
 
 
 def _shown(event) -> str:

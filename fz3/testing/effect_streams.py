@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from fz3.core.param import state as core_state
-from fz3.core.grad.epilogue import epilogue, optimizer_step
+from fz3.core.grad.epilogue import epilogue, micro_step_end, optimizer_step
 from fz3.core.grad.grads import bucket_add, init_grad_state
 from fz3.testing.models import cases
 from fz3.core.param.state import initial_state
@@ -51,6 +51,8 @@ def digest(case) -> str:
             gs, effects = bucket_add(gs, p, config=config)
             h.update(repr(effects).encode())
         gs, effects = epilogue(gs, config=config)
+        h.update(repr(effects).encode())
+        gs, effects = micro_step_end(gs, config=config)
         h.update(repr(effects).encode())
     gs, effects = optimizer_step(gs, config=config)
     h.update(repr(effects).encode())

@@ -8,12 +8,16 @@
     rules:      report, report_all, report_backward (grad ready -> bucket_add)
                 report_twice (must raise, naming the param)
                 new_graph_task (reentrant checkpointing)   flush   end_backward (epilogue)
-                optimizer_step   step_too_early / epilogue_past_window (must raise)
+                step (micro_step_end: DeepSpeed's count, or an override)   zero_grad
+                optimizer_step   step_too_early / grads_after_the_average (must raise)
     invariant:  check_grad_state after every rule
 
-At every accumulation boundary each rank's partitions must equal the naive mean slices bit for
-bit (I3), every grad reported in a backward must have been reduced exactly once, and no bucket
-may be open. Every report must take its grad out of param.grad as the naive model's table says
+Any number of backwards may come between two step() calls, and any number of step() calls
+between two boundaries ([Note: the window closes at step()]). At every boundary each rank's
+partitions must equal the naive mean slices bit for bit (I3): the sum of every grad reported in
+the window, over W x gas. Every grad reported in a backward must have been reduced exactly
+once, and no bucket may be open. zero_grad drops the grads of the backwards since the last
+step() exactly when the window holds nothing older, and is refused exactly when it does. Every report must take its grad out of param.grad as the naive model's table says
 (CopyToBucket, HoldGrad or neither), and a grad is held only with a reduce-scatter that reads
 grads in place, for a bucket then reduced on the reduce_scatter path. Reuse it:
 `TestGrads = GradMachine.TestCase`, or subclass and override rules.
@@ -46,14 +50,16 @@ class GradMachine(RuleBasedStateMachine):
                                 min_size=1, max_size=6),
                 world_size=st.integers(1, 4), path=st.sampled_from(sorted(PATHS)),
                 gas=st.integers(1, 4), overlap=st.booleans(), seed=st.integers(0, 2**32 - 1),
+                managed=st.sampled_from([True, True, True, False]),
                 comm=st.sampled_from(COMMS), prescale=st.booleans(),
                 predivide=st.sampled_from(PREDIVIDES), in_place=st.booleans(), data=st.data())
     def setup(self, params: list[tuple[int, str]], world_size: int, path: str, gas: int,
-              overlap: bool, seed: int, comm: str | None, prescale: bool, predivide: float,
+              overlap: bool, seed: int, managed: bool, comm: str | None, prescale: bool, predivide: float,
               in_place: bool, data: st.DataObject) -> None:
         bucket = data.draw(bucket_sizes([n for n, _ in params]), label="reduce_bucket_size")
         self.hold = data.draw(st.one_of(st.just(0), bucket_sizes([n for n, _ in params])), label="hold_budget")
         self.config = Config(reduce_bucket_size=bucket, gradient_accumulation_steps=gas,
+                             managed_gradient_accumulation=managed,
                              overlap_comm=overlap, communication_data_type=comm,
                              prescale_gradients=prescale, gradient_predivide_factor=predivide,
                              **PATHS[path])
@@ -67,6 +73,7 @@ class GradMachine(RuleBasedStateMachine):
         self.naive = NaiveGrads([n for n, _ in params], tdtypes, world_size)
         self.gen = torch.Generator().manual_seed(seed)
         self.task, self.seen, self.reported, self.log_start = 0, set(), [], 0
+        self.older = False  # a step() off the boundary took grads into the window
         note(f"W={world_size} params={params} path={path} in_place_reduce_scatter={in_place} "
              f"hold_budget={self.hold} {self.config}")
         self.situation = f"{path}, W={world_size}, {gas} micro-step{'s' if gas > 1 else ''}"
@@ -78,7 +85,7 @@ class GradMachine(RuleBasedStateMachine):
         self.world.run(effects)
 
     def _window_open(self) -> bool:
-        return self.state.micro_step < self.config.gradient_accumulation_steps
+        return not self.state.averaged
 
     @precondition(lambda self: self._window_open())
     @rule(data=st.data())
@@ -154,10 +161,41 @@ class GradMachine(RuleBasedStateMachine):
         self._check_holds(self.world.log[self.log_start:])
         covered("reduced once", self.situation)
         self.task, self.seen, self.reported, self.log_start = 0, set(), [], len(self.world.log)
-        if ep.at_boundary(self.state, config=self.config):
-            self.naive.check(self.world, self.state.spec.world_size
-                             * self.config.gradient_accumulation_steps)
+
+    @precondition(lambda self: self._window_open() and not self.state.buckets)
+    @rule(override=st.sampled_from([None, None, None, True, False]))
+    def step(self, override: bool | None) -> None:
+        """The user's step(): the window closes where DeepSpeed's count (or the override) says."""
+        want = (not self.config.managed_gradient_accumulation or override
+                or (override is None and (self.state.micro_step + 1) % self.config.gradient_accumulation_steps == 0))
+        note(f"step() at micro_step {self.state.micro_step}, override {override}: boundary {want}")
+        backwards = self.state.micro_backwards
+        self.state, eff = ep.micro_step_end(self.state, config=self.config, override=override)
+        self._run(eff)
+        assert ep.at_boundary(self.state, config=self.config) == want, "the window closed at another step()"
+        if want:
+            self.naive.check(self.world, self.state.spec.world_size * self.config.gradient_accumulation_steps)
             covered("I3", self.situation)
+        elif backwards:
+            self.older = True
+
+    @precondition(lambda self: self._window_open() and not self.reported)
+    @rule()
+    def zero_grad(self) -> None:
+        """Drops the backwards since the last step() when nothing older is in the window."""
+        pending, older = self.state.micro_backwards, self.older
+        note(f"zero_grad() with {pending} backward(s) since the last step(), older grads {older}")
+        try:
+            self.state, eff = ep.zero_grads(self.state, config=self.config)
+        except GradError as err:
+            assert pending and older, f"zero_grad() refused with nothing to refuse: {err}"
+            covered("misuse refused", "zero_grad() after a step() inside the window")
+            return
+        assert not (pending and older), "zero_grad() accepted where older grads share the partitions"
+        self._run(eff)
+        if pending:
+            self.naive.reset()
+            covered("naive model", "zero_grad() dropped a micro-step's grads")
 
     @precondition(lambda self: not self._window_open())
     @rule()
@@ -166,25 +204,27 @@ class GradMachine(RuleBasedStateMachine):
         self.state, eff = ep.optimizer_step(self.state, config=self.config)
         self._run(eff)
         self.naive.reset()
+        self.older = False
 
     @precondition(lambda self: not self._window_open())
     @rule()
-    def epilogue_past_window(self) -> None:
-        note("epilogue / bucket_add past the window: must raise")
+    def grads_after_the_average(self) -> None:
+        note("epilogue / bucket_add / step() after the average: must raise")
         for call in (lambda: ep.epilogue(self.state, config=self.config),
+                     lambda: ep.micro_step_end(self.state, config=self.config),
                      lambda: grads.bucket_add(self.state, ParamId(0), config=self.config,
                                               dtype=self.dtypes[0], graph_task=self.task + 1)):
             try:
                 call()
             except GradError:
-                covered("misuse refused", "grads past the accumulation window")
+                covered("misuse refused", "grads after the boundary's average")
                 continue
-            raise AssertionError("a complete accumulation window accepted more grads")
+            raise AssertionError("an averaged window accepted more grads")
 
     @precondition(lambda self: self._window_open())
     @rule()
     def step_too_early(self) -> None:
-        note("optimizer_step inside the window: must raise")
+        note("optimizer_step before the boundary: must raise")
         try:
             ep.optimizer_step(self.state, config=self.config)
         except GradError:

@@ -228,6 +228,8 @@ def run_scenario(sc: Scenario, path: str) -> tuple[SimulatedWorld, GradState, Na
         world.run(eff)
         check_drained(state, eff, config=config)
         check_reduce_log(world.log[start:], reported, config=config)
+        state, eff = ep.micro_step_end(state, config=config)  # step(): the last one averages
+        world.run(eff)
     return world, state, naive
 
 

@@ -1,23 +1,46 @@
-"""The gradient lifecycle, part 2: the end of a backward and the end of an accumulation window.
+"""The gradient lifecycle, part 2: the end of a backward, and the end of an accumulation window.
 
-    micro_step:   0 --epilogue--> 1 --epilogue--> ... --epilogue--> gas   (window complete:
-                  ^                                                  |     partitions averaged)
-                  +---------- optimizer_step(applied=True|False) ----+   (partitions freed)
+                      +-- epilogue (each backward's end): grads added into the partitions --+
+                      |                                                                     |
+                      v                                                                     |
+    window open  ---micro_step_end (step() off the boundary: micro_step + 1)----> window open
+         |
+         | micro_step_end (the boundary's step(): ZeroPartitions, AverageGrads) -> averaged
+         v
+    averaged  --optimizer_step(applied=True|False)--> window open (the next window; partitions freed)
 
     epilogue (every backward):  flush every open bucket -> WaitReduce (overlap_comm)
                                 -> backward += 1 (clears every "reported" flag at once)
-                                -> micro_step += 1
-    ... and at the boundary (micro_step reaches gradient_accumulation_steps):
+    micro_step_end (every step() the user calls): off the boundary, micro_step += 1; at it,
                                 ZeroPartitions(params never written in the window)
                                 -> AverageGrads(world_size * gradient_accumulation_steps
                                                 / predivide)
 
-Partitions hold SUMs over ranks and micro-steps (of grads each divided by `predivide` before its
+Partitions hold SUMs over ranks and backwards (of grads each divided by `predivide` before its
 reduce: 1 unless prescale_gradients or gradient_predivide_factor say otherwise) until the
 boundary, where one division turns them into the mean gradient, exposed to the optimizer in
 place. DeepSpeed instead pre-divides by the world size before each reduce and scales the loss
 by 1/gas; summing first keeps the integer test data exact and never relies on a backend's AVG
 (fz3/core/grad/grads.py, [Note: pre-division]).
+
+[Note: the window closes at step()] DeepSpeed counts micro-steps by `engine.step()` calls, not
+by backwards: a step() is the accumulation boundary when (micro_steps + 1) % gas == 0, or when
+set_gradient_accumulation_boundary says so, or every time with managed_gradient_accumulation
+false (runtime/engine.py is_gradient_accumulation_boundary, step). So the window is what lies
+between two boundary steps, and every backward in it adds: two backwards before one step()
+(a GAN's discriminator on real and on fake images) sum, as in plain PyTorch, DDP and FSDP2,
+and the boundary divides by W x gas whatever the number of backwards, as DeepSpeed's 1/gas
+loss scaling does. `micro_step` is DeepSpeed's position in the window (step() calls mod gas),
+kept here so that the boundary is the core's decision (`is_boundary`).
+
+[Note: zero_grad in a window] Plain PyTorch's zero_grad() drops the grads accumulated so far;
+DeepSpeed's stage 3 has already reduced them into its partitions and keeps them. The grads of
+the backwards since the last step() are dropped (`zero_grads`) when the window holds nothing
+older: that is plain PyTorch's answer for every loop that zeroes before its backwards (a GAN's
+netD.zero_grad() drops the grads the generator's backward left in the discriminator), and it
+changes nothing in DeepSpeed's loops, which zero right after step(). Backwards since a step()
+off the boundary were summed into the same partitions as the earlier micro-steps' grads: no
+arithmetic separates them, so that call is refused (GradError), naming both ways out.
 
 [Note: no grad, no step] A trainable param that no grad reached in a whole window, on any rank,
 has no optimizer grad (None), so every torch optimizer leaves it alone, as in plain PyTorch and
@@ -39,39 +62,88 @@ scheduler does not step either.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from fz3.config.config import Config
 from fz3.core.effects import AverageGrads, FreePartitions, GradEffect, WaitReduce, ZeroPartitions
-from fz3.core.grad.grads import GradError, GradState, flush, grad_predivide
+from fz3.core.grad.grads import NEVER, GradError, GradState, flush, grad_predivide
 from fz3.core.ids import ParamId
 
 
 def epilogue(state: GradState, *, config: Config) -> tuple[GradState, tuple[GradEffect, ...]]:
     """End one backward: flush what is left, wait for the reduce stream, reset per-backward flags.
 
-    At the accumulation boundary also zero the partitions no grad reached in this window and
-    average them all once. Raises GradError if the window was already complete.
+    The window stays open: a later backward adds to the same partitions ([Note: the window
+    closes at step()]). Raises GradError if the boundary's step() has averaged the partitions
+    and the optimizer step has not consumed them yet.
     DeepSpeed: `independent_gradient_partition_epilogue` (flush, synchronize, clear
-    `params_already_reduced`, build `averaged_gradients` views); DeepSpeed advances
-    micro_step_id at the next forward, fz3 here.
+    `params_already_reduced`, build `averaged_gradients` views).
     """
-    gas = config.gradient_accumulation_steps
-    if state.micro_step >= gas:
-        raise GradError(f"epilogue: the accumulation window is complete ({state.micro_step} "
-                        f"micro-steps of {gas}); call optimizer_step first")
+    _check_open(state, "epilogue")
     state, flushed = flush(state, config=config)
     effects: list[GradEffect] = list(flushed)
     if config.overlap_comm:
         effects.append(WaitReduce())
-    state = state._replace(backward=state.backward + 1, micro_step=state.micro_step + 1)
-    if state.micro_step == gas:
-        unwritten = never_written(state)
-        if unwritten:
-            effects.append(ZeroPartitions(unwritten))
-        w = state.spec.world_size
-        effects.append(AverageGrads(grad_divisor(w, gas, grad_predivide(w, config))))
-    return state, tuple(effects)
+    return state._replace(backward=state.backward + 1, micro_backwards=state.micro_backwards + 1), tuple(effects)
+
+
+def is_boundary(state: GradState, *, config: Config, override: Optional[bool] = None) -> bool:
+    """Whether the next step() closes the accumulation window: always without managed
+    gradient accumulation; else `override` (set_gradient_accumulation_boundary) if given, else
+    when it is the gas-th step() call of the cycle. DeepSpeed: is_gradient_accumulation_boundary
+    ((micro_steps + 1) % gas == 0)."""
+    if not config.managed_gradient_accumulation:
+        return True
+    if override is not None:
+        return override
+    return (state.micro_step + 1) % config.gradient_accumulation_steps == 0
+
+
+def micro_step_end(state: GradState, *, config: Config, override: Optional[bool] = None
+                   ) -> tuple[GradState, tuple[GradEffect, ...]]:
+    """The user's step() ([Note: the window closes at step()]). Off the boundary (`is_boundary`)
+    the micro-step's grads join the window. At it, the partitions no grad reached in the
+    window are zeroed and every partition is divided once into the mean gradient: the window
+    is `averaged`, and the optimizer step (or its skip) comes next. DeepSpeed: engine.step
+    (micro_steps += 1; at the boundary _take_model_step)."""
+    _check_open(state, "step()")
+    if state.buckets:
+        raise GradError("step() with open IPG buckets: a backward is still running; call step() after it")
+    gas = config.gradient_accumulation_steps
+    moved = state._replace(micro_step=(state.micro_step + 1) % gas)
+    if not is_boundary(state, config=config, override=override):
+        return moved._replace(micro_backwards=0,
+                              committed=state.committed or state.micro_backwards > 0), ()
+    effects: list[GradEffect] = []
+    unwritten = never_written(state)
+    if unwritten:
+        effects.append(ZeroPartitions(unwritten))
+    w = state.spec.world_size
+    effects.append(AverageGrads(grad_divisor(w, gas, grad_predivide(w, config))))
+    return moved._replace(averaged=True, micro_backwards=0), tuple(effects)
+
+
+def zero_grads(state: GradState, *, config: Config) -> tuple[GradState, tuple[GradEffect, ...]]:
+    """zero_grad() ([Note: zero_grad in a window]): the grads of the backwards since the last
+    step() are dropped when the window holds nothing older; with nothing to drop, nothing
+    changes. Each param's next write in the window is then a copy, and the partitions' memory
+    goes back now (FreePartitions), as after an optimizer step. O(params) when it drops.
+    Raises GradError when a step() off the boundary already summed older grads into them."""
+    if state.micro_backwards == 0 or state.averaged:
+        return state, ()
+    if state.buckets:
+        raise GradError("zero_grad() while a backward is running (an IPG bucket is open)")
+    if state.committed:
+        raise GradError(
+            f"zero_grad() after {state.micro_backwards} backward(s) since a step() inside an accumulation "
+            f"window (micro-step {state.micro_step} of {config.gradient_accumulation_steps}): fz3 has summed their "
+            "grads into the same partitions as the window's earlier micro-steps and cannot drop them alone. "
+            "Call zero_grad() before the backwards of a micro-step or right after step() (plain PyTorch's "
+            "order), or not at all inside the window (DeepSpeed's: its step() at the boundary starts the next)")
+    w = state.window
+    changes = {p: pg._replace(written=NEVER if pg.written == w else pg.written, got=NEVER if pg.got == w else pg.got)
+               for p, pg in enumerate(state.params.current()) if pg.written == w or pg.got == w}
+    return state._replace(params=state.params.set_many(changes), micro_backwards=0), (FreePartitions(),)
 
 
 def optimizer_step(state: GradState, *, config: Config, applied: bool = True
@@ -79,19 +151,18 @@ def optimizer_step(state: GradState, *, config: Config, applied: bool = True
     """The optimizer consumed the averaged partitions (`applied`), or the step was skipped
     ([Note: a step skipped]): start the next accumulation window.
 
-    Resets micro_step to 0; the next write of every partition is a copy, so their memory goes
-    back now (FreePartitions) and comes again with that write. Raises GradError if
-    the window is not complete (partitions would still hold sums, not means).
-    DeepSpeed: the micro_step_id reset in `step` / `zero_grad`.
+    The next write of every partition is a copy, so their memory goes back now
+    (FreePartitions) and comes again with that write. Raises GradError unless the boundary's
+    step() averaged the partitions (they would still hold sums, not means).
+    DeepSpeed: the zero_grad of the optimizer after `_take_model_step`.
     """
-    if state.micro_step != config.gradient_accumulation_steps:
-        raise GradError(f"optimizer_step after {state.micro_step} of "
-                        f"{config.gradient_accumulation_steps} micro-steps: the grad partitions "
-                        "are averaged only at the accumulation boundary")
+    if not state.averaged:
+        raise GradError(f"optimizer_step before the boundary's step() averaged the grad partitions (micro-step "
+                        f"{state.micro_step} of {config.gradient_accumulation_steps}): they hold sums, not means")
     if state.buckets:
         raise GradError("optimizer_step with open IPG buckets: run the epilogue first")
-    return state._replace(micro_step=0, window=state.window + 1, skipped=state.skipped + (not applied),
-                          applied=applied), (FreePartitions(),)
+    return state._replace(window=state.window + 1, skipped=state.skipped + (not applied), applied=applied,
+                          averaged=False, committed=False, micro_backwards=0), (FreePartitions(),)
 
 
 def grad_divisor(world_size: int, gradient_accumulation_steps: int, predivide: float = 1.0
@@ -121,5 +192,12 @@ def without_grad(state: GradState, trainable: Sequence[bool], got_anywhere: froz
 
 
 def at_boundary(state: GradState, *, config: Config) -> bool:
-    """True when the partitions hold the averaged grads and the optimizer may step."""
-    return state.micro_step == config.gradient_accumulation_steps
+    """True when the partitions hold the averaged grads and the optimizer may step: the
+    boundary's step() ran `micro_step_end`, and `optimizer_step` has not yet."""
+    return state.averaged
+
+
+def _check_open(state: GradState, what: str) -> None:
+    if state.averaged:
+        raise GradError(f"{what} after the boundary's step() averaged the grad partitions and before the "
+                        "optimizer step consumed them: call optimizer_step first")

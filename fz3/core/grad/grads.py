@@ -126,7 +126,8 @@ class GradState(NamedTuple):
     buckets: tuple[IPGBucket, ...]  # open buckets, at most one per dtype, sorted by dtype
     next_bucket: int  # BucketId of the next bucket opened
     backward: int  # epilogues run so far: the id of the current backward
-    micro_step: int  # backwards finished in this accumulation window (DeepSpeed micro_step_id)
+    micro_step: int  # step() calls in the cycle of gradient_accumulation_steps: DeepSpeed's micro_steps
+    # mod gas, which decides the boundary ([Note: the window closes at step()], epilogue.py)
     window: int  # accumulation windows finished (optimizer steps taken)
     # static: the reduce-scatter carrier sends each grad from where it lies, so a bucket would
     # only stage a copy ([Note: copy or hold])
@@ -137,6 +138,11 @@ class GradState(NamedTuple):
     # static: held buckets are reduced at this many elements at most (0: no budget beyond
     # reduce_bucket_size; [Note: hold budget])
     hold_budget: int = 0
+    micro_backwards: int = 0  # backwards ended since the last step() (or the window's start)
+    committed: bool = False  # a step() off the boundary took grads into the window: zero_grad()
+    # cannot drop the newer ones alone ([Note: zero_grad in a window], epilogue.py)
+    averaged: bool = False  # the boundary's step() divided the partitions into the mean: the
+    # optimizer step (or its skip) is due
 
 
 def init_grad_state(spec: ModelSpec, *, in_place_reduce_scatter: bool = False,
@@ -154,14 +160,16 @@ def init_grad_state(spec: ModelSpec, *, in_place_reduce_scatter: bool = False,
                      in_place_reduce_scatter, hold_budget=hold_budget)
 
 
-def resumed(state: GradState, *, window: int, backward: int, skipped: int = 0) -> GradState:
+def resumed(state: GradState, *, window: int, backward: int, skipped: int = 0, micro_step: int = 0
+            ) -> GradState:
     """The state after a checkpoint load: a fresh one at the checkpoint's counters (`window`
-    also counts the skipped windows). Per-param records left by training before the load could
+    also counts the skipped windows; `micro_step`: the engine's own position in its cycle of
+    step() calls, which DeepSpeed's load_checkpoint leaves as it was). Per-param records left by training before the load could
     equal the restored counters and turn a window's first write into an add, so none is kept;
     the static carrier flag stays."""
     return init_grad_state(state.spec, in_place_reduce_scatter=state.in_place_reduce_scatter,
                            hold_budget=state.hold_budget)._replace(
-        window=window, backward=backward, skipped=skipped)
+        window=window, backward=backward, skipped=skipped, micro_step=micro_step)
 
 
 def new_pass(state: GradState) -> GradState:
@@ -202,8 +210,9 @@ def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str =
     ([Note: no grad, no step]).
 
     Flushes that bucket first if the grad would overflow it; a grad larger than the whole bucket
-    is reduced on its own, straight from param.grad. The bucket's size is `capacity`. Raises GradError, naming the param, if it
-    was already reported in this backward and graph task, or if the window is complete.
+    is reduced on its own, straight from param.grad. The bucket's size is `capacity`. Raises
+    GradError, naming the param, if it was already reported in this backward and graph task, or
+    if the window was averaged and not yet stepped.
     DeepSpeed: `reduce_ready_partitions_and_remove_grads` -> `__add_grad_to_ipg_bucket`.
     """
     _check_report(state, param, graph_task, config)
@@ -362,9 +371,9 @@ def _check_report(state: GradState, param: ParamId, graph_task: int, config: Con
     if not 0 <= param < len(state.spec.params):
         raise GradError(f"bucket_add: no param with id {param} "
                         f"(ids run 0..{len(state.spec.params) - 1})")
-    if state.micro_step >= config.gradient_accumulation_steps:
-        raise GradError(f"bucket_add({_name(state, param)}): the accumulation window is complete "
-                        f"({state.micro_step} micro-steps); call optimizer_step first")
+    if state.averaged:
+        raise GradError(f"bucket_add({_name(state, param)}): the boundary's step() averaged the grad "
+                        "partitions; call optimizer_step first")
     pg = state.params[param]
     if pg.reported == state.backward and pg.task == graph_task:
         raise GradError(f"param {_name(state, param)} reported twice in one backward (graph task "

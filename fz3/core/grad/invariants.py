@@ -7,7 +7,8 @@ whole bucket or log, so they are for checking, never for the hot path.
     check_grad_state   buckets: one per dtype, slots packed from 0 without overlap, fill adds
                        up and fits the capacity (reduce_bucket_size, or the hold budget
                        when smaller and grads are held), each slot's param points back at it;
-                       0 <= micro_step <= gradient_accumulation_steps
+                       0 <= micro_step < gradient_accumulation_steps; nothing
+                       reported after the boundary's average
     check_reduce_log   one backward's effects: every reported grad reduced exactly once, each
                        reduce followed by one write per slot and one DropGrads; a contiguous
                        bucket's copies (or holds, never both) match its slots, and grads are
@@ -66,8 +67,11 @@ def check_grad_state(state: GradState, *, config: Config) -> None:
         dup = [p for p, n in Counter(s.param for s in slots).items() if n > 1]
         if dup:
             _fail(f"bucket {b.id} holds params {dup} more than once")
-    if not 0 <= state.micro_step <= config.gradient_accumulation_steps:
-        _fail(f"micro_step {state.micro_step} outside [0, {config.gradient_accumulation_steps}]")
+    if not 0 <= state.micro_step < config.gradient_accumulation_steps:
+        _fail(f"micro_step {state.micro_step} outside [0, {config.gradient_accumulation_steps})")
+    if state.averaged and (state.buckets or state.micro_backwards):
+        _fail(f"the window is averaged with {len(state.buckets)} open bucket(s) and {state.micro_backwards} "
+              "backward(s) after the average")
 
 
 def check_reduce_log(effects: Sequence[object], reported: Sequence[ParamId], *,

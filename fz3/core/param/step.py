@@ -43,7 +43,7 @@ def _idle_modules(tx: Txn) -> None:
 
 
 def reset_step(st: ParamState, *, config: Config, grad_enabled: bool = True, training: bool = True,
-               aborted: bool = False) -> tuple[ParamState, Effects]:
+               aborted: bool = False, grad_inputs: bool = False) -> tuple[ParamState, Effects]:
     """Start of a forward pass (the root module's pre-forward): free what the last pass left,
     close its trace and take up the trace of this pass's kind (`grad_enabled`: autograd
     records; `training`: the root's train mode; fz3/core/param/trace.py, [Note: one trace per pass
@@ -53,7 +53,7 @@ def reset_step(st: ParamState, *, config: Config, grad_enabled: bool = True, tra
     _idle_modules(tx)
     tx.next_handle = 0  # nothing is in flight after the sweep: [Note: a pass forgets]
     tx.trace = reset(tx.trace, lambda m: unit_params(tx, m), lambda p: st.spec.params[p].numel,
-                     config.max_reuse_distance, kind=pass_kind(grad_enabled, training), aborted=aborted)
+                     config.max_reuse_distance, kind=pass_kind(grad_enabled, training, grad_inputs), aborted=aborted)
     return tx.commit()
 
 

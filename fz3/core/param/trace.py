@@ -16,6 +16,11 @@ few steps never prefetches (DeepSpeed issue #5662). The trace is kept per *pass 
 enabled or not, module.training or not, see `pass_kind`): a pass of another kind than the last
 parks the current trace (closed, as a reset would) and takes up its own kind's, so alternating
 train steps and evaluations keeps both plans COMPLETE. `invalidations` counts over all kinds.
+Whether the root's inputs need grad is part of the kind too: a GAN's discriminator runs on
+real images (no grad), on the generator's images detached, and on them with grad for the
+generator's step; with grad inputs its first layer's backward ends at a PostBackward node,
+without them at its params' grads, and the backward fetches in another order. One trace for
+both would be dropped every pass (3 times in 3 iterations).
 
 [Note: aborted passes] A forward that raised (a shape error in one block) ends mid-pass. Its
 partial log is not the model's order: `reset(..., aborted=True)` drops it (RECORD records again,
@@ -63,11 +68,13 @@ TRAIN = "train"
 UNIT_GREW = -2  # departure's "expected" when a module took params it does not own
 
 
-def pass_kind(grad_enabled: bool, training: bool) -> str:
+def pass_kind(grad_enabled: bool, training: bool, grad_inputs: bool = False) -> str:
     """The kind of a pass, by what changes its module order: whether autograd records (a
-    backward follows, fetching every module again) and the root's train/eval mode (modules
-    may branch on self.training: dropout layers skipped, caches used)."""
-    return ("train" if training else "eval") + ("" if grad_enabled else "_no_grad")
+    backward follows, fetching every module again), the root's train/eval mode (modules may
+    branch on self.training: dropout layers skipped, caches used), and whether the root's
+    inputs need grad (the backward's order: [Note: one trace per pass kind])."""
+    return ("train" if training else "eval") + ("" if grad_enabled else "_no_grad") + \
+        ("_grad_inputs" if grad_inputs and grad_enabled else "")
 
 
 def initial_trace(kind: str = TRAIN) -> TraceState:
