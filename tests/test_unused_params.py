@@ -5,10 +5,16 @@ fz3/core/grad/epilogue.py).
 The model: an auxiliary head that is never called (a branch not taken), and a leaf module of
 three experts (fz3.set_leaf_modules) where expert 0 sees rows on every rank, expert 1 on the
 last rank only, expert 2 on none. AdamW with weight decay, two accumulation steps, on 2 and 3
-thread ranks and 2 gloo processes: every param after three steps, and the next forward, equal
-plain PyTorch's bit for bit (exact data: the grads are sums of small integers), and the
-optimizer holds state only for the params plain PyTorch's does. Zeros in place of the missing
-grads moved the unused params by AdamW's decay and moments: 7e-4 away after a few steps.
+thread ranks and 2 gloo processes: the optimizer holds state only for the params plain
+PyTorch's does, and the params no grad reached are bit for bit their initial values, exact by
+construction (no op touches them). Zeros in place of the missing grads moved them by AdamW's
+decay and moments: 7e-4 away after a few steps.
+
+The stepped params, and the next forward, equal plain PyTorch's within 4 ulp (rtol 5e-7): the
+grads are exact (sums of small integers, divided once by W x gas), but AdamW's elementwise
+kernels round by where an element falls, a vector lane (FMA) or the scalar tail, and fz3 steps
+flat shards where plain PyTorch steps whole tensors. At 3 ranks MKL's AVX-512 path and its AVX2
+path differ there in the last bit (7.45e-9 on a weight near 0.1).
 """
 from __future__ import annotations
 
@@ -103,15 +109,22 @@ def _reference(world: int) -> dict:
             "stepped": sorted(names[id(p)] for p in opt.state)}
 
 
+ULPS = dict(rtol=5e-7, atol=1e-9)  # AdamW's lanes and tail round apart: see the module docstring
+
+
 def assert_equal(outs: list[dict], world: int) -> None:
     ref = _reference(world)
     assert "aux.weight" not in ref["stepped"] and "moe.experts.2.weight" not in ref["stepped"]
     assert "moe.experts.1.weight" in ref["stepped"]
+    initial = Net().state_dict()
     for r, out in enumerate(outs):
         assert out["stepped"] == ref["stepped"], r
-        assert out["after"] == ref["after"][r], r
+        torch.testing.assert_close(out["after"], ref["after"][r], **ULPS)
         for k, v in ref["state"].items():
-            assert torch.equal(out["state"][k], v), (k, (out["state"][k] - v).abs().max().item())
+            if k.removesuffix(".weight").removesuffix(".bias") + ".weight" in ref["stepped"]:
+                torch.testing.assert_close(out["state"][k], v, **ULPS, msg=lambda m: f"rank {r}, {k}: {m}")
+            else:  # never stepped: untouched, here and in plain PyTorch
+                assert torch.equal(v, initial[k]) and torch.equal(out["state"][k], v), (r, k)
 
 
 @pytest.mark.parametrize("world", [2, 3])
