@@ -16,9 +16,12 @@ resharding are fz3/io/checkpoint_load.py (`engine.load_checkpoint`).
     save:  write into save_dir/.tmp-<tag> --every rank agrees it wrote--> rank 0 writes the
            metadata, renames .tmp-<tag> -> <tag>, replaces `latest` --barrier--> done
 
-A save that fails on any rank fails on every rank (an all-reduce of "ok" instead of a barrier
-that would hang) and leaves `latest` and the previous tag untouched; a rank killed mid-save
-leaves only a .tmp- folder the next save of that tag removes. The shared checks (`check_tag`,
+A save that fails on any rank fails on every rank (each rank's outcome sent to every other
+instead of a barrier that would hang) and leaves `latest` and the previous tag untouched; rank 0
+removes the partial .tmp-<tag>. A rank interrupted mid-save (SIGINT, SIGTERM) tells the others
+first, and one killed is named as gone (fz3/io/interrupts.py: [Note: interrupted saves]); what
+it left is only a .tmp- folder, never `latest`. Ranks that give different save_dir or tag are
+refused before anything is written (`check_same_place`). The shared checks (`check_tag`,
 `check_quiescent`, `agree`) serve the loader too.
 
 Checkpoints are taken at an accumulation boundary (after engine.step(), micro_step 0): the
@@ -39,7 +42,8 @@ import shutil
 
 import torch
 
-from fz3.shell.agree import failed_ranks
+from fz3.io import interrupts
+from fz3.shell.agree import outcomes, strings
 
 FORMAT, VERSION = "fz3-zero3-checkpoint", 1
 META, CLIENT, LATEST = "fz3_meta.json", "client_state.pt", "latest"
@@ -88,36 +92,99 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     """Write this rank's shards and optimizer state under save_dir/<tag>, atomically; every
     rank must call it. tag defaults to global_step{optimizer_steps}; `latest` names it after.
     DeepSpeed: DeepSpeedEngine.save_checkpoint (same arguments, returns True)."""
-    tag = check_tag(f"global_step{engine.optimizer_steps}" if tag is None else tag)
+    tag = f"global_step{engine.optimizer_steps}" if tag is None else tag
+    check_same_place(engine, save_dir, tag)
+    tag = check_tag(tag)
     check_quiescent(engine, "save_checkpoint")
     engine.buffers.sync()  # rank 0's buffers, which the checkpoint keeps, are every rank's
     client_state = {} if client_state is None else client_state
     _check_weights_only(client_state)
     tmp, final = os.path.join(save_dir, f".tmp-{tag}"), os.path.join(save_dir, tag)
-    error = None
-    if engine.rank == 0:
-        try:
-            os.makedirs(save_dir, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save of this tag left
-            os.makedirs(tmp)
-        except OSError as e:
-            error = e
-    agree(engine, error, f"save_checkpoint({save_dir!r}, tag={tag!r}): creating {tmp} failed")
-    try:
+    call, rank0 = f"save_checkpoint({save_dir!r}, tag={tag!r})", engine.rank == 0
+
+    def create() -> None:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # what a crashed save of this tag left
+        os.makedirs(tmp)
+
+    def write() -> None:
         write_rank(engine, os.path.join(tmp, rank_file(engine.rank)))
-        if engine.rank == 0:
+        if rank0:
             torch.save(client_state, os.path.join(tmp, CLIENT))
-    except Exception as e:  # noqa: BLE001 - reported on every rank below
-        error = e
-    agree(engine, error, f"save_checkpoint({save_dir!r}, tag={tag!r}): writing {tmp} failed")
-    if engine.rank == 0:
-        try:
-            _write_json(os.path.join(tmp, META), metadata(engine, tag, tmp))
-            publish(save_dir, tmp, final, tag)
-        except Exception as e:  # noqa: BLE001
-            error = e
-    agree(engine, error, f"save_checkpoint({save_dir!r}, tag={tag!r}): publishing {final} failed")
+
+    def finish() -> None:
+        _write_json(os.path.join(tmp, META), metadata(engine, tag, tmp))
+        publish(save_dir, tmp, final, tag)
+
+    def tidy() -> None:  # rank 0, once some rank failed: the partial folder goes
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    with interrupts.raising():  # [Note: interrupted saves]
+        agree(engine, _attempt(create if rank0 else None), f"{call}: creating {tmp} failed",
+              left=lambda: _unpublished(save_dir), tidy=tidy)
+        agree(engine, _attempt(write), f"{call}: writing {tmp} failed", left=lambda: _unpublished(save_dir),
+              tidy=tidy)
+        agree(engine, _attempt(finish if rank0 else None), f"{call}: publishing {final}",
+              left=lambda: _published(save_dir, final, tag))
     return True
+
+
+def _attempt(step) -> BaseException | None:
+    """Run `step` (None: nothing for this rank to do); -> what it raised: an error, or the
+    KeyboardInterrupt / Interrupted of a signal ([Note: interrupted saves]), reported to every
+    rank by `agree` before this rank goes on raising it."""
+    try:
+        if step is not None:
+            step()
+    except (Exception, KeyboardInterrupt, interrupts.Interrupted) as e:  # noqa: BLE001 - agreed on below
+        return e
+    return None
+
+
+def _unpublished(save_dir: str) -> str:
+    latest = os.path.join(save_dir, LATEST)
+    try:
+        with open(latest) as f:
+            return f"nothing was published: {latest} still names tag {f.read().strip()!r}"
+    except OSError:
+        return f"nothing was published (no checkpoint in {save_dir!r} was completed before)"
+
+
+def _published(save_dir: str, final: str, tag: str) -> str:
+    try:
+        with open(os.path.join(save_dir, LATEST)) as f:
+            done = f.read().strip() == tag and os.path.isdir(final)
+    except OSError:
+        done = False
+    return f"{final} was published whole ({LATEST} names it)" if done else _unpublished(save_dir)
+
+
+def check_same_place(engine, save_dir, tag) -> None:
+    """Every rank gave the same save_dir and tag, or every rank raises, naming each rank's,
+    before anything is written. HelloDeepSpeed names its folder by the current second: ranks a
+    second apart each wrote half a checkpoint into a folder the other never made ("Parent
+    directory ... does not exist"). Compared as absolute paths; named as given."""
+    given = os.fspath(save_dir) if isinstance(save_dir, (str, os.PathLike)) else repr(save_dir)
+    mine = [os.path.abspath(given) if isinstance(given, str) else repr(given), str(tag), str(given)]
+    every = [json.loads(s) for s in strings(engine, json.dumps(mine))]
+    dirs, tags = {d for d, _, _ in every}, {t for _, t, _ in every}
+    if len(dirs) == 1 and len(tags) == 1:
+        return
+    given = len({g for _, _, g in every}) == len(dirs)  # the given paths tell them apart
+    shown = [((g if given else d) if len(dirs) > 1 else None, t if len(tags) > 1 else None) for d, t, g in every]
+    groups: dict[tuple, list[int]] = {}
+    for r, key in enumerate(shown):
+        groups.setdefault(key, []).append(r)
+    each = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
+                     + ", ".join(x for x in (f"save_dir {d!r}" if d is not None else "",
+                                             f"tag {t!r}" if t is not None else "") if x)
+                     for (d, t), rs in groups.items())
+    what = " and ".join(x for x in ("save_dir" if len(dirs) > 1 else "", "tag" if len(tags) > 1 else "") if x)
+    raise CheckpointError(
+        f"save_checkpoint: the ranks gave different {what}: {each}. Every rank must pass the same "
+        "save_dir and tag: each rank writes its shard into the one folder rank 0 creates and publishes. "
+        "Make the name once and share it (on rank 0, then torch.distributed.broadcast_object_list), or "
+        "derive it from what every rank agrees on (engine.global_steps, not the clock); nothing was written")
 
 
 def write_rank(engine, path: str) -> None:
@@ -213,15 +280,27 @@ def _check_weights_only(client_state) -> None:
                               f"tensors, numbers, strings, lists, tuples, dicts): {e}") from e
 
 
-def agree(engine, error: Exception | None, what: str) -> None:
-    """Every rank learns whether any rank failed; each then raises (its own error, or which
-    ranks failed). Replaces a barrier a failed rank would never reach."""
-    ranks = failed_ranks(engine, error is not None)
-    if not ranks:
+def agree(engine, error: BaseException | None, what: str, *, left=lambda: "nothing was changed",
+          tidy=lambda: None) -> None:
+    """Every rank learns how every rank fared; if any failed, each raises: its own error, or
+    which ranks failed, were interrupted (and by which signal) or left (their process ended),
+    then `left()` (what stays as it was). `tidy()` runs first on every rank. A rank a signal
+    interrupted raises that again once the others know ([Note: interrupted saves]). Replaces a
+    barrier a failed rank would never reach."""
+    got = outcomes(engine, interrupts.code_of(error))
+    bad = {r: c for r, c in sorted(got.codes.items()) if c}
+    if not bad and not got.gone:
         return
+    tidy()
+    if interrupts.signal_of(error) is not None:
+        interrupts.resume(error)
     if error is not None:
         if isinstance(error, CheckpointError):
             raise CheckpointError(str(error)) from error
         raise CheckpointError(f"{what}: {type(error).__name__}: {error}") from error
-    raise CheckpointError(f"{what}: rank(s) {ranks} failed (their error is raised there); nothing "
-                          "was changed")
+    failed = [r for r, c in bad.items() if c == 1]
+    parts = ([f"rank(s) {failed} failed (their error is raised there)"] if failed else []) + \
+        [f"rank {r} was {interrupts.words(c)}" for r, c in bad.items() if c != 1] + \
+        [f"rank {r} left: its process ended (killed, or stopped by a signal it could not report) while this "
+         f"rank waited for it ({why})" for r, why in sorted(got.gone.items())]
+    raise CheckpointError(f"{what}: {'; '.join(parts)}; {left()}")

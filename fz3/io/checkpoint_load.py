@@ -7,15 +7,19 @@
 At another world size each shard is rebuilt: the saved ranks' shards concatenated in rank order,
 padding dropped, re-sliced (fz3/data/layout.py); optimizer-state tensors shaped like a param's
 shard are resharded the same way, other state (`step`) is taken from saved rank 0.
-`fz3/consolidate.py` reads checkpoints through `tag_folder`, `read_meta` and `load_rank`.
+A tag whose files are damaged or missing is an error that also names the newest intact tag and
+the call that loads it (`newest_intact`). `fz3/consolidate.py` reads checkpoints through
+`tag_folder`, `read_meta` and `load_rank`.
 DeepSpeed: DeepSpeedEngine.load_checkpoint (which needs the universal-checkpoint conversion for
 another world size).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+from typing import Iterator
 
 import torch
 
@@ -149,15 +153,18 @@ ALL_PARTS = {"optimizer": True, "lr_scheduler": True, "counters": True}
 def read_checkpoint(engine, load_dir: str, tag: str | None, parts: dict = ALL_PARTS) -> dict:
     """Everything this rank will load (`parts`: which besides the weights), read and checked;
     the engine is not touched."""
-    folder = tag_folder(load_dir, tag)
-    meta = read_meta(folder)
+    with _or_older(load_dir, os.path.join(load_dir, str(tag)) if tag is not None else None):
+        folder = tag_folder(load_dir, tag)
+    with _or_older(load_dir, folder):
+        meta = read_meta(folder)
     check_model(engine, meta, os.path.join(folder, META))
     world = meta["world_size"]
     same = world == engine.world_size
     ranks = [engine.rank] if same else list(range(world))
-    files = {r: load_rank(folder, r, meta) for r in ranks}
-    if 0 not in files:
-        files[0] = load_rank(folder, 0, meta)  # buffers, and non-shard optimizer state
+    with _or_older(load_dir, folder):
+        files = {r: load_rank(folder, r, meta) for r in ranks}
+        if 0 not in files:
+            files[0] = load_rank(folder, 0, meta)  # buffers, and non-shard optimizer state
     groups = group_param_ids(engine)
     for r, payload in files.items():
         if parts["optimizer"] and payload["group_param_ids"] != groups:
@@ -176,13 +183,47 @@ def read_checkpoint(engine, load_dir: str, tag: str | None, parts: dict = ALL_PA
     optim = None if not parts["optimizer"] else \
         _clone(mine["optimizer"]) if same else reshard_optimizer(files, meta, engine, groups)
     client_path = os.path.join(folder, CLIENT)
-    try:
-        client_state = torch.load(client_path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint file {client_path} cannot be read (corrupted?): {e}") from e
+    with _or_older(load_dir, folder):
+        try:
+            client_state = torch.load(client_path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint file {client_path} cannot be read (corrupted?): {e}") from e
     return {"path": folder, "meta": meta, "masters": masters, "optimizer": optim,
             "lr_scheduler": (mine or files[0])["lr_scheduler"],
             "buffers": _clone(files[0]["buffers"]), "client_state": client_state}
+
+
+@contextlib.contextmanager
+def _or_older(load_dir: str, damaged: str | None) -> Iterator[None]:
+    """A CheckpointError inside (a tag's files damaged or missing) goes on with the newest
+    intact tag of `load_dir` besides `damaged` and the call that loads it: a save cut short
+    or a file truncated leaves the tags before it whole, and the user should not have to find
+    them by hand."""
+    try:
+        yield
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}. {newest_intact(load_dir, besides=damaged)}") from e
+
+
+def newest_intact(load_dir: str, *, besides: str | None = None) -> str:
+    """A sentence naming the newest tag of `load_dir` (most optimizer steps, then the latest
+    metadata write) whose metadata reads and whose files have the sizes it records (read_meta),
+    `besides` excepted, and how to load it; or saying there is none."""
+    found = []
+    for tag in list_tags(load_dir):
+        folder = os.path.join(load_dir, tag)
+        if besides is not None and os.path.abspath(folder) == os.path.abspath(besides):
+            continue
+        try:
+            meta = read_meta(folder)
+        except CheckpointError:
+            continue
+        found.append((meta["optimizer_steps"], os.path.getmtime(os.path.join(folder, META)), tag))
+    if not found:
+        return f"No other tag in {load_dir!r} is intact (tags present: {list_tags(load_dir)})"
+    steps, _, tag = max(found)
+    return (f"The newest intact checkpoint in {load_dir!r} is tag {tag!r} (optimizer step {steps}): load it "
+            f"with engine.load_checkpoint({load_dir!r}, tag={tag!r})")
 
 
 def reshard(shards: list[torch.Tensor], numel: int, rank: int, world_size: int) -> torch.Tensor:
