@@ -15,6 +15,7 @@ from fz3.shell.pick import check_group_backend, pick_device
 from fz3.interpreters import threads
 from fz3.interpreters.dist import DistInterpreter
 from fz3.interpreters.transport import Transport, TorchTransport
+from fz3.io import optimizer_state
 from fz3.io.engine_methods import ValueMovers
 from fz3.shell import engine as lifecycle
 from fz3.config.options import Options, given
@@ -81,6 +82,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
                     interpreter=lambda store: DistInterpreter(store, config=config, device=device,
                                                               transport=transport, options=options,
                                                               training=lambda: model.training))
+    optimizer_state.install(engine)  # optimizer.state_dict() / load_state_dict(): unsharded, or an error
     registry.register(engine)
     log.initialized(engine, thresholds)
     return engine

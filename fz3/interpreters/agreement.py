@@ -67,9 +67,13 @@ from fz3.interpreters import pass_hint
 from fz3.interpreters.threads import WorldFailed
 from fz3.interpreters.transport import PeerFailed, Transport
 
-GATHER, REDUCE, NORM, BUFFERS, FLAGS = 1, 2, 3, 4, 5
+GATHER, REDUCE, NORM, BUFFERS, FLAGS, OPTIMIZER_STATE = 1, 2, 3, 4, 5, 6
 KINDS = {GATHER: "all-gather", REDUCE: "reduce", NORM: "grad-norm all-reduce", BUFFERS: "buffer broadcast",
-         FLAGS: "all-reduce of which leaf params got a grad"}
+         FLAGS: "all-reduce of which leaf params got a grad",
+         OPTIMIZER_STATE: "engine.full_optimizer_state_dict()'s gather of the optimizer state"}
+CALLS = {OPTIMIZER_STATE: "engine.full_optimizer_state_dict()"}
+"""The kinds that are a call of the user's, not of the engine's hooks: a rank there alone called
+it where the others did not (under `if master_process:`)."""
 FIELDS = 9  # compared
 PHASE_FIELD = 8  # the pass a gather or reduce is made in (pass_hint.py); 0 for the other kinds
 STAMPED = (GATHER, REDUCE)
@@ -232,7 +236,10 @@ class Agreement:
             lines = "\n".join(f"  rank {r}: {self.describe(where[r])}" for r in sorted(where))
             passes = pass_hint.pass_hint(where, PHASE_FIELD)
             hint = "" if passes else self.hint(where)
-            rule = passes or ("Every rank must run the same modules, in the same order, with the same params "
+            called = sorted({CALLS[v[0]] for v in where.values() if v[0] in CALLS})
+            rule = (f"{' and '.join(called)} gathers from every rank: every rank must call it at the same point "
+                    "of its program, not under `if master_process:`." if called else
+                    passes or "Every rank must run the same modules, in the same order, with the same params "
                               "requiring grad.")
             raise DivergenceError(f"ranks diverged (seen on rank {self.rank}; ranks {sorted(differ)} differ from "
                                   f"it): each rank's next collective is\n{lines}\n{rule} fz3 stopped before any "

@@ -44,6 +44,7 @@ import torch
 
 from fz3.io import interrupts
 from fz3.shell.agree import outcomes, strings
+from fz3.shell.optim import shard_state_dict
 
 FORMAT, VERSION = "fz3-zero3-checkpoint", 1
 META, CLIENT, LATEST = "fz3_meta.json", "client_state.pt", "latest"
@@ -192,7 +193,7 @@ def write_rank(engine, path: str) -> None:
     payload = {"format": FORMAT, "rank": engine.rank, "world_size": engine.world_size,
                "fingerprint": fingerprint(param_records(engine)),
                "masters": [m.detach().cpu() for m in engine.store.masters],  # (s,) by ParamId
-               "optimizer": engine.optimizer.state_dict(),
+               "optimizer": shard_state_dict(engine.optimizer),
                "group_param_ids": group_param_ids(engine),
                "lr_scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict()}
     if engine.rank == 0:

@@ -28,6 +28,7 @@ from fz3.data import layout
 from fz3.io.checkpoint import (CLIENT, FORMAT, LATEST, META, VERSION, CheckpointError, agree,
                                   check_quiescent, check_tag, fingerprint, group_param_ids,
                                   list_tags, param_records, rank_file)
+from fz3.shell.optim import load_shard_state_dict
 
 def load_checkpoint(engine, load_dir: str, tag: str | None = None, *, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -257,7 +258,7 @@ def apply(engine, loaded: dict, parts: dict = ALL_PARTS) -> None:
         master.data.copy_(value)
     engine.store.refresh_shards()
     if parts["optimizer"]:
-        engine.optimizer.load_state_dict(loaded["optimizer"])
+        load_shard_state_dict(engine.optimizer, loaded["optimizer"])
     if parts["lr_scheduler"] and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
     buffers = dict(engine.module.named_buffers())

@@ -1,6 +1,8 @@
 """The engine methods that move a model's values in and out, as DeepSpeed's engine names them:
 
     engine.full_state_dict()                      consolidated fp32 params (fz3/io/consolidate.py)
+    engine.full_optimizer_state_dict()            the unsharded optimizer's state_dict
+                                                  (fz3/io/optimizer_state.py)
     engine.save_checkpoint(dir, tag, client_state)   sharded, atomic (fz3/io/checkpoint.py)
     engine.load_checkpoint(dir, tag, **options)      any saved world size (fz3/io/checkpoint_load.py)
     engine.save_16bit_model(dir, filename)         rank 0 writes the compute-dtype weights
@@ -18,6 +20,7 @@ import torch
 from fz3.io.checkpoint import save_checkpoint
 from fz3.io.checkpoint_load import load_checkpoint
 from fz3.io.consolidate import compute_dtype_state_dict, full_state_dict
+from fz3.io.optimizer_state import full_optimizer_state_dict
 from fz3.shell import log
 
 
@@ -28,6 +31,14 @@ class ValueMovers:
         """Consolidated fp32 params (and buffers), keys as the model's state_dict."""
         self._refuse_if_stopped()
         return full_state_dict(self)
+
+    def full_optimizer_state_dict(self) -> dict:
+        """Every rank (it gathers): the optimizer's state_dict() as the same torch optimizer over the
+        unsharded model returns it, every state tensor in its param's shape, on the CPU
+        (fz3/io/optimizer_state.py). optimizer.load_state_dict takes it back on every rank.
+        FSDP2: get_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True))."""
+        self._refuse_if_stopped()
+        return full_optimizer_state_dict(self)
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> bool:
         """Sharded, atomic checkpoint under save_dir/<tag> (fz3/io/checkpoint.py).

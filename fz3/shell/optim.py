@@ -37,6 +37,20 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
         group["params"] = rebound
 
 
+def shard_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """torch's state_dict() of the bound optimizer: this rank's state, each per-element tensor
+    shaped like its master shard (s,). What fz3's checkpoints save; the user's
+    optimizer.state_dict() refuses instead (fz3/io/optimizer_state.py: [Note: optimizer state of a
+    sharded optimizer]), so this calls the class's own method."""
+    return type(optimizer).state_dict(optimizer)
+
+
+def load_shard_state_dict(optimizer: torch.optim.Optimizer, sd: dict) -> None:
+    """torch's load_state_dict() of a `shard_state_dict`, past the user-facing one (which takes an
+    unsharded state dict)."""
+    type(optimizer).load_state_dict(optimizer, sd)
+
+
 def check_scheduler(lr_scheduler, optimizer: torch.optim.Optimizer):
     """`lr_scheduler` if it can be stepped and drives `optimizer` (None passes). A scheduler
     built on another optimizer would step learning rates nobody uses, silently."""
