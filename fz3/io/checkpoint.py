@@ -24,7 +24,7 @@ it left is only a .tmp- folder, never `latest`. Ranks that give different save_d
 refused before anything is written (`check_same_place`). The shared checks (`check_tag`,
 `check_quiescent`, `agree`) serve the loader too.
 
-Checkpoints are taken at an accumulation boundary (after engine.step(), micro_step 0): the
+Checkpoints are taken at an accumulation boundary (after engine.step(), no grads waiting): the
 grad partitions then hold nothing the next window reads (its first write of each is a copy,
 the epilogue zeroes the rest), so they are not saved.
 DeepSpeed: DeepSpeedEngine.save_checkpoint / load_checkpoint (zero_pp_rank_*_optim_states.pt,
@@ -258,9 +258,11 @@ def check_tag(tag) -> str:
 def check_quiescent(engine, what: str) -> None:
     gs = engine.grads_state
     inside = bool(engine.state.calls.stack)
-    if gs.micro_step != 0 or gs.buckets or inside:
+    pending = gs.micro_backwards + gs.committed + gs.averaged  # grads of an open window
+    if gs.micro_step != 0 or pending or gs.buckets or inside:
+        waiting = f" with the grads of {gs.micro_backwards} backward(s) not yet stepped" if gs.micro_backwards else ""
         raise CheckpointError(f"{what}: at micro-step {gs.micro_step} of {engine.config.gradient_accumulation_steps}"
-                              f"{' inside a forward' if inside else ''}; call it at an accumulation "
+                              f"{waiting}{' inside a forward' if inside else ''}; call it at an accumulation "
                               "boundary, after engine.step() (grad partitions are not saved)")
     if engine.params_state.held:
         raise CheckpointError(f"{what}: inside fz3.gathered_parameters; call it outside the block")

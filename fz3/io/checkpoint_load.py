@@ -271,7 +271,9 @@ def apply(engine, loaded: dict, parts: dict = ALL_PARTS) -> None:
     window, backward, skipped = (meta["grads"]["window"], meta["grads"]["backward"],
                                  meta["grads"].get("skipped", 0)) if parts["counters"] else \
         (old.window, old.backward, old.skipped)
-    engine.apply(Resumed(window, backward, skipped))  # the grad lifecycle afresh; persistent re-gathered
+    # the grad lifecycle afresh, at the engine's own place in its cycle of step() calls (DeepSpeed's
+    # micro_steps is not restored); persistent params re-gathered
+    engine.apply(Resumed(window, backward, skipped, engine.micro_steps % engine.config.gradient_accumulation_steps))
     if parts["counters"]:  # DeepSpeed's: global_samples as saved; micro_steps stays this engine's
         per_step = engine.batch.train_batch_size or 0
         engine.global_samples = meta.get("global_samples", window * per_step)
