@@ -26,7 +26,7 @@
         --config is read as for plan, its batch sizes left unchecked (several world sizes); the
         check steps --optimizer, not the config's "optimizer" (SGD shows a wrong grad scale,
         which Adam hides).
-    python -m fz3 verify [--examples N] [--steps K] [--machines params,grads,layout,calls]
+    python -m fz3 verify [--examples N] [--steps K] [--machines params,grads,layout,calls,scaler]
         The Hypothesis machines against their naive models, N examples each (up to K rules per
         example), then what each invariant covered: checks and situations. Exit status 1 with
         the shrunk counterexample when a property fails (fz3/testing/verify.py).
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("verify", help="run the Hypothesis machines; print what each invariant covered")
     v.add_argument("--examples", type=int, default=100, help="Hypothesis examples per machine (default 100)")
     v.add_argument("--steps", type=int, default=20, help="most rules per state-machine example (default 20)")
-    v.add_argument("--machines", default="params,grads,layout,calls",
-                   help="comma-separated, of params, grads, layout, calls (default: all)")
+    v.add_argument("--machines", default="params,grads,layout,calls,scaler",
+                   help="comma-separated, of params, grads, layout, calls, scaler (default: all)")
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":

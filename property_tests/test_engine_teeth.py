@@ -41,7 +41,7 @@ def assert_caught(or_raises: type[Exception] | None = None) -> None:
 
 def test_dividing_by_the_world_size_alone_is_caught(monkeypatch):
     real = epilogue.grad_divisor
-    monkeypatch.setattr(epilogue, "grad_divisor", lambda w, gas, predivide=1.0: real(w, 1, predivide))
+    monkeypatch.setattr(epilogue, "grad_divisor", lambda w, gas, predivide=1.0, **scale: real(w, 1, predivide, **scale))
     assert_caught()
 
 

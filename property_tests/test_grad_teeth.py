@@ -64,9 +64,9 @@ BUGS = {  # name: (module, attribute, replacement, error types, message)
     "off-by-one in the padded slice": (
         layout, "rank_slice", rank_slice_off_by_one, AssertionError, "I3"),
     "divide by W, not W * gas": (
-        epilogue, "grad_divisor", lambda w, gas, predivide=1.0: w, AssertionError, "I3"),
+        epilogue, "grad_divisor", lambda w, gas, predivide=1.0, **scale: w, AssertionError, "I3"),
     "boundary forgets the pre-division": (
-        epilogue, "grad_divisor", lambda w, gas, predivide=1.0: w * gas, AssertionError, "I3"),
+        epilogue, "grad_divisor", lambda w, gas, predivide=1.0, **scale: w * gas, AssertionError, "I3"),
     "reduce forgets to pre-divide": (
         grads, "grad_predivide", lambda w, config: 1.0, AssertionError, "I3"),
     "comm dtype ignored": (

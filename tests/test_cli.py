@@ -242,10 +242,11 @@ def test_verify_runs_every_machine_and_says_what_each_invariant_covered():
     got = _run("verify", "--examples", "15", "--steps", "10")
     assert got.returncode == 0, got.stderr
     rows = {line[:15].strip(): line[15:].split() for line in got.stdout.splitlines() if line[:1] not in ("", " ")}
-    for inv in ("I1", "I2", "I3", "I4", "I5", "I6", "purity", "naive model", "reduced once", "misuse refused"):
+    for inv in ("I1", "I2", "I3", "I4", "I5", "I6", "purity", "naive model", "reduced once", "misuse refused",
+                "loss scale"):
         assert int(rows[inv][0].replace(",", "")) > 0, (inv, got.stdout)  # checks ran
     assert rows["I7"][0] == "-" and "tests/test_parity.py" in got.stdout  # said where it is proven
-    for machine in ("params", "grads", "layout"):
+    for machine in ("params", "grads", "layout", "scaler"):
         assert int(rows[machine][1].replace(",", "")) >= 15, got.stdout  # examples run
 
 

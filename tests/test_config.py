@@ -39,7 +39,10 @@ INVALID = [
     (dict(gradient_clipping=-1.0), ValueError),
     (dict(gradient_clipping=True), ValueError),
     (dict(gradient_clipping=float("nan")), ValueError),
-    (dict(compute_dtype="fp16"), ValueError),
+    (dict(compute_dtype="fp8"), ValueError),
+    (dict(hysteresis=0, compute_dtype="fp16"), ValueError),
+    (dict(loss_scale=float("inf"), compute_dtype="fp16"), ValueError),
+    (dict(loss_scale_window=1.5), TypeError),
 ]
 
 
@@ -145,7 +148,6 @@ def test_known_unused_keys_warn_once_naming_them():
     (ds({"offload_optimizer": {"device": "nvme"}}), "offload_optimizer"),
     (ds({"zero_quantized_weights": True}), "zero_quantized_weights"),
     (ds({"zero_hpz_partition_size": 8}), "zero_hpz_partition_size"),
-    (ds(fp16={"enabled": True}), "fp16"),
     (ds(amp={"enabled": True}), "amp"),
     ({"zero_optimization": {"stage": 2}}, "stage"),
     ({"zero_optimization": {}}, "stage"),
@@ -399,8 +401,9 @@ def test_section_without_enabled_is_off(key, section):
 
 
 def test_truthy_non_dict_section_is_on():
-    """A section given as a bare value rather than a dict counts as switched on when truthy."""
-    with pytest.raises(ValueError, match="DeepSpeed key 'fp16' = True turns on"):
+    """A section given as a bare value rather than a dict counts as switched on when truthy;
+    fp16, whose section carries its loss scale, must be a dict."""
+    with pytest.raises(TypeError, match=r"fp16 must be a dict such as \{'enabled': true, 'loss_scale': 0\}, got True"):
         Config.from_deepspeed(ds(fp16=True))
     assert Config.from_deepspeed(ds(bf16=True)).compute_dtype == "bf16"
 

@@ -30,7 +30,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-COMPUTE_DTYPES = ("fp32", "bf16")
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 # communication_data_type (DeepSpeed's names, runtime/config.py get_communication_data_type)
 # -> the torch dtype name the core's effects carry
 COMM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -65,7 +65,16 @@ class Config:
     # fz3/core/grad/epilogue.py)
     managed_gradient_accumulation: bool = True
     gradient_clipping: float = 0.0  # global grad-norm clip; 0 = off
-    compute_dtype: str = "fp32"  # "fp32" | "bf16"; master shards are always fp32
+    compute_dtype: str = "fp32"  # "fp32" | "bf16" | "fp16" (with loss scaling); master shards are always fp32
+    # DeepSpeed's "fp16" section: the loss scale (fz3/core/grad/scaler.py). 0: dynamic, starting at
+    # 2 ** initial_scale_power, halved after `hysteresis` overflows (not below min_loss_scale),
+    # doubled after loss_scale_window steps without one; > 0: that scale, fixed. Read in fp16 only
+    loss_scale: float = 0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False  # refill the hysteresis at every step without overflow
+    min_loss_scale: float = 1
     # the dtype grads are reduced in: "fp32" | "bf16" | "fp16"; None = each grad's own dtype.
     # Partitions accumulate in fp32 whatever it is.
     communication_data_type: Optional[str] = None
@@ -91,7 +100,7 @@ class Config:
         _check_int("reduce_bucket_size", self.reduce_bucket_size, low=1)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, low=1)
         for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "prescale_gradients",
-                     "managed_gradient_accumulation"):
+                     "managed_gradient_accumulation", "consecutive_hysteresis"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         clip = self.gradient_clipping
@@ -110,6 +119,26 @@ class Config:
                              f"(1.0 = off), got {factor!r}")
         for name in LEAF_FIELDS:
             object.__setattr__(self, name, _str_tuple(name, getattr(self, name)))
+        self._check_loss_scale()
+
+    def _check_loss_scale(self) -> None:
+        """The fp16 section's values, as DeepSpeed 0.19.8 checks them (precision_config.py), and
+        hysteresis 0, which DeepSpeed takes and then never halves the scale: after the first
+        overflow every step would be skipped."""
+        scale = self.loss_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale >= 0):
+            raise ValueError(f"Config.loss_scale (fp16.loss_scale) must be a finite number >= 0 (0: dynamic loss "
+                             f"scaling), got {scale!r}")
+        _check_int("initial_scale_power", self.initial_scale_power, low=0, what="the first scale is 2 ** it")
+        _check_int("loss_scale_window", self.loss_scale_window, low=1, what="steps")
+        _check_int("hysteresis", self.hysteresis, low=0, what="overflows")
+        if self.hysteresis == 0:
+            raise ValueError("Config.hysteresis (fp16.hysteresis) = 0: DeepSpeed 0.19.8 accepts it, but its count "
+                             "then runs past 1 and the loss scale never halves, so after the first overflow every "
+                             "step is skipped; use 1 (halve at every overflow) or more (DeepSpeed's default: 2)")
+        low = self.min_loss_scale
+        if isinstance(low, bool) or not isinstance(low, (int, float)) or not (math.isfinite(low) and low > 0):
+            raise ValueError(f"Config.min_loss_scale (fp16.min_loss_scale) must be a finite number > 0, got {low!r}")
 
     @property
     def reduce_path(self) -> str:
@@ -142,9 +171,9 @@ def _str_tuple(name: str, value: object) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _check_int(name: str, value: object, *, low: int) -> None:
+def _check_int(name: str, value: object, *, low: int, what: str = "numel") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Config.{name} must be an int (numel), got {value!r}")
+        raise TypeError(f"Config.{name} must be an int ({what}), got {value!r}")
     if value < low:
         raise ValueError(f"Config.{name} must be >= {low}, got {value}")
 

@@ -86,7 +86,6 @@ _NO_OFFLOAD = "fz3 keeps params and optimizer states on the device (no offload)"
 
 # top-level features fz3 lacks: key -> (predicate "switched on", what to do instead)
 TOP_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
-    "fp16": (_enabled, "fz3 has no fp16 loss scaling; use bf16 ({'enabled': true}) or fp32"),
     "optimizer": (lambda v: v is not None, "fz3 builds no optimizer from the JSON: build it "
                   "yourself (e.g. torch.optim.AdamW(model.parameters(), lr=...)) and pass it to "
                   "fz3.initialize"),
@@ -109,9 +108,16 @@ BF16_LACKING = {
     "bf16_master_weights_and_grads": _FP32_ONLY,
     "bf16_optimizer_states": _FP32_ONLY,
 }
+# fp16 sub-key -> Config field: the loss scale (DeepSpeedFP16Config; fz3/core/grad/scaler.py)
+FP16_FIELDS = {"loss_scale": "loss_scale", "initial_scale_power": "initial_scale_power",
+               "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
+               "consecutive_hysteresis": "consecutive_hysteresis", "min_loss_scale": "min_loss_scale"}
+FP16_UNUSED = {"auto_cast": "fz3 casts the forward's floating inputs to the compute dtype whatever it says"}
+FP16_LACKING = {"fp16_master_weights_and_grads": _FP32_ONLY}
 # data_types (DeepSpeed 0.19 runtime/config.py; DtypeEnum spellings): what fz3 does is fixed
 DTYPE_NAMES = {"fp32": ("fp32", "float32", "float", "torch.float32"),
-               "bf16": ("bf16", "bfloat16", "torch.bfloat16")}
+               "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
+               "fp16": ("fp16", "float16", "half", "torch.float16")}
 
 # zero_optimization features fz3 lacks: key -> (predicate "switched on", what to do instead)
 ZERO_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
@@ -223,6 +229,8 @@ def translate(ds: Mapping[str, object]) -> tuple[dict[str, object], list[str]]:
             _zero(value, fields, ignored)
         elif key in ("bf16", "bfloat16"):
             _bf16(key, value, fields)
+        elif key == "fp16":
+            _fp16(value, fields, ignored)
         elif key in TOP_FIELDS:
             fields[TOP_FIELDS[key]] = _value(key, TOP_FIELDS[key], value)
         elif key == "data_types":
@@ -236,6 +244,9 @@ def translate(ds: Mapping[str, object]) -> tuple[dict[str, object], list[str]]:
             raise ValueError(f"unknown DeepSpeed config key {key!r} (misspelt?); fz3 knows "
                              f"zero_optimization, bf16, {', '.join(TOP_FIELDS)} and DeepSpeed "
                              f"0.19's other top-level keys")
+    if _enabled(_without_auto(ds.get("fp16"))) and any(_enabled(_without_auto(ds.get(k))) for k in ("bf16", "bfloat16")):
+        raise ValueError("DeepSpeed keys 'fp16.enabled' and 'bf16.enabled' are both true: one compute dtype at a "
+                         "time (DeepSpeed: 'bfloat16 and fp16 modes cannot be simultaneously enabled'); keep one")
     if "zero_optimization" not in ds:
         raise ValueError("DeepSpeed config has no 'zero_optimization' section; fz3 is stage 3 "
                          "only: add {'zero_optimization': {'stage': 3}}")
@@ -302,6 +313,40 @@ def _bf16(key: str, value: object, fields: dict[str, object]) -> None:
             if value.get(sub):
                 raise ValueError(f"DeepSpeed key '{key}.{sub}' = {value[sub]!r}: {advice}; "
                                  "remove it")
+
+
+def _without_auto(section: object) -> object:
+    return {k: v for k, v in section.items() if not is_auto(v)} if isinstance(section, Mapping) else section
+
+
+def _fp16(value: object, fields: dict[str, object], ignored: list[str]) -> None:
+    """fp16.enabled -> compute_dtype fp16 and its loss scale's fields; an "auto" sub-key keeps
+    DeepSpeed's default ([Note: "auto"]), so enabled "auto" is off. The sub-keys are read only
+    when it is on, as DeepSpeed validates them only then."""
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise TypeError(f"fp16 must be a dict such as {{'enabled': true, 'loss_scale': 0}}, got {value!r}")
+    value = _without_auto(value)
+    for sub in value:
+        if sub not in FP16_FIELDS and sub not in FP16_UNUSED and sub not in FP16_LACKING and sub != "enabled":
+            raise ValueError(f"unknown fp16 key {sub!r} (misspelt?); DeepSpeed's are "
+                             f"{sorted(['enabled', *FP16_FIELDS, *FP16_UNUSED, *FP16_LACKING])}")
+    if not _enabled(value):
+        ignored.append("fp16")
+        return
+    fields["compute_dtype"] = "fp16"
+    for sub, advice in FP16_LACKING.items():
+        if value.get(sub):
+            raise ValueError(f"DeepSpeed key 'fp16.{sub}' = {value[sub]!r}: {advice}; remove it")
+    for sub, field in FP16_FIELDS.items():
+        if sub in value:
+            v = value[sub]
+            if field in ("initial_scale_power", "loss_scale_window", "hysteresis") and isinstance(v, float) \
+                    and v.is_integer():
+                v = int(v)
+            fields[field] = v
+    ignored.extend(f"fp16.{sub}" for sub in FP16_UNUSED if sub in value)
 
 
 def _leaf_module(value: object) -> dict[str, tuple[str, ...]]:

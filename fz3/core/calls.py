@@ -415,12 +415,14 @@ def end_of_backward(st: Lifecycle, *, config: Config, with_grad: frozenset[Param
     return Lifecycle(params, grads, calls), effects + eff + eff2 + (EndOfBackward(),)
 
 
-def step_called(st: Lifecycle, *, config: Config, boundary: bool | None = None) -> tuple[Lifecycle, tuple]:
+def step_called(st: Lifecycle, *, config: Config, boundary: bool | None = None, loss_scale: float = 1.0
+                ) -> tuple[Lifecycle, tuple]:
     """The user called step(): off the accumulation boundary the micro-step joins the window; at
     it the partitions are averaged and `stepped` comes next, once the shell knows the grad norm
     ([Note: the window closes at step()], fz3/core/grad/epilogue.py). `boundary`:
-    set_gradient_accumulation_boundary's override, or None."""
-    grads, effects = micro_step_end(st.grads, config=config, override=boundary)
+    set_gradient_accumulation_boundary's override, or None; `loss_scale`: fp16's
+    (fz3/core/grad/scaler.py)."""
+    grads, effects = micro_step_end(st.grads, config=config, override=boundary, loss_scale=loss_scale)
     return st._replace(grads=grads), effects
 
 

@@ -18,8 +18,8 @@ test to paste (fz3/testing/calls_machine.py).
     PostBackwardRan(module, with_grad)      a call's input grads are done (its PostBackward node)
     GradReady(param, dtype, graph_task)     autograd accumulated a param's grad
     BackwardEnded(with_grad)                autograd finished the backward (queue_callback)
-    StepCalled(boundary)                    the user called step() (set_gradient_accumulation_
-                                            boundary's override, or None)
+    StepCalled(boundary, loss_scale)        the user called step() (set_gradient_accumulation_
+                                            boundary's override, or None; fp16's loss scale)
     GradsZeroed()                           the user called zero_grad() (the engine's, the
                                             model's or the optimizer's)
     Stepped(finite, leaf_grads)             the accumulation boundary, the grad norm known
@@ -108,6 +108,7 @@ class BackwardEnded(NamedTuple):
 @record
 class StepCalled(NamedTuple):
     boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's override; None: the count
+    loss_scale: float = 1.0  # fp16: the scale the boundary unscales by (scaler.py unscale_by)
 
 
 @record
@@ -171,8 +172,8 @@ def update(st: Lifecycle, event, *, config: Config) -> tuple[Lifecycle, tuple]:
             return calls.grad_ready(st, p, config=config, dtype=dtype, graph_task=graph_task)
         case BackwardEnded(with_grad):
             return calls.end_of_backward(st, config=config, with_grad=with_grad)
-        case StepCalled(boundary):
-            return calls.step_called(st, config=config, boundary=boundary)
+        case StepCalled(boundary, loss_scale):
+            return calls.step_called(st, config=config, boundary=boundary, loss_scale=loss_scale)
         case GradsZeroed():
             return calls.zero_grad(st, config=config)
         case Stepped(finite, leaf_grads):

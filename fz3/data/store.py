@@ -26,7 +26,7 @@ from fz3.core.spec import ModelSpec
 from fz3.data import layout
 from fz3.data.pages import advise_huge
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class TensorStore:

@@ -213,6 +213,9 @@ def metadata(engine, tag: str, folder: str) -> dict:
             "grads": {"micro_step": gs.micro_step, "window": gs.window, "backward": gs.backward,
                       "skipped": gs.skipped},
             "global_samples": engine.global_samples,  # DeepSpeed's counter (surface.py)
+            # fp16's loss scale (fz3/core/grad/scaler.py): DeepSpeed keeps it in its optimizer's state
+            "loss_scale": list(engine.loss_scale) if engine.config.compute_dtype == "fp16" else None,
+            "overflow": engine.overflow,
             "files": {f: os.path.getsize(os.path.join(folder, f)) for f in files}}
 
 

@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from fz3.core.events import Resumed
+from fz3.core.grad.scaler import LossScale
 from fz3.data import layout
 from fz3.io.checkpoint import (CLIENT, FORMAT, LATEST, META, VERSION, CheckpointError, agree,
                                   check_quiescent, check_tag, fingerprint, group_param_ids,
@@ -259,6 +260,10 @@ def apply(engine, loaded: dict, parts: dict = ALL_PARTS) -> None:
     engine.store.refresh_shards()
     if parts["optimizer"]:
         load_shard_state_dict(engine.optimizer, loaded["optimizer"])
+        saved_scale = loaded["meta"].get("loss_scale")
+        if saved_scale and engine.config.compute_dtype == "fp16":  # with the optimizer's state, as DeepSpeed
+            engine.loss_scale = LossScale(*saved_scale)
+        engine.overflow = loaded["meta"].get("overflow", False)
     if parts["lr_scheduler"] and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
     buffers = dict(engine.module.named_buffers())

@@ -40,6 +40,7 @@ from fz3.core.events import (BackwardEnded, Enter, GradReady, GradsZeroed, Leave
                              Raised, Read, StepCalled, Stepped)
 from fz3.config.config import Config
 from fz3.core.grad.epilogue import at_boundary
+from fz3.core.grad import scaler
 from fz3.core.grad.grads import init_grad_state
 from fz3.core.hook_effects import (HOOK_EFFECTS, BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
@@ -50,7 +51,7 @@ from fz3.interpreters.agreement import DivergenceError
 from fz3.interpreters.leaf_hint import leaf_hint
 from fz3.interpreters.protocol import Interpreter
 from fz3.data import shards
-from fz3.shell import checks, log, pytree, state_dict, zero_grad
+from fz3.shell import checks, log, optimizer_names, pytree, state_dict, zero_grad
 from fz3.shell.buffers import BufferSync
 from fz3.shell.compiled import compile_stats, outside_graph, refuse_compiled_engine
 from fz3.shell.log import StepLog
@@ -124,7 +125,11 @@ class Engine(DeepSpeedSurface):
         bind_optimizer(optimizer, self.tables.params, self.store.masters)
         self.flat_steps = FlatSteps(optimizer, self.store, runs)
         self.zero_grad_undo = zero_grad.install(self, (model, optimizer))  # [Note: zero_grad in a window]
-
+        # fp16's loss scale (fz3/core/grad/scaler.py): a cell of its own, beside the core's
+        # ([Note: the scaler's count]); DeepSpeed's names for it on the optimizer
+        self.loss_scale = scaler.initial_scale(config)
+        self.overflow = False  # the last boundary's grads were not finite (DeepSpeed's optimizer.overflow)
+        optimizer_names.add_names(optimizer, self)
     def _take_units(self) -> None:
         """What follows from the fetch units (the tables' modules): the interpreter, the core
         state, the hooks. Run at initialize, and again by engine.compile() before the first
@@ -429,6 +434,8 @@ class Engine(DeepSpeedSurface):
             case StepOptimizer(no_grad):
                 self._step_optimizer(no_grad)
             case SkipStep(step):
+                if scaler.dynamic(self.config):
+                    return tree  # fp16's overflow: the scaler's business, logged as it moves (log.loss_scale)
                 # [Note: a step skipped] (fz3/core/grad/epilogue.py): say which param, on every rank alike
                 first = first_nonfinite(self.store, self.interp.any_rank)
                 log.skipped_step(self, step, None if first is None else self.tables.names[first])
@@ -469,10 +476,21 @@ class Engine(DeepSpeedSurface):
         self._refuse_if_stopped()
         ends = self.ends
         self.unmanaged_backwards += 1
-        loss.backward(**kwargs)
+        self.scale(loss).backward(**kwargs)
         if self.ends == ends:  # an end that ran took every grad of this backward
             self._end_unreported_backward()
         return loss.detach() / self.config.gradient_accumulation_steps
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss engine.backward backwards: in fp16 divided by gradient_accumulation_steps
+        and multiplied by the loss scale, in the loss's own dtype, as DeepSpeed's (so a scaled
+        fp16 loss overflows where DeepSpeed's does: fz3/core/grad/scaler.py); else the loss as it
+        is. For a backward of your own: `engine.scale(loss).backward()`. DeepSpeed: engine.scale
+        and engine.backward (scale_wrt_gas)."""
+        factor = scaler.loss_factor(self.loss_scale, config=self.config)
+        if factor is None:
+            return loss
+        return loss / self.config.gradient_accumulation_steps * factor
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At the accumulation boundary: the global grad norm, then clipping, the optimizer step
@@ -488,7 +506,7 @@ class Engine(DeepSpeedSurface):
         self._end_unreported_backward()  # a bare loss.backward() of that kind counts before the boundary
         self.step_applied, self.in_step = False, True
         try:
-            self.apply(StepCalled(self.boundary_override))
+            self.apply(StepCalled(self.boundary_override, scaler.unscale_by(self.loss_scale, config=self.config)))
             boundary = at_boundary(replay.view(self.cell).grads, config=self.config)  # a flag: no shift
             if boundary:
                 self._step_at_boundary(lr_kwargs)
@@ -498,10 +516,20 @@ class Engine(DeepSpeedSurface):
 
     def _step_at_boundary(self, lr_kwargs: dict | None) -> None:
         self.grad_norm = norm = global_grad_norm(self.store, self.interp.all_reduce_sum)
+        finite = self.interp.finite(norm)
+        self.overflow = not finite
         leaf_own = self.call_tables.leaf_own
         # got == window, micro_step, applied: relations and flags, exact in the view
         got = self.interp.any_rank(calls.leaf_grads_seen(replay.view(self.cell)))  # () without leaves
-        self.apply(Stepped(self.interp.finite(norm), frozenset(p for p, g in zip(leaf_own, got) if g)))
+        try:
+            scale = scaler.update_scale(self.loss_scale, not finite, config=self.config)
+        except scaler.LossScaleError:
+            self.apply(Stepped(False, frozenset(p for p, g in zip(leaf_own, got) if g)))  # skipped, as DeepSpeed
+            raise
+        self.apply(Stepped(finite, frozenset(p for p, g in zip(leaf_own, got) if g)))
+        if scaler.dynamic(self.config) and (not finite or scale.scale != self.loss_scale.scale):
+            log.loss_scale(self, self.loss_scale, scale, overflow=not finite)
+        self.loss_scale = scale
         self.step_applied = replay.view(self.cell).grads.applied
         if self.step_applied and self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -537,7 +565,7 @@ class Engine(DeepSpeedSurface):
         out.update(live_numel=st.live_numel, peak_live_numel=st.peak_live_numel,
                    trace=TraceMode(st.trace.mode).name, trace_invalidations=st.trace.invalidations,
                    micro_step=view.grads.micro_step, optimizer_steps=self.optimizer_steps,
-                   skipped_steps=self.skipped, replayed_events=self.cell.replayed,
+                   skipped_steps=self.skipped, loss_scale=self.loss_scale.scale, replayed_events=self.cell.replayed,
                    replay_schedules=len(self.cell.schedules),
                    replay_events_kept=sum(len(s.events) for s in self.cell.schedules),
                    **memory_stats(self), **compile_stats(self))

@@ -13,7 +13,10 @@
              plan in between (prefetch never gets going): where the order changed, and what the
              plan expected there; and, every rank, when an optimizer step is skipped because the
              global grad norm is not finite: the step and the first param whose grad is not
-             finite; and, rank 0, when save_16bit_model writes nothing (DeepSpeed: INFO)
+             finite (fp16 with a dynamic loss scale: the INFO below instead); and, rank 0, when
+             save_16bit_model writes nothing (DeepSpeed: INFO)
+    INFO     rank 0, fp16 with a dynamic loss scale: each overflow (the step skipped, the scale
+             halved or the hysteresis spent) and each growth of the scale, in DeepSpeed's words
 
 The DEBUG line costs nothing unless DEBUG is enabled for "fz3"; the WARNING check is one integer
 comparison per pass.
@@ -133,6 +136,27 @@ def skipped_step(engine, step: int, first: str | None) -> None:
                 "weights, the optimizer state and the lr scheduler did not change (skipped steps: %d). "
                 "A NaN or inf loss on any rank reaches every rank through the reduce.", engine.rank,
                 step, engine.get_global_grad_norm(), where, engine.skipped)
+
+
+def loss_scale(engine, old, new, *, overflow: bool) -> None:
+    """Rank 0's INFO when fp16's loss scale moves (fz3/core/grad/scaler.py), in DeepSpeed's
+    words (it logs them at INFO too: an overflow is the dynamic scaler at work, not an error)."""
+    if engine.rank != 0:
+        return
+    if not overflow:
+        LOG.info("fz3: no overflow in %d steps: loss scale %s -> %s", engine.config.loss_scale_window,
+                 _scale(old.scale), _scale(new.scale))
+    elif new.scale != old.scale:
+        LOG.info("fz3: OVERFLOW! optimizer step %d skipped. Attempted loss scale: %s, reducing to %s",
+                 engine.optimizer_steps, _scale(old.scale), _scale(new.scale))
+    else:
+        LOG.info("fz3: OVERFLOW! optimizer step %d skipped. Attempted loss scale: %s, but hysteresis is %d. "
+                 "Reducing hysteresis to %d", engine.optimizer_steps, _scale(old.scale), old.hysteresis,
+                 new.hysteresis)
+
+
+def _scale(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
 
 
 def not_saved_16bit(engine, path: str) -> None:

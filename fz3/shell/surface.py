@@ -151,7 +151,7 @@ class DeepSpeedSurface:
         return self.config.compute_dtype == "bf16"
 
     def fp16_enabled(self) -> bool:
-        return False  # fz3 has no fp16 loss scaling (Config.from_deepspeed refuses fp16)
+        return self.config.compute_dtype == "fp16"
 
     def zero_optimization(self) -> bool:
         return True

@@ -61,8 +61,11 @@ def small_int_grads(gen: torch.Generator, numel: int, world_size: int, dtype: to
 
 
 def grad_multiple(config: Config, world_size: int) -> int:
-    """W under prescale_gradients (each grad is divided by W before the reduce), else 1."""
-    return world_size if config.prescale_gradients else 1
+    """W where each grad is divided by W before the reduce (prescale_gradients, or fp16 sums
+    without a predivide factor), else 1: the quotients stay integers. Said here apart from
+    grads.grad_predivide, so that a bug there is not copied into the data."""
+    fp16_sums = (config.communication_data_type or config.compute_dtype) == "fp16"
+    return world_size if config.prescale_gradients or (fp16_sums and config.gradient_predivide_factor == 1) else 1
 
 
 class NaiveGrads:

@@ -16,6 +16,8 @@ which situations:
                           end of backward) against calls_naive.py, on a simulation of torch
                           autograd (autograd_sim.py): I2, I5 in forward and backward, every
                           grad reported once after its last contribution, purity
+    loss scale            fz3/testing/scaler_machine.py  fp16's scale, step by step, against
+                          DeepSpeed's DynamicLossScaler transcribed (scaler_machine.NaiveScaler)
 
 I7 (equivalence to unsharded training) needs real ranks and torch autograd: the parity tests
 (tests/test_parity.py) prove it, not these machines, and the report says so.
@@ -36,7 +38,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from fz3.testing import coverage
 from fz3.testing import layout_check as lc
 
-MACHINES = ("params", "grads", "layout", "calls")
+MACHINES = ("params", "grads", "layout", "calls", "scaler")
 
 INVARIANTS = {
     "I1": "live budget: prefetch never takes live full params past max_live_parameters",
@@ -51,6 +53,7 @@ INVARIANTS = {
     "misuse refused": "misuse raises an error naming what is wrong",
     "call decisions": "autograd nodes, releases, leaf reductions, externals as fz3/core/calls.py decides",
     "reported once": "every grad autograd produces is reported once, after its last contribution",
+    "loss scale": "fp16's scale grows, halves and spends its hysteresis where DeepSpeed's does",
 }
 NOT_HERE = {"I7": "equivalence to unsharded training: real ranks, proven by tests/test_parity.py"}
 
@@ -85,7 +88,7 @@ class Report:
 
 
 NAMES = {"params": "parameter lifecycle", "grads": "gradient lifecycle", "layout": "layout",
-         "calls": "module calls"}
+         "calls": "module calls", "scaler": "loss scale"}
 
 
 def verify(examples: int = 100, steps: int = 20, machines: tuple[str, ...] = MACHINES) -> Report:
@@ -127,6 +130,9 @@ def _run(machine: str, chosen: settings) -> None:
     elif machine == "calls":
         from fz3.testing.calls_machine import CallsMachine
         run_state_machine_as_test(CallsMachine, settings=chosen)
+    elif machine == "scaler":
+        from fz3.testing.scaler_machine import ScalerMachine
+        run_state_machine_as_test(ScalerMachine, settings=chosen)
     else:
         many = st.lists(lc.numels, max_size=6)
         for check, args in ((lc.round_trip, (lc.numels, lc.worlds, lc.seeds, lc.shapes)),

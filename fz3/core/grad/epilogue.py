@@ -99,13 +99,14 @@ def is_boundary(state: GradState, *, config: Config, override: Optional[bool] = 
     return (state.micro_step + 1) % config.gradient_accumulation_steps == 0
 
 
-def micro_step_end(state: GradState, *, config: Config, override: Optional[bool] = None
-                   ) -> tuple[GradState, tuple[GradEffect, ...]]:
+def micro_step_end(state: GradState, *, config: Config, override: Optional[bool] = None,
+                   loss_scale: float = 1.0) -> tuple[GradState, tuple[GradEffect, ...]]:
     """The user's step() ([Note: the window closes at step()]). Off the boundary (`is_boundary`)
     the micro-step's grads join the window. At it, the partitions no grad reached in the
     window are zeroed and every partition is divided once into the mean gradient: the window
-    is `averaged`, and the optimizer step (or its skip) comes next. DeepSpeed: engine.step
-    (micro_steps += 1; at the boundary _take_model_step)."""
+    is `averaged`, and the optimizer step (or its skip) comes next. `loss_scale`: in fp16, the
+    scale divided out here too (fz3/core/grad/scaler.py unscale_by).
+    DeepSpeed: engine.step (micro_steps += 1; at the boundary _take_model_step)."""
     _check_open(state, "step()")
     if state.buckets:
         raise GradError("step() with open IPG buckets: a backward is still running; call step() after it")
@@ -119,7 +120,8 @@ def micro_step_end(state: GradState, *, config: Config, override: Optional[bool]
     if unwritten:
         effects.append(ZeroPartitions(unwritten))
     w = state.spec.world_size
-    effects.append(AverageGrads(grad_divisor(w, gas, grad_predivide(w, config))))
+    scaled = loss_scale if config.compute_dtype == "fp16" else None
+    effects.append(AverageGrads(grad_divisor(w, gas, grad_predivide(w, config), loss_scale=scaled)))
     return moved._replace(averaged=True, micro_backwards=0), tuple(effects)
 
 
@@ -165,10 +167,15 @@ def optimizer_step(state: GradState, *, config: Config, applied: bool = True
                           averaged=False, committed=False, micro_backwards=0), (FreePartitions(),)
 
 
-def grad_divisor(world_size: int, gradient_accumulation_steps: int, predivide: float = 1.0
-                 ) -> float:
+def grad_divisor(world_size: int, gradient_accumulation_steps: int, predivide: float = 1.0, *,
+                 loss_scale: Optional[float] = None) -> float:
     """Sum -> mean over ranks and micro-steps: W x gas (each micro-step's loss is one term),
-    over `predivide`, what each grad was already divided by before its reduce (an int when 1)."""
+    over `predivide`, what each grad was already divided by before its reduce (an int when 1).
+    `loss_scale` (fp16): each loss was divided by gas and multiplied by it before its backward
+    (DeepSpeed's engine.backward), so the sums are over W x loss_scale / predivide: the grads
+    come out unscaled ([Note: unscaled by the grown scale], fz3/core/grad/scaler.py)."""
+    if loss_scale is not None:
+        return world_size * loss_scale / predivide
     divisor = world_size * gradient_accumulation_steps
     return divisor if predivide == 1 else divisor / predivide
 

@@ -26,9 +26,10 @@ grad in micro-step 0 but does later adds onto the previous window's stale partit
 on the param's *first write in the window* (it records the window of its last write), and the
 epilogue zeroes the partitions never written in a window.
 
-[Note: pre-division] Partitions hold sums over ranks and micro-steps; the epilogue divides once,
+[Note: pre-division] Partitions hold sums over ranks and micro-steps; the boundary divides once,
 by W x gas / predivide, where each grad was divided by `grad_predivide` before the reduce: 1
-(nothing) by default, W with prescale_gradients, gradient_predivide_factor otherwise. Either way
+(nothing) by default, W with prescale_gradients or when grads are reduced in fp16,
+gradient_predivide_factor otherwise. Either way
 the partitions end as the mean gradient. Pre-dividing keeps the sum of W grads inside the range
 of a narrow comm dtype (fp16). DeepSpeed stage 3 divides every grad by W before each reduce
 (`reduce_scatter_coalesced`, `__avg_scatter_contiguous_grads`), with a predivide factor f also by
@@ -302,11 +303,16 @@ def capacity(config: Config, *, in_place_reduce_scatter: bool, hold_budget: int)
 
 def grad_predivide(world_size: int, config: Config) -> float:
     """What every grad is divided by before the reduce (see [Note: pre-division]): the world size
-    with prescale_gradients, else gradient_predivide_factor; 1.0 = nothing.
+    with prescale_gradients, else gradient_predivide_factor; 1.0 = nothing. Grads reduced in
+    fp16 (the compute or the communication dtype) are divided by the world size unless a factor
+    is given: a sum of W of them would overflow where DeepSpeed's, divided first, does not.
     DeepSpeed: `postscale_gradients` / `gradient_predivide_factor` in stage 3's
-    `__avg_scatter_grads`, which ignores the factor under prescale_gradients, as here.
+    `__avg_scatter_grads`, which ignores the factor under prescale_gradients, as here; stage 3
+    divides by W before every reduce (`reduce_scatter_coalesced`).
     """
     if config.prescale_gradients:
+        return float(world_size)
+    if config.gradient_predivide_factor == 1 and (config.communication_data_type or config.compute_dtype) == "fp16":
         return float(world_size)
     return float(config.gradient_predivide_factor)
 
