@@ -50,6 +50,10 @@ class Config:
     Sizes are in elements (numel), as in DeepSpeed.
     """
 
+    # ZeRO stage (zero_optimization.stage): 3 partitions params, grads and optimizer state; 2
+    # keeps params whole; 1 also grads (reduced at the boundary); 0 everything (data parallel).
+    # Policies of the one lifecycle: fz3/core/stage.py
+    stage: int = 3
     prefetch_bucket_size: int = 50_000_000  # numel of the plan prefetch reaches ahead (so the params
     # gathered ahead of need, give or take one param: [Note: prefetch bounds]); 0 turns prefetch off
     max_live_parameters: int = 1_000_000_000  # prefetch never lifts live full-param numel past this
@@ -94,6 +98,9 @@ class Config:
     leaf_module_name_suffixes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"Config.stage (zero_optimization.stage) must be 0, 1, 2 or 3, got {self.stage!r}: 0 data "
+                             "parallel, 1 partitions the optimizer state, 2 also the grads, 3 also the params")
         for name in ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
                      "param_persistence_threshold", "model_persistence_threshold"):
             _check_int(name, getattr(self, name), low=0)
@@ -146,7 +153,10 @@ class Config:
         contiguous_gradients and not reduce_scatter, else 'reduce_scatter'; without a
         contiguous bucket there is nothing to all-reduce, so reduce_scatter=False changes
         nothing there. DeepSpeed: stage3.py __reduce_and_partition_ipg_grads (contiguous and
-        not reduce_scatter: __avg_scatter_contiguous_grads; else __avg_scatter_grads)."""
+        not reduce_scatter: __avg_scatter_contiguous_grads; else __avg_scatter_grads). Stage 0
+        always all-reduces (fz3/core/stage.py)."""
+        if self.stage == 0:  # every rank keeps the whole mean grad: DeepSpeed's allreduce_gradients
+            return "allreduce"
         return "allreduce" if self.contiguous_gradients and not self.reduce_scatter else "reduce_scatter"
 
     def replace(self, **changes: object) -> "Config":

@@ -205,10 +205,17 @@ ZERO_UNUSED = {
     "stage3_use_all_reduce_for_fetch_params": "how a gather is carried; same values",
     "stage3_allgather_sequential": "how gathers are batched; same values",
     "log_trace_cache_warnings": "logging", "enable_sanity_checks": "debug checks",
-    "allgather_partitions": "stage 1/2 only", "allgather_bucket_size": "stage 1/2 only",
-    "use_multi_rank_bucket_allreduce": "stage 1/2 only", "round_robin_gradients": "stage 1/2 only",
-    "ignore_unused_parameters": "stage 2 only", "elastic_checkpoint": "stage 1/2 only",
-    "legacy_stage1": "stage 1 only", "cpu_offload_use_pin_memory": "offload only",
+    # stages 1/2 (runtime/zero/stage_1_and_2.py): how the same values move, or what fz3 does anyway
+    "allgather_partitions": "all-gather or broadcasts for the updated params after the step: fz3 refreshes "
+                            "them in one gather, the same values",
+    "allgather_bucket_size": "bucket of that all-gather: fz3 refreshes the persistent params in one gather",
+    "use_multi_rank_bucket_allreduce": "how a stage-1/2 bucket's reduce is split over ranks; same values",
+    "round_robin_gradients": "the order of stage-1/2 grad partitions for CPU offload; same values",
+    "ignore_unused_parameters": "fz3 never stops at an unused param: it is not stepped ([Note: no grad, no step])",
+    "elastic_checkpoint": "DeepSpeed's stage-1/2 checkpoint layout: fz3 writes its own, loadable at any stage and "
+                          "world size",
+    "legacy_stage1": "DeepSpeed's old stage-1 code path; same values",
+    "cpu_offload_use_pin_memory": "offload only",
     "save_muon_momentum_buffer_in_memory": "NVMe offload only",
 }
 
@@ -244,12 +251,17 @@ def translate(ds: Mapping[str, object]) -> tuple[dict[str, object], list[str]]:
             raise ValueError(f"unknown DeepSpeed config key {key!r} (misspelt?); fz3 knows "
                              f"zero_optimization, bf16, {', '.join(TOP_FIELDS)} and DeepSpeed "
                              f"0.19's other top-level keys")
-    if _enabled(_without_auto(ds.get("fp16"))) and any(_enabled(_without_auto(ds.get(k))) for k in ("bf16", "bfloat16")):
+    bf16 = any(_enabled(_without_auto(ds.get(k))) for k in ("bf16", "bfloat16"))
+    if _enabled(_without_auto(ds.get("fp16"))) and bf16:
         raise ValueError("DeepSpeed keys 'fp16.enabled' and 'bf16.enabled' are both true: one compute dtype at a "
                          "time (DeepSpeed: 'bfloat16 and fp16 modes cannot be simultaneously enabled'); keep one")
     if "zero_optimization" not in ds:
-        raise ValueError("DeepSpeed config has no 'zero_optimization' section; fz3 is stage 3 "
-                         "only: add {'zero_optimization': {'stage': 3}}")
+        fields.update(stage=0, overlap_comm=False)  # DeepSpeed's default: no ZeRO, data parallel
+    if fields.get("managed_gradient_accumulation") is False and fields["stage"] < 2 and fields.get("overlap_comm"):
+        raise ValueError(f"managed_gradient_accumulation false with zero_optimization.overlap_comm true at stage "
+                         f"{fields['stage']}: DeepSpeed 0.19.8 refuses it ('managed_gradient_accumulation=False "
+                         "supports ZeRO overlap_comm only with ZeRO stage 2'); set overlap_comm false, or use stage 2 "
+                         "or 3")
     _data_types(ds.get("data_types"), str(fields.get("compute_dtype", "fp32")))
     _batch_sizes(ds)
     return fields, ignored
@@ -259,9 +271,15 @@ def _zero(zero: object, fields: dict[str, object], ignored: list[str]) -> None:
     if not isinstance(zero, Mapping):
         raise TypeError(f"zero_optimization must be a dict, got {zero!r}")
     stage = zero.get("stage", 0)
-    if stage != 3:
-        said = " (DeepSpeed reads \"auto\" as its default, 0)" if is_auto(stage) else ""
-        raise ValueError(f"zero_optimization.stage = {stage!r}{said}: fz3 implements stage 3 only")
+    if is_auto(stage):
+        stage = 0  # [Note: "auto"]: DeepSpeed's default
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage = {stage!r}: DeepSpeed's stages are 0, 1, 2 and 3 (DeepSpeed "
+                         "0.19.8: 'Input should be 0, 1, 2, 3'): 0 data parallel, 1 partitions the optimizer state, "
+                         "2 also the grads, 3 also the params")
+    fields["stage"] = int(stage)
+    if stage < 3:  # DeepSpeed's overlap_comm None (absent) is True at stage 3 only (zero/config.py)
+        fields["overlap_comm"] = False
     for key, value in zero.items():
         _removed(key, REMOVED_ZERO, "zero_optimization.")
         if is_auto(value):  # [Note: "auto"]: the field keeps DeepSpeed's default
@@ -272,7 +290,7 @@ def _zero(zero: object, fields: dict[str, object], ignored: list[str]) -> None:
         if canonical in ZERO_FIELDS:
             field = ZERO_FIELDS[canonical]
             if value is None and field == "overlap_comm":  # DeepSpeed: None means True at stage 3
-                value = True
+                value = stage == 3
             fields[field] = _as_int(key, value) if field in INT_FIELDS else value
         elif key == "leaf_module":
             fields.update(_leaf_module(value))

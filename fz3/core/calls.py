@@ -126,6 +126,7 @@ from fz3.core.ids import ModuleId, ParamId
 from fz3.core.pvec import Log
 from fz3.core.param.release import release
 from fz3.core.spec import ModelSpec, ModuleSpec
+from fz3.core.stage import policy
 from fz3.core.param.state import ParamState
 from fz3.core.param.step import end_of_step, finish_backward, reset_step
 
@@ -182,7 +183,11 @@ class Lifecycle(NamedTuple):
     calls: CallState
 
 
-def call_tables(spec: ModelSpec, trainable: Sequence[bool]) -> CallTables:
+def call_tables(spec: ModelSpec, trainable: Sequence[bool], *, hook_all: bool = False) -> CallTables:
+    """`hook_all`: every trainable param (but a leaf's own) keeps its grad hook, none is
+    reported at the end of backward: where grads wait in param.grad for the boundary ([Note:
+    grads at the boundary], fz3/core/grad/grads.py), a .grad left set says nothing about the
+    backward that just ran, so only a hook can report it."""
     inert = tuple(m > 0 and not ms.is_leaf and all(spec.params[p].persistent for p in ms.params)
                   for m, ms in enumerate(spec.modules))
     homes: list[list[ModuleSpec]] = [[] for _ in spec.params]
@@ -190,8 +195,8 @@ def call_tables(spec: ModelSpec, trainable: Sequence[bool]) -> CallTables:
         for p in ms.params:
             homes[p].append(ms)
     alone = [len(h) == 1 for h in homes]
-    at_end = tuple(ParamId(p) for p in range(len(spec.params))
-                   if trainable[p] and alone[p] and inert[homes[p][0].id])
+    at_end = () if hook_all else tuple(ParamId(p) for p in range(len(spec.params))
+                                       if trainable[p] and alone[p] and inert[homes[p][0].id])
     unhooked = set(at_end)
     hooked = tuple(bool(t) and not (a and h[0].is_leaf) and p not in unhooked
                    for p, (t, a, h) in enumerate(zip(trainable, alone, homes)))
@@ -219,8 +224,10 @@ def saves_matter(spec: ModelSpec) -> bool:
     return not all(p.persistent for p in spec.params)
 
 
-def initial_calls(spec: ModelSpec, trainable: Sequence[bool]) -> CallState:
-    return CallState(call_tables(spec, trainable), (), False, (), frozenset(), False)
+def initial_calls(spec: ModelSpec, trainable: Sequence[bool], config: Config | None = None) -> CallState:
+    """`config`: its stage decides whether every param keeps its grad hook (`call_tables`)."""
+    hook_all = config is not None and policy(config).grads_at_boundary
+    return CallState(call_tables(spec, trainable, hook_all=hook_all), (), False, (), frozenset(), False)
 
 
 def grad_dtype(config: Config) -> str:

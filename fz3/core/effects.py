@@ -226,5 +226,14 @@ class AverageGrads(NamedTuple):
     divisor: float  # an int (W x gas) unless the grads were pre-divided
 
 
+@record
+class ClearGrads(NamedTuple):
+    """param.grad = None for these params: the grads that waited there for the boundary's
+    reduce are dropped (zero_grad at stages 0 and 1: [Note: grads at the boundary],
+    fz3/core/grad/grads.py)."""
+
+    params: tuple[ParamId, ...]
+
+
 GradEffect = Union[CopyToBucket, HoldGrad, ReduceBucket, WritePartition, DropGrads, WaitReduce,
-                   ZeroPartitions, AverageGrads, FreePartitions]
+                   ZeroPartitions, AverageGrads, FreePartitions, ClearGrads]

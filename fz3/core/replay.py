@@ -170,10 +170,11 @@ def shifted(st: Lifecycle, d: Shift) -> Lifecycle:
     rows = g.params.current()
     if d != NO_SHIFT:
         b, w = d.backward, d.window
-        rows = [pg if pg.reported == NEVER and pg.written == NEVER and pg.got == NEVER else
+        rows = [pg if pg.reported == NEVER and pg.written == NEVER and pg.got == NEVER and pg.waits == NEVER else
                 ParamGrad(pg.reported + b if pg.reported != NEVER else NEVER, pg.task, pg.bucket,
                           pg.written + w if pg.written != NEVER else NEVER,
-                          pg.got + w if pg.got != NEVER else NEVER) for pg in rows]
+                          pg.got + w if pg.got != NEVER else NEVER,
+                          pg.waits + w if pg.waits != NEVER else NEVER, pg.wait_dtype) for pg in rows]
         g = g._replace(backward=g.backward + b, window=g.window + w)
     return Lifecycle(copied(st.params), g._replace(params=PVec(rows)), st.calls)
 

@@ -44,7 +44,14 @@ class ModuleSpec(NamedTuple):
 class ModelSpec:
     params: tuple[ParamSpec, ...]
     modules: tuple[ModuleSpec, ...]
-    world_size: int
+    world_size: int  # the ranks each param is split over (its layout: shard_numel)
+    replicas: int = 1  # the copies of each shard: world_size x replicas ranks train, each grad is
+    # averaged over all of them (stage 0: world_size 1, every rank a replica; fz3/core/stage.py)
+
+    @property
+    def ranks(self) -> int:
+        """Every rank that trains: the grads' mean is over this many."""
+        return self.world_size * self.replicas
 
     def module_named(self, name: str) -> ModuleSpec:
         for m in self.modules:
@@ -73,7 +80,7 @@ def persistent_flags(numels: Sequence[int], persistence_threshold: int,
 
 def build_spec(params: Sequence[tuple[str, int]], modules: Sequence[tuple[str, Sequence[int], bool]],
                *, world_size: int, persistence_threshold: int,
-               model_persistence_threshold: Optional[int] = None) -> ModelSpec:
+               model_persistence_threshold: Optional[int] = None, replicas: int = 1) -> ModelSpec:
     """params: (name, numel) per ParamId; modules: (name, param ids, is_leaf) per ModuleId.
 
     A param may belong to several modules (tied weights appear once, with one id). Persistence:
@@ -96,4 +103,4 @@ def build_spec(params: Sequence[tuple[str, int]], modules: Sequence[tuple[str, S
                 raise ValueError(f"module {name!r} names param id {p}; ids run 0..{len(pspecs) - 1}")
         mspecs.append(ModuleSpec(ModuleId(i), name, tuple(ParamId(p) for p in ids), bool(is_leaf),
                                  sum(pspecs[p].numel for p in ids)))
-    return ModelSpec(tuple(pspecs), tuple(mspecs), world_size)
+    return ModelSpec(tuple(pspecs), tuple(mspecs), world_size, replicas)

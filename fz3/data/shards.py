@@ -63,6 +63,11 @@ def take_shard(param: nn.Parameter, name: str, *, rank: int, world_size: int) ->
                            "outside the Init block (model.to(...), .half(), .data = ...): the new "
                            "value is not the model's. Cast or re-initialize inside `with fz3.Init():`;"
                            " fz3.initialize puts the shards on the device itself")
+    if world_size == 1 and shard.world_size > 1:
+        raise RuntimeError(f"param {name!r} was built under fz3.Init, split over {shard.world_size} ranks, and "
+                           "fz3.initialize keeps params whole on every rank here (ZeRO stage 0: whole weights and "
+                           "optimizer state, data parallel): build the model without fz3.Init at stage 0, or use "
+                           "stage 1-3")
     if (shard.rank, shard.world_size) != (rank, world_size):
         raise RuntimeError(f"param {name!r} was built under fz3.Init for rank {shard.rank} of "
                            f"{shard.world_size}, but fz3.initialize runs rank {rank} of {world_size}: "

@@ -8,6 +8,7 @@
                 or gloo's own): packed into flat buffers and unpacked after (fz3.data.collectives)
     AllReduce   gloo stand-ins: an all-reduce of zero-padded rows for a gather, of the whole
                 bucket for a reduce (each rank keeps its slice)
+    Local       a layout of one rank (stage 0): the gather is the shard itself
 
 `accounting.carriers(options, backend)` names the gather and reduce-scatter carriers (what the
 options' gloo switches pick, or the backend's own collectives off gloo); `for_name` builds it.
@@ -264,6 +265,29 @@ class AllReduce(Carrier):
             work = self.issue(posted, lambda: it.comm.all_reduce(flat, async_op=it.async_op))
         return work, (lambda: dict(zip((s.param for s in e.slots),
                                        collectives.slice_allreduced(flat, spans, it.rank, it.world_size)))), flat
+
+
+class Local(Carrier):
+    """The layout of one rank (ZeRO stage 0: every rank's shard is the whole param,
+    fz3/core/stage.py): a gather is the shard itself, copied into the full value; nothing
+    moves between ranks. The reduces still span every rank (AllReduce, the allreduce path)."""
+
+    name = "local"
+
+    def gather(self, ps: Sequence[int], shards: Sequence[torch.Tensor]):
+        it = self.ctx
+        fulls = [it.take(it.spec.params[p].numel, s.dtype) for p, s in zip(ps, shards)]
+        for full, shard in zip(fulls, shards):
+            full.copy_(shard[:full.numel()])
+        return None, (lambda: fulls), None
+
+    def refresh(self, ps: Sequence[int], shards: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor]):
+        for full, shard in zip(fulls, shards):
+            full.copy_(shard[:full.numel()])
+        return None, _nothing
+
+    def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
+        raise AssertionError("a layout of one rank reduces on the allreduce path (Config.reduce_path)")
 
 
 def _nothing() -> None:

@@ -53,7 +53,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from fz3.config.config import Config
-from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
+from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import BufferPool
@@ -89,7 +89,10 @@ class DistInterpreter:
         gloo carriers (fz3/config/options.py); `training()`: the model's train mode, which the
         divergence check's descriptors carry ([Note: rank-only evaluation], pass_hint.py)."""
         self.store, self.config, self.device, self.comm = store, config, device, transport
-        self.rank, self.world_size = store.rank, store.world_size
+        self.rank, self.world_size = transport.rank, transport.world_size  # the group's
+        # the layout's: the ranks each param is split over, and this rank's place among them (the
+        # group at stages 1-3; one rank at stage 0, whose gathers then move nothing: stage.py)
+        self.shard_rank, self.shard_world = store.rank, store.world_size
         self.spec = store.spec
         self.async_op = config.overlap_comm
         self.gather_by, self.reduce_scatter_by = accounting.carriers(options, device.backend)
@@ -111,8 +114,8 @@ class DistInterpreter:
         # bucket can need, so one buffer serves every bucket. A bucket's shards total at most
         # capacity / W plus one element per param (each rank span rounds up), and pages a
         # smaller bucket never touches are never resident.
-        self.shard_capacity = -(-self.bucket_capacity // self.world_size) + len(self.spec.params)
-        self.scratch_capacity = (self.world_size - 1) * self.shard_capacity
+        self.shard_capacity = -(-self.bucket_capacity // self.shard_world) + len(self.spec.params)
+        self.scratch_capacity = (self.shard_world - 1) * self.shard_capacity
         self.counts: Counter[str] = Counter()
         self.held_bytes = self.peak_held_bytes = 0  # grads held for a reduce (HoldGrad), now and at most
         owners: list[list[str]] = [[] for _ in self.spec.params]
@@ -133,7 +136,7 @@ class DistInterpreter:
         total = sum(s.numel for s in self.spec.params)
         unit = max((sum(self.spec.params[p].numel for p in m.params) for m in self.spec.modules), default=0)
         live = min(config.max_live_parameters + unit, total)
-        W = self.world_size
+        W = self.shard_world
         inputs = 0 if self.gather_by == "p2p" else -(-live // W)
         reduce = self.scratch_capacity if self.reduce_scatter_by == "p2p" else (W + 1) * self.shard_capacity
         limit = min((live + inputs + reduce) * elem, 3 * total * elem) + (64 << 20) \
@@ -143,11 +146,14 @@ class DistInterpreter:
         p2p_comm = shared_memory.for_carrier(transport, options.shared_memory and "p2p" in (self.gather_by,
                                                                                              self.reduce_scatter_by))
         self.shared_memory = isinstance(p2p_comm, shared_memory.SharedMemoryTransport)
-        ctx = carriers.Context(self.rank, W, self.spec, p2p_comm, self.async_op, self.agreement,
+        ctx = carriers.Context(self.shard_rank, W, self.spec, p2p_comm, self.async_op, self.agreement,
                                self.buffers_pool.take, self.reduce_buffer, self.on, self.gather_stream,
                                self.reduce_stream, self.bucket_capacity, self.shard_capacity, self.scratch_capacity,
                                options.gloo_coalesce_numel, self.counts)
-        self.gather = carriers.CARRIERS[self.gather_by](ctx)
+        # a layout of one rank among several (stage 0) gathers nothing from the others: its shards
+        # are whole (alone, W = 1, the chosen carrier has no peers to ask either)
+        local = self.shard_world == 1 < self.world_size
+        self.gather = carriers.Local(ctx) if local else carriers.CARRIERS[self.gather_by](ctx)
         self.reduce_scatter = carriers.CARRIERS[self.reduce_scatter_by](ctx)
         self.all_reduce_carrier = carriers.AllReduce(ctx)
 
@@ -212,6 +218,9 @@ class DistInterpreter:
                     self.store.free_partitions()
                     if self.agreement is not None:
                         self.agreement.next_step()
+                case ClearGrads(params=ps):
+                    for p in ps:
+                        self.store.params[p].grad = None
                 case _:
                     raise TypeError(f"DistInterpreter: unknown effect {e!r}")
 
@@ -221,7 +230,7 @@ class DistInterpreter:
         """The shards a gather of `ps` sends, the gather counted."""
         shards = [self.store.shards[p] for p in ps]
         accounting.count_gather(self.counts, carrier=self.gather.name, shard_numel=sum(s.numel() for s in shards),
-                                world_size=self.world_size, element_size=shards[0].element_size(),
+                                world_size=self.shard_world, element_size=shards[0].element_size(),
                                 prefetch=prefetch)
         return shards
 

@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 
 from fz3.config.config import Config
-from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
+from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core import messages
 from fz3.core.ids import Handle
@@ -109,6 +109,8 @@ class PlanInterpreter:
                         self._completed()
                 case WaitReduce():
                     self._completed()
+                case ClearGrads():
+                    pass  # grads waiting in param.grad: the plan counts none (fake tensors)
                 case _:
                     raise TypeError(f"PlanInterpreter: unknown effect {e!r}")
             self.peak_joint = max(self.peak_joint, self.joint_bytes())

@@ -28,7 +28,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from fz3.config.config import Config
-from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, FreePartitions,
+from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WriteMode, WritePartition,
                               ZeroPartitions)
 from fz3.core.ids import BucketId, Handle, ParamId
@@ -115,6 +115,10 @@ class SimulatedWorld:
                 case AverageGrads(divisor=d):
                     self.partitions = [[partition.average(t, d) for t in part]
                                        for part in self.partitions]
+                case ClearGrads(params=ps):  # param.grad = None on every rank
+                    for g in self.grads:
+                        for p in ps:
+                            g.pop(p, None)
                 case FreePartitions():  # memory given back: NaN again until written
                     self.partitions = [[torch.full_like(t, float("nan")) for t in part]
                                        for part in self.partitions]

@@ -109,7 +109,8 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
         os.makedirs(tmp)
 
     def write() -> None:
-        write_rank(engine, os.path.join(tmp, rank_file(engine.rank)))
+        if engine.rank < engine.shard_world:  # one copy of each shard (stage 0: rank 0's whole params)
+            write_rank(engine, os.path.join(tmp, rank_file(engine.shard_rank)))
         if rank0:
             torch.save(client_state, os.path.join(tmp, CLIENT))
 
@@ -190,7 +191,7 @@ def check_same_place(engine, save_dir, tag) -> None:
 
 def write_rank(engine, path: str) -> None:
     """torch.save this rank's part: master shards, optimizer, scheduler (rank 0: buffers)."""
-    payload = {"format": FORMAT, "rank": engine.rank, "world_size": engine.world_size,
+    payload = {"format": FORMAT, "rank": engine.shard_rank, "world_size": engine.shard_world,
                "fingerprint": fingerprint(param_records(engine)),
                "masters": [m.detach().cpu() for m in engine.store.masters],  # (s,) by ParamId
                "optimizer": shard_state_dict(engine.optimizer),
@@ -205,9 +206,10 @@ def write_rank(engine, path: str) -> None:
 
 def metadata(engine, tag: str, folder: str) -> dict:
     params = param_records(engine)
-    files = [rank_file(r) for r in range(engine.world_size)] + [CLIENT]
+    files = [rank_file(r) for r in range(engine.shard_world)] + [CLIENT]
     gs = engine.grads_state
-    return {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": engine.world_size,
+    # world_size: the ranks the params were split over (1 at stage 0), what a load reshards from
+    return {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": engine.shard_world,
             "params": params, "fingerprint": fingerprint(params), "state_dict": state_dict_keys(engine),
             "config": dataclasses.asdict(engine.config), "optimizer_steps": engine.optimizer_steps,
             "grads": {"micro_step": gs.micro_step, "window": gs.window, "backward": gs.backward,

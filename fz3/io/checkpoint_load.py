@@ -160,9 +160,9 @@ def read_checkpoint(engine, load_dir: str, tag: str | None, parts: dict = ALL_PA
     with _or_older(load_dir, folder):
         meta = read_meta(folder)
     check_model(engine, meta, os.path.join(folder, META))
-    world = meta["world_size"]
-    same = world == engine.world_size
-    ranks = [engine.rank] if same else list(range(world))
+    world = meta["world_size"]  # the ranks its params were split over
+    same = world == engine.shard_world
+    ranks = [engine.shard_rank] if same else list(range(world))
     with _or_older(load_dir, folder):
         files = {r: load_rank(folder, r, meta) for r in ranks}
         if 0 not in files:
@@ -177,10 +177,10 @@ def read_checkpoint(engine, load_dir: str, tag: str | None, parts: dict = ALL_PA
         raise CheckpointError(f"{folder}: the checkpoint has {'no' if files[0]['lr_scheduler'] is None else 'an'}"
                               f" lr scheduler state, this engine has "
                               f"{'none' if engine.lr_scheduler is None else 'an lr_scheduler'}")
-    mine = files[engine.rank] if same else None
+    mine = files[engine.shard_rank] if same else None
     numels = [p["numel"] for p in meta["params"]]
     masters = ([t.clone() for t in mine["masters"]] if same else
-               [reshard([files[r]["masters"][p] for r in range(world)], n, engine.rank, engine.world_size)
+               [reshard([files[r]["masters"][p] for r in range(world)], n, engine.shard_rank, engine.shard_world)
                 for p, n in enumerate(numels)])
     optim = None if not parts["optimizer"] else \
         _clone(mine["optimizer"]) if same else reshard_optimizer(files, meta, engine, groups)
@@ -247,7 +247,7 @@ def reshard_optimizer(files: dict, meta: dict, engine, groups: list[list[int]]) 
         for key, value in entry.items():
             if isinstance(value, torch.Tensor) and value.ndim == 1 and value.shape[0] == s:
                 value = reshard([files[r]["optimizer"]["state"][index][key] for r in range(world)],
-                                numel, engine.rank, engine.world_size)
+                                numel, engine.shard_rank, engine.shard_world)
             state[index][key] = _clone(value)
     return {"state": state, "param_groups": _clone(base["param_groups"])}
 

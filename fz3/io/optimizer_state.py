@@ -99,7 +99,7 @@ def load_full_optimizer_state_dict(engine, sd: dict) -> None:
                     "Load what engine.full_optimizer_state_dict() or a plain torch optimizer over this model "
                     "returned, or resume fz3's sharded checkpoint with engine.load_checkpoint(save_dir)")
             if k != "step" and isinstance(v, torch.Tensor) and tuple(v.shape) == shape:
-                v = layout.rank_slice(v.detach().reshape(-1), engine.rank, engine.world_size).clone()  # (s,)
+                v = layout.rank_slice(v.detach().reshape(-1), engine.shard_rank, engine.shard_world).clone()  # (s,)
             state[i][k] = v
     load_shard_state_dict(engine.optimizer, {**sd, "state": state})
 

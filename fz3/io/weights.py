@@ -175,7 +175,7 @@ def _read(engine, targets: list[Target], chosen: list[str],
                 if t.pid is None:
                     out[i] = f.get_tensor(name)
                     continue
-                lo, hi = _flat_range(t.shape, engine.rank, engine.world_size)
+                lo, hi = _flat_range(t.shape, engine.shard_rank, engine.shard_world)
                 if hi > lo:
                     piece = f.get_slice(name)
                     out[i] = torch.cat([piece[ix].reshape(-1) for ix in _pieces(t.shape, lo, hi)])

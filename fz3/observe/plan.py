@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from fz3.core import calls
+from fz3.core.grad import grads
 from fz3.config.config import Config, differences
 from fz3.config.options import given
 from fz3.shell import registry
@@ -127,8 +128,10 @@ def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple
                     engine.backward(loss)
             stepped |= trainable - set(calls.no_grad_params(engine.state))
             state_bytes = _state_bytes(state_rate, engine.store, stepped)
+            waiting = sum(spec.params[p].numel for p in grads.waiting(engine.state.grads)) \
+                * engine.store.dtype.itemsize  # stages 0, 1: the window's grads whole in .grad
             engine.step()
-            out.steps.append(_step_figures(engine, interp.counts, before, state_bytes, out.persistent_params))
+            out.steps.append(_step_figures(engine, interp.counts, before, state_bytes, out.persistent_params, waiting))
     except Exception as e:
         if fakes.guesses():
             e.add_note("fz3.plan guessed, before this: " + "; ".join(map(str, fakes.guesses())))
@@ -137,8 +140,11 @@ def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple
     return out
 
 
-def _step_figures(engine, counts, before: dict, state_bytes: int, persistent: int) -> dict[str, int]:
-    """One step's row of the table: what moved during it, and the model states at its peak."""
+def _step_figures(engine, counts, before: dict, state_bytes: int, persistent: int, waiting: int = 0
+                  ) -> dict[str, int]:
+    """One step's row of the table: what moved during it, and the model states at its peak.
+    `waiting`: the whole grads in param.grad at the window's end (stages 0 and 1: [Note: grads
+    at the boundary], fz3/core/grad/grads.py), beside every other model state then."""
     elem, interp = engine.store.dtype.itemsize, engine.interp
     peak = interp.peak_live_numel
     stats = _stats(engine, state_bytes)
@@ -147,11 +153,11 @@ def _step_figures(engine, counts, before: dict, state_bytes: int, persistent: in
                 grad_partitions=interp.peak_grad_bytes, optimizer_state_bytes=state_bytes,
                 persistent_param_bytes=persistent * elem, buffer_bytes=stats["buffer_bytes"],
                 reduce_buffer_bytes=stats["reduce_buffer_bytes"], peak_held_grad_bytes=interp.peak_held_bytes,
-                peak_transient_bytes=interp.peak_joint)
+                peak_transient_bytes=interp.peak_joint, waiting_grad_bytes=waiting)
     # gathered params, grad partitions and held grads come and go: the peak of their sum, not
     # the sum of their peaks (a backward frees gathered params as its grads' segments come)
     step["model_state_peak_bytes"] = (step["param_shards"] + state_bytes + step["reduce_buffer_bytes"]
-                                      + step["buffer_bytes"] + interp.peak_joint)
+                                      + step["buffer_bytes"] + interp.peak_joint + waiting)
     return step
 
 
@@ -265,16 +271,21 @@ ROWS = (("all-gathers", "all_gather"), ("  on demand", "all_gather_on_demand"),
         ("param shards (fp32 masters)", "param_shards"), ("grad partitions (peak)", "grad_partitions"),
         ("optimizer state", "optimizer_state_bytes"), ("persistent params (full)", "persistent_param_bytes"),
         ("module buffers", "buffer_bytes"), ("IPG bucket buffers", "reduce_buffer_bytes"),
-        ("held grads (peak)", "peak_held_grad_bytes"),
+        ("held grads (peak)", "peak_held_grad_bytes"), ("grads whole in .grad (stages 0, 1)", "waiting_grad_bytes"),
         ("live + grads + held (peak together)", "peak_transient_bytes"),
         ("model states at the peak", "model_state_peak_bytes"))
 
 
+STAGE_WORDS = {0: "params, grads and optimizer state whole on every rank",
+               1: "optimizer state partitioned", 2: "grads and optimizer state partitioned",
+               3: "params, grads and optimizer state partitioned"}  # fz3/core/stage.py
+
+
 def _table(p: Plan) -> str:
     changed = [f"{k}={v!r}" for k, v in differences(p.config).items()]
-    head = (f"fz3 plan: {p.params:,} params ({p.persistent_params:,} persistent) on {p.world_size} "
-            f"ranks, backend {p.backend}, compute {p.config.compute_dtype}; config: "
-            f"{', '.join(changed) or 'defaults'}")
+    head = (f"fz3 plan: ZeRO stage {p.config.stage} ({STAGE_WORDS[p.config.stage]}), {p.params:,} params "
+            f"({p.persistent_params:,} persistent) on {p.world_size} ranks, backend {p.backend}, compute "
+            f"{p.config.compute_dtype}; config: {', '.join(changed) or 'defaults'}")
     names = [f"step {i + 1}" for i in range(len(p.steps))]
     width = max(len(r[0]) for r in ROWS)
     lines = [head, "per rank (every rank runs the same effects)", " " * width + "".join(f"{n:>16}" for n in names)]
@@ -282,8 +293,8 @@ def _table(p: Plan) -> str:
         cells = [_fmt(key, s[key]) for s in p.steps]
         lines.append(f"{label:<{width}}" + "".join(f"{c:>16}" for c in cells))
     lines.append("model states at the peak = shards + optimizer state + bucket buffers + module buffers + the "
-                 "peak of gathered params (persistent ones too) + grad partitions + held grads together "
-                 "(activations not included)")
+                 "peak of gathered params (persistent ones too) + grad partitions + held grads together + the "
+                 "grads waiting whole for the boundary (activations not included)")
     if p.guesses:
         lines.append(f"guessed: {len(p.guesses)} data-dependent read(s) of values the plan does not have "
                      "(the figures hold if the run takes the same branches):")

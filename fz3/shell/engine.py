@@ -93,11 +93,15 @@ class Engine(DeepSpeedSurface):
         self.rank, self.world_size = rank, world_size
         self.tables = read_tables(model, world_size=self.world_size, config=config)
         self.spec = self.tables.spec
+        # the layout: the ranks each param is split over and this rank's place among them (the
+        # whole group at stages 1-3; at stage 0 one rank, whole params: fz3/core/stage.py)
+        self.shard_world = self.spec.world_size
+        self.shard_rank = rank % self.shard_world
         runs = group_runs(optimizer, self.tables.params)  # each group's masters flat: [Note: flat steps]
         self.store = TensorStore(self.tables.params, tuple(self.tables.names),
-                                 shards.initial_shards(self.tables.params, self.tables.names, rank=rank,
-                                                     world_size=world_size, device=device.torch_device),
-                                 rank=self.rank, world_size=self.world_size,
+                                 shards.initial_shards(self.tables.params, self.tables.names, rank=self.shard_rank,
+                                                     world_size=self.shard_world, device=device.torch_device),
+                                 rank=self.shard_rank, world_size=self.shard_world,
                                  compute_dtype=config.compute_dtype, device=device.torch_device, runs=runs,
                                  huge_pages=options.huge_pages)
         self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
@@ -105,6 +109,7 @@ class Engine(DeepSpeedSurface):
         self.hook_handles: list = []
         self._take_units()
         self.grad_norm: torch.Tensor | None = None  # at the last boundary, before clipping
+        self.norm_reported: torch.Tensor | None = None  # ... as get_global_grad_norm says it (scaler.py)
         self.step_log = StepLog()
         # DeepSpeed's counters and batch sizes ([Note: DeepSpeed's counters], surface.py);
         # fz3.deepspeed.initialize sets the batch sizes and the 16-bit save switch
@@ -144,8 +149,9 @@ class Engine(DeepSpeedSurface):
         hold = getattr(self.interp, "hold_budget", 0)
         # the engine's two cells: the core's (its state and recorded passes), and the grad norm
         # at the last boundary
-        self.cell = replay.start(Lifecycle(initial_state(self.spec), init_grad_state(
-            self.spec, in_place_reduce_scatter=in_place, hold_budget=hold), initial_calls(self.spec, self.store.trainable)))
+        grads = init_grad_state(self.spec, in_place_reduce_scatter=in_place, hold_budget=hold)
+        self.cell = replay.start(Lifecycle(initial_state(self.spec), grads,
+                                           initial_calls(self.spec, self.store.trainable, self.config)))
         self.call_tables = replay.view(self.cell).calls.tables  # static: read by hooks
         # the module whose call is innermost open (calls.running), as the ParamDicts see it: they
         # report no read of its module's own params. None after an event that opens or closes a
@@ -164,6 +170,9 @@ class Engine(DeepSpeedSurface):
         # ([Note: persistent grads at the end of backward]): ids, and the params to look at
         self.unhooked = self.call_tables.leaf_own + self.call_tables.at_end
         self.unhooked_params = [self.tables.params[p] for p in self.unhooked]
+        # of them, those a backward may reach without queueing its end (a leaf's always queue it)
+        self.at_end = self.call_tables.at_end
+        self.at_end_params = [self.tables.params[p] for p in self.at_end]
         self.ends = 0  # ends of backward queued by the core that ran
         # no event has run yet (engine.compile() checks it). A flag, not the first state kept for
         # an identity check: an old state keeps every later version's diffs alive (pvec.py), so
@@ -311,7 +320,7 @@ class Engine(DeepSpeedSurface):
                 return None
         m, grad, tree, flat = self.module_ids[id(module)], torch.is_grad_enabled(), (args, kwargs), None
         recomputing = torch._C._current_graph_task_id() != -1
-        if self.unhooked and not recomputing and self._running() < 0:  # outermost: a backward before is over
+        if self.at_end and not recomputing and self._running() < 0:  # outermost: a backward before is over
             self._end_unreported_backward()
         # an inert call's inputs matter to nobody: the core wraps them only for calls that are not
         # ([Note: inert modules], fz3/core/calls.py), so they are not walked
@@ -384,8 +393,9 @@ class Engine(DeepSpeedSurface):
         reported now, as its BackwardEnded ([Note: persistent grads at the end of backward],
         fz3/core/calls.py). Called where the core would next see it: after engine.backward (if
         no end ran in it), at step() and at an outermost call's pre-forward. After an end they
-        are all taken (None)."""
-        pending = self._unhooked_with_grad()
+        are all taken (None). Only those reported at the end of backward are looked at: a backward
+        that reaches a leaf's params passes the leaf's PreBackward node, which queues its end."""
+        pending = frozenset(compress(self.at_end, map(operator.is_not, map(_GRAD, self.at_end_params), repeat(None))))
         if pending:
             self.apply(BackwardEnded(pending))
 
@@ -515,7 +525,10 @@ class Engine(DeepSpeedSurface):
             self.in_step = False
 
     def _step_at_boundary(self, lr_kwargs: dict | None) -> None:
-        self.grad_norm = norm = global_grad_norm(self.store, self.interp.all_reduce_sum)
+        # the first shard_world ranks hold one copy of every partition (stage 0: rank 0's whole grads)
+        self.grad_norm = norm = global_grad_norm(self.store, self.interp.all_reduce_sum,
+                                                 counted=self.rank < self.shard_world)
+        self.norm_reported = norm * scaler.reported_norm_factor(self.loss_scale, config=self.config)
         finite = self.interp.finite(norm)
         self.overflow = not finite
         leaf_own = self.call_tables.leaf_own
@@ -552,7 +565,7 @@ class Engine(DeepSpeedSurface):
     def get_global_grad_norm(self) -> float | None:
         """The global L2 norm of the averaged gradient at the last accumulation boundary, before
         clipping; None before the first optimizer step. DeepSpeed: get_global_grad_norm."""
-        return None if self.grad_norm is None else float(self.grad_norm)
+        return None if self.grad_norm is None else float(self.norm_reported)
 
     def get_lr(self) -> list[float]:
         """Each param group's current learning rate. DeepSpeed: get_lr."""

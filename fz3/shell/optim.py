@@ -66,18 +66,21 @@ def check_scheduler(lr_scheduler, optimizer: torch.optim.Optimizer):
     return lr_scheduler
 
 
-def global_grad_norm(store: TensorStore, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def global_grad_norm(store: TensorStore, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], *,
+                     counted: bool = True) -> torch.Tensor:
     """The L2 norm of the whole averaged gradient, () fp32, the same on every rank.
 
     Each rank sums the squares of its partitions (padding holds zeros), one all-reduce makes the
-    global sum. [Note: norm in rows] fp32 rows of ROW elements, their squared norms summed in
-    fp64: 7 ms for the wide benchmark model's 14.7M-element partition, relative error ~1e-8.
+    global sum. `counted` False: this rank's partitions are a copy of another's (stage 0: every
+    rank holds the whole grad, fz3/core/stage.py), so it adds 0 and the sum counts each once.
+    [Note: norm in rows] fp32 rows of ROW elements, their squared norms summed in fp64: 7 ms
+    for the wide benchmark model's 14.7M-element partition, relative error ~1e-8.
     Casting the whole partition to fp64 first cost 315 ms a step there (two fresh 118 MB
     temporaries, page-faulted each time); one fp32 norm of it, 1e-3 relative error.
     DeepSpeed: get_grad_norm_direct / _global_grad_norm.
     """
     sq = torch.zeros((), dtype=torch.float64, device=store.device)
-    for flat in store.segment_grads():  # each its rows, then its tail
+    for flat in store.segment_grads() if counted else ():  # each its rows, then its tail
         whole = flat.numel() // ROW * ROW
         if whole:
             sq = sq + torch.linalg.vector_norm(flat[:whole].view(-1, ROW), dim=1).double().square().sum()

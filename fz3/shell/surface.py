@@ -125,11 +125,21 @@ class DeepSpeedSurface:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Under ZeRO-3 gradients are reduced into partitions in every backward, so there is no
-        reduce to skip: an AssertionError, with DeepSpeed's message. DeepSpeed: no_sync."""
-        raise AssertionError("no_sync context manager is incompatible with gradient partitioning logic of "
-                             "ZeRO stage 3")
-        yield  # pragma: no cover  (a generator, so `with engine.no_sync():` raises on entry)
+        """Stages 0 and 1: the backwards inside add their grads in param.grad, where every grad
+        waits for the boundary's reduce anyway ([Note: grads at the boundary],
+        fz3/core/grad/grads.py); step() inside raises, as does nesting. Stages 2 and 3 reduce
+        grads into partitions in every backward, so there is no reduce to skip: an
+        AssertionError, with DeepSpeed's message. DeepSpeed: no_sync."""
+        if self.config.stage >= 2:
+            raise AssertionError("no_sync context manager is incompatible with gradient partitioning logic of "
+                                 f"ZeRO stage {self.config.stage}")
+        if self.inside_no_sync:
+            raise AssertionError("no_sync context manager reentry is unsupported")
+        self.inside_no_sync = True
+        try:
+            yield
+        finally:
+            self.inside_no_sync = False
 
     # ---- where and what it runs ------------------------------------------------------------------
 
@@ -154,16 +164,16 @@ class DeepSpeedSurface:
         return self.config.compute_dtype == "fp16"
 
     def zero_optimization(self) -> bool:
-        return True
+        return self.config.stage > 0
 
     def zero_optimization_stage(self) -> int:
-        return 3
+        return self.config.stage
 
     def zero_optimization_partition_gradients(self) -> bool:
-        return True
+        return self.config.stage >= 2
 
     def zero_optimization_partition_weights(self) -> bool:
-        return True
+        return self.config.stage == 3
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping

@@ -22,6 +22,7 @@ from typing import Iterable
 from torch import nn
 
 from fz3.config.config import DEFAULT_LEAF_MODULE_CLASSES, Config
+from fz3.core import stage
 from fz3.core.spec import ModelSpec, build_spec
 from fz3.shell import compiled, registry
 
@@ -144,7 +145,8 @@ def read_tables(model: nn.Module, *, world_size: int, config: Config, numels: li
 
     visit(model, "")
     sizes = [p.numel() for p in params] if numels is None else numels
-    spec = build_spec(list(zip(names, sizes)), units,
-                      world_size=world_size, persistence_threshold=config.param_persistence_threshold,
-                      model_persistence_threshold=config.model_persistence_threshold)
+    threshold, model_threshold = stage.persistence(config)  # every param at stages 0-2
+    shard_world = stage.layout_world(config, world_size)  # 1 at stage 0: whole on every rank
+    spec = build_spec(list(zip(names, sizes)), units, world_size=shard_world, persistence_threshold=threshold,
+                      model_persistence_threshold=model_threshold, replicas=world_size // shard_world)
     return Tables(spec, params, names, modules, module_names, tuple(compiled_units))

@@ -49,6 +49,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from fz3.core import events as core_events
+from fz3.core import stage
 from fz3.core.param import invariants as inv
 from fz3.core.calls import Lifecycle, initial_calls
 from fz3.core.grad.epilogue import at_boundary
@@ -102,9 +103,9 @@ class CallsMachine(RuleBasedStateMachine):
         spec = case.model.spec(case.config)
         trainable = self.trainable = case.model.trainable or (True,) * len(case.model.params)
         self.state = Lifecycle(initial_state(spec), init_grad_state(spec),
-                               initial_calls(spec, trainable))
+                               initial_calls(spec, trainable, case.config))
         self.sim = AutogradSim(spec, trainable, self, avoid=self.avoid, quiet=self.quiet)
-        self.model = NaiveCalls(spec, trainable, case.config.param_persistence_threshold)
+        self.model = NaiveCalls(spec, trainable, stage.persistence(case.config)[0])
         self.passes, self.last, self.log, self.step_each = 0, None, [], True
         self.events: list = []  # every event since the start, for the regression a failure prints
         self.reported: set[int] = set()
@@ -341,8 +342,8 @@ def replay(case: Case, events: list) -> list[tuple]:
     effects. What a failing machine prints calls this (CallsMachine.regression)."""
     spec = case.model.spec(case.config)
     trainable = case.model.trainable or (True,) * len(case.model.params)
-    state = Lifecycle(initial_state(spec), init_grad_state(spec), initial_calls(spec, trainable))
-    model = NaiveCalls(spec, trainable, case.config.param_persistence_threshold)
+    state = Lifecycle(initial_state(spec), init_grad_state(spec), initial_calls(spec, trainable, case.config))
+    model = NaiveCalls(spec, trainable, stage.persistence(case.config)[0])
     out = []
     for event in events:
         seen = snapshot(state)

@@ -9,7 +9,11 @@
                 report_twice (must raise, naming the param)
                 new_graph_task (reentrant checkpointing)   flush   end_backward (epilogue)
                 step (micro_step_end: DeepSpeed's count, or an override)   zero_grad
+                training_step (a whole backward, its end, step(): a loop's micro-step)
                 optimizer_step   step_too_early / grads_after_the_average (must raise)
+    stages:     3 and 2 reduce each backward; 1 keeps the grads whole in param.grad and reduces
+                them all at the boundary's step() (fz3/core/stage.py; stage 0 is stage 1's grads
+                over a layout of one rank, the engine's tests)
     invariant:  check_grad_state after every rule
 
 Any number of backwards may come between two step() calls, and any number of step() calls
@@ -32,7 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from fz3.core.grad import epilogue as ep
 from fz3.core.grad import grads
 from fz3.config.config import Config
-from fz3.core.effects import HoldGrad
+from fz3.core.effects import HoldGrad, ReduceBucket
 from fz3.core.grad.grads import GradError
 from fz3.core.ids import ParamId
 from fz3.core.grad.invariants import check_drained, check_grad_state, check_reduce_log
@@ -50,16 +54,16 @@ class GradMachine(RuleBasedStateMachine):
                                 min_size=1, max_size=6),
                 world_size=st.integers(1, 4), path=st.sampled_from(sorted(PATHS)),
                 gas=st.integers(1, 4), overlap=st.booleans(), seed=st.integers(0, 2**32 - 1),
-                managed=st.sampled_from([True, True, True, False]),
+                managed=st.sampled_from([True, True, True, False]), stage=st.sampled_from([3, 3, 2, 1]),
                 comm=st.sampled_from(COMMS), prescale=st.booleans(),
                 predivide=st.sampled_from(PREDIVIDES), in_place=st.booleans(), data=st.data())
     def setup(self, params: list[tuple[int, str]], world_size: int, path: str, gas: int,
-              overlap: bool, seed: int, managed: bool, comm: str | None, prescale: bool, predivide: float,
+              overlap: bool, seed: int, managed: bool, stage: int, comm: str | None, prescale: bool, predivide: float,
               in_place: bool, data: st.DataObject) -> None:
         bucket = data.draw(bucket_sizes([n for n, _ in params]), label="reduce_bucket_size")
         self.hold = data.draw(st.one_of(st.just(0), bucket_sizes([n for n, _ in params])), label="hold_budget")
         self.config = Config(reduce_bucket_size=bucket, gradient_accumulation_steps=gas,
-                             managed_gradient_accumulation=managed,
+                             managed_gradient_accumulation=managed, stage=stage,
                              overlap_comm=overlap, communication_data_type=comm,
                              prescale_gradients=prescale, gradient_predivide_factor=predivide,
                              **PATHS[path])
@@ -74,6 +78,8 @@ class GradMachine(RuleBasedStateMachine):
         self.gen = torch.Generator().manual_seed(seed)
         self.task, self.seen, self.reported, self.log_start = 0, set(), [], 0
         self.older = False  # a step() off the boundary took grads into the window
+        self.at_boundary = stage < 2  # grads wait in param.grad for the boundary's step()
+        self.waiting: set[int] = set()  # ... and which do
         note(f"W={world_size} params={params} path={path} in_place_reduce_scatter={in_place} "
              f"hold_budget={self.hold} {self.config}")
         self.situation = f"{path}, W={world_size}, {gas} micro-step{'s' if gas > 1 else ''}"
@@ -116,8 +122,9 @@ class GradMachine(RuleBasedStateMachine):
         self.world.accumulate_grad(p, g)
         self.state, eff = grads.bucket_add(self.state, p, config=self.config,
                                            dtype=self.dtypes[p], graph_task=self.task)
-        want = expected_placement(self.path, self.in_place, self.state.spec.params[p].numel,
-                                  self.config.reduce_bucket_size, self.hold)
+        # at the boundary: nothing placed until the step() ([Note: grads at the boundary])
+        want = None if self.at_boundary else expected_placement(
+            self.path, self.in_place, self.state.spec.params[p].numel, self.config.reduce_bucket_size, self.hold)
         check_placement(eff, p, want)
         covered("naive model", f"grad placed by {want or 'neither copy nor hold'} ({self.path})")
         self._run(eff)
@@ -157,12 +164,17 @@ class GradMachine(RuleBasedStateMachine):
         self.state, eff = ep.epilogue(self.state, config=self.config)
         self._run(eff)
         check_drained(self.state, eff, config=self.config)
-        check_reduce_log(self.world.log[self.log_start:], self.reported, config=self.config)
-        self._check_holds(self.world.log[self.log_start:])
-        covered("reduced once", self.situation)
+        if self.at_boundary:
+            assert not any(isinstance(e, ReduceBucket) for e in self.world.log[self.log_start:]), (
+                "a grad reduced before the boundary's step()")
+            self.waiting |= set(self.reported)
+        else:
+            check_reduce_log(self.world.log[self.log_start:], self.reported, config=self.config)
+            self._check_holds(self.world.log[self.log_start:])
+            covered("reduced once", self.situation)
         self.task, self.seen, self.reported, self.log_start = 0, set(), [], len(self.world.log)
 
-    @precondition(lambda self: self._window_open() and not self.state.buckets)
+    @precondition(lambda self: self._window_open() and not self.state.buckets and not self.reported)
     @rule(override=st.sampled_from([None, None, None, True, False]))
     def step(self, override: bool | None) -> None:
         """The user's step(): the window closes where DeepSpeed's count (or the override) says."""
@@ -173,11 +185,27 @@ class GradMachine(RuleBasedStateMachine):
         self.state, eff = ep.micro_step_end(self.state, config=self.config, override=override)
         self._run(eff)
         assert ep.at_boundary(self.state, config=self.config) == want, "the window closed at another step()"
+        if self.at_boundary and want:  # the window's one reduce: every waiting grad once
+            check_reduce_log(list(eff), sorted(self.waiting), config=self.config)
+            self._check_holds(list(eff))
+            covered("reduced once", self.situation + ", at the boundary")
+            self.waiting = set()
+        elif self.at_boundary:
+            assert not any(isinstance(e, ReduceBucket) for e in eff), "a grad reduced off the boundary"
+        self.log_start = len(self.world.log)
         if want:
             self.naive.check(self.world, self.state.spec.world_size * self.config.gradient_accumulation_steps)
             covered("I3", self.situation)
         elif backwards:
             self.older = True
+
+    @precondition(lambda self: self._window_open() and not self.state.buckets and not self.reported)
+    @rule()
+    def training_step(self) -> None:
+        """A training loop's micro-step, whole: a backward in autograd's order, its end, step()."""
+        self.report_backward()
+        self.end_backward()
+        self.step(None)
 
     @precondition(lambda self: self._window_open() and not self.reported)
     @rule()
@@ -195,6 +223,7 @@ class GradMachine(RuleBasedStateMachine):
         self._run(eff)
         if pending:
             self.naive.reset()
+            self.waiting = set()
             covered("naive model", "zero_grad() dropped a micro-step's grads")
 
     @precondition(lambda self: not self._window_open())

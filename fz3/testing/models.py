@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from fz3.testing.param_events import (BackwardFetch, BackwardRelease, Compute, Fetch, Register,
                                        Release)
 from fz3.config.config import Config
+from fz3.core import stage
 from fz3.core.spec import ModelSpec, build_spec
 
 HUGE = 10**9
@@ -69,8 +70,12 @@ class Model:
     # the calls machine only (fz3/testing/calls_machine.py)
 
     def spec(self, config: Config) -> ModelSpec:
-        return build_spec(self.params, self.modules, world_size=self.world_size,
-                          persistence_threshold=config.param_persistence_threshold)
+        """The spec the engine builds for this model under `config`: its stage's persistence
+        and layout (fz3/core/stage.py; every param persistent at stages 0-2)."""
+        threshold, model_threshold = stage.persistence(config)
+        shard_world = stage.layout_world(config, self.world_size)
+        return build_spec(self.params, self.modules, world_size=shard_world, persistence_threshold=threshold,
+                          model_persistence_threshold=model_threshold, replicas=self.world_size // shard_world)
 
 
 @dataclass(frozen=True)

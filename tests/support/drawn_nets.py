@@ -157,14 +157,16 @@ SIZES = st.sampled_from([0, 1, 7, 30, 10**9])
 
 @st.composite
 def setups(draw) -> tuple[int, dict, dict]:
-    """(world size, Config fields, Options fields), with W x gas in {1, 2, 4} (exact division)."""
+    """(world size, Config fields, Options fields), with W x gas in {1, 2, 4} (exact division), at
+    any ZeRO stage: the same exact data give the same bits at stages 0-3."""
     world, gas = draw(st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 2), (4, 1)]))
     contiguous = draw(st.booleans())
     config = dict(param_persistence_threshold=draw(st.sampled_from([0, 5, 10**5])),
                   prefetch_bucket_size=draw(SIZES), max_live_parameters=draw(st.sampled_from([0, 20, 10**9])),
                   max_reuse_distance=draw(SIZES), reduce_bucket_size=draw(st.sampled_from([1, 16, 100, 10**9])),
                   overlap_comm=draw(st.booleans()), gradient_accumulation_steps=gas,
-                  contiguous_gradients=contiguous, reduce_scatter=not contiguous or draw(st.booleans()))
+                  contiguous_gradients=contiguous, reduce_scatter=not contiguous or draw(st.booleans()),
+                  stage=draw(st.sampled_from([3, 3, 2, 1, 0])))  # every stage the same bits (stage.py)
     carriers = st.sampled_from(["p2p", "all_reduce", "native"])
     options = dict(gloo_all_gather=draw(carriers), gloo_reduce_scatter=draw(carriers))
     return world, config, options

@@ -65,8 +65,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from fz3.config.config import Config
-from fz3.core.effects import AverageGrads, FreePartitions, GradEffect, WaitReduce, ZeroPartitions
-from fz3.core.grad.grads import NEVER, GradError, GradState, flush, grad_predivide
+from fz3.core.effects import AverageGrads, ClearGrads, FreePartitions, GradEffect, WaitReduce, ZeroPartitions
+from fz3.core.grad.grads import NEVER, GradError, GradState, flush, flush_waiting, grad_predivide, waiting
+from fz3.core.stage import policy
 from fz3.core.ids import ParamId
 
 
@@ -116,10 +117,15 @@ def micro_step_end(state: GradState, *, config: Config, override: Optional[bool]
         return moved._replace(micro_backwards=0,
                               committed=state.committed or state.micro_backwards > 0), ()
     effects: list[GradEffect] = []
+    if policy(config).grads_at_boundary:  # the window's one reduce ([Note: grads at the boundary])
+        state, flushed = flush_waiting(state, config=config)
+        effects += flushed
+        if config.overlap_comm and flushed:
+            effects.append(WaitReduce())
     unwritten = never_written(state)
     if unwritten:
         effects.append(ZeroPartitions(unwritten))
-    w = state.spec.world_size
+    w = state.spec.ranks  # every rank's grads are in the mean (stage 0: replicas of one layout)
     scaled = loss_scale if config.compute_dtype == "fp16" else None
     effects.append(AverageGrads(grad_divisor(w, gas, grad_predivide(w, config), loss_scale=scaled)))
     return moved._replace(averaged=True, micro_backwards=0), tuple(effects)
@@ -143,9 +149,12 @@ def zero_grads(state: GradState, *, config: Config) -> tuple[GradState, tuple[Gr
             "Call zero_grad() before the backwards of a micro-step or right after step() (plain PyTorch's "
             "order), or not at all inside the window (DeepSpeed's: its step() at the boundary starts the next)")
     w = state.window
-    changes = {p: pg._replace(written=NEVER if pg.written == w else pg.written, got=NEVER if pg.got == w else pg.got)
-               for p, pg in enumerate(state.params.current()) if pg.written == w or pg.got == w}
-    return state._replace(params=state.params.set_many(changes), micro_backwards=0), (FreePartitions(),)
+    held = waiting(state)
+    changes = {p: pg._replace(written=NEVER if pg.written == w else pg.written, got=NEVER if pg.got == w else pg.got,
+                              waits=NEVER, wait_dtype="" if pg.waits == w else pg.wait_dtype)
+               for p, pg in enumerate(state.params.current()) if w in (pg.written, pg.got, pg.waits)}
+    effects: tuple[GradEffect, ...] = (ClearGrads(held),) if held else ()
+    return state._replace(params=state.params.set_many(changes), micro_backwards=0), effects + (FreePartitions(),)
 
 
 def optimizer_step(state: GradState, *, config: Config, applied: bool = True

@@ -54,6 +54,15 @@ reduce_bucket_size (`capacity`). A copied bucket keeps reduce_bucket_size: the o
 copies into is the memory DeepSpeed's users sized, and a collective over it is what batching
 buys.
 
+[Note: grads at the boundary] At stages 0 and 1 (fz3/core/stage.py) a grad is not reduced when
+autograd has accumulated it: bucket_add marks the param `waits` (this window) and returns no
+effect, so the grad stays whole in param.grad, where the window's later backwards add to it
+(AccumulateGrad), as DeepSpeed's stage 0 and 1 accumulate before their one reduce. The step()
+that closes the window reduces every waiting grad (`flush_waiting`), the partitions' one write
+of the window (copy), and the average follows as at any stage. A zero_grad drops them
+(ClearGrads). The reduce's traffic is once a window instead of once a backward; the grads are
+whole in the meantime, the memory stage 1 spends where stage 2 does not.
+
 [Note: reentrant checkpointing] A param used inside and outside a reentrant-checkpointed region
 fires its grad hook once per graph task. The shell passes the graph task; a second report in a
 new task is a partial grad, reduced and added. If the first is still in an open bucket: with
@@ -72,6 +81,7 @@ from fz3.core.effects import (ADD, COPY, CopyToBucket, DropGrads, GradEffect, Ho
 from fz3.core.ids import BucketId, ParamId
 from fz3.core.pvec import PVec
 from fz3.core.spec import ModelSpec
+from fz3.core.stage import policy
 
 NEVER = -1
 
@@ -89,6 +99,9 @@ class ParamGrad(NamedTuple):
     written: int  # accumulation window of its last partition write
     got: int = NEVER  # accumulation window of its last real grad (a leaf's zeros stand in for
     # none: [Note: no grad, no step])
+    waits: int = NEVER  # window whose grads wait whole in param.grad for the boundary's reduce
+    # ([Note: grads at the boundary]); `wait_dtype` is theirs
+    wait_dtype: str = ""
 
 
 UNSEEN = ParamGrad(NEVER, NEVER, NEVER, NEVER, NEVER)
@@ -179,7 +192,7 @@ def new_pass(state: GradState) -> GradState:
     counters ([Note: a pass forgets], fz3/core/replay.py).
 
     Every read of a param's record compares a field with the current counter: `reported` (and
-    with it `task` and `bucket`) with `backward`, `written` and `got` with `window`; counters
+    with it `task` and `bucket`) with `backward`, `written`, `got` and `waits` with `window`; counters
     only grow. So a field that differs from its counter now differs from it for good, and
     NEVER says the same: such fields become NEVER. Bucket ids restart at 0 when no bucket is
     open and no record is of this backward (no id can still be met). O(params), once a pass."""
@@ -190,8 +203,9 @@ def new_pass(state: GradState) -> GradState:
         if pg.reported == b:
             current = True
             continue
-        if pg.written == w or pg.got == w:
-            new = ParamGrad(NEVER, NEVER, NEVER, w if pg.written == w else NEVER, w if pg.got == w else NEVER)
+        if pg.written == w or pg.got == w or pg.waits == w:
+            new = ParamGrad(NEVER, NEVER, NEVER, w if pg.written == w else NEVER, w if pg.got == w else NEVER,
+                            w if pg.waits == w else NEVER, pg.wait_dtype if pg.waits == w else "")
         else:
             new = UNSEEN
         if new != pg:
@@ -217,8 +231,12 @@ def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str =
     DeepSpeed: `reduce_ready_partitions_and_remove_grads` -> `__add_grad_to_ipg_bucket`.
     """
     _check_report(state, param, graph_task, config)
-    comm = bucket_dtype(dtype, config=config)
     pg = state.params[param]
+    got = pg.got if stand_in else state.window
+    if policy(config).grads_at_boundary:  # it waits in param.grad: [Note: grads at the boundary]
+        return state._replace(params=state.params.set(param, pg._replace(
+            reported=state.backward, task=graph_task, got=got, waits=state.window, wait_dtype=dtype))), ()
+    comm = bucket_dtype(dtype, config=config)
     effects: list[GradEffect] = []
     stale = _open(state, pg.bucket) if pg.reported == state.backward else None
     if stale is not None and not config.contiguous_gradients:
@@ -227,19 +245,31 @@ def bucket_add(state: GradState, param: ParamId, *, config: Config, dtype: str =
     if stale is not None:  # its first grad waits in the bucket; reduce that before this one
         state, eff = flush(state, config=config, dtype=stale.dtype)
         effects += eff
-    numel = state.spec.params[param].numel
-    most = capacity(config, in_place_reduce_scatter=state.in_place_reduce_scatter, hold_budget=state.hold_budget)
-    bucket = _bucket_of(state, comm)
-    if bucket is not None and not fits(bucket.fill, numel, most):
-        state, eff = flush(state, config=config, dtype=comm)
-        effects += eff
     state = state._replace(params=state.params.set(param, state.params[param]._replace(
-        reported=state.backward, task=graph_task, got=pg.got if stand_in else state.window)))
-    if numel > most:
-        state, eff = _reduce_alone(state, param, comm, config)
-    else:
-        state, eff = _place(state, param, comm, config)
+        reported=state.backward, task=graph_task, got=got)))
+    state, eff = _admit(state, param, comm, config)
     return state, tuple(effects) + eff
+
+
+def flush_waiting(state: GradState, *, config: Config) -> tuple[GradState, tuple[GradEffect, ...]]:
+    """The boundary's reduce of every grad that waited whole in param.grad through the window
+    ([Note: grads at the boundary]): each into its bucket, in param order (every rank the same),
+    then every bucket flushed. O(params), once a window. DeepSpeed: stage 1's reduce_gradients
+    in the boundary's backward, the engine's allreduce_gradients at stage 0."""
+    w = state.window
+    effects: list[GradEffect] = []
+    for p, pg in enumerate(state.params.current()):
+        if pg.waits == w:
+            state, eff = _admit(state, ParamId(p), bucket_dtype(pg.wait_dtype, config=config), config)
+            effects += eff
+    state, eff = flush(state, config=config)
+    return state, tuple(effects) + eff
+
+
+def waiting(state: GradState) -> tuple[ParamId, ...]:
+    """The params whose grads wait in param.grad for the boundary ([Note: grads at the boundary])."""
+    w = state.window
+    return tuple(ParamId(p) for p, pg in enumerate(state.params) if pg.waits == w)
 
 
 def flush(state: GradState, *, config: Config, dtype: Optional[str] = None
@@ -286,7 +316,7 @@ def grad_route(state: GradState, config: Config) -> Optional[type[CopyToBucket] 
     """
     if not config.contiguous_gradients:
         return None
-    if state.in_place_reduce_scatter and config.reduce_scatter:
+    if state.in_place_reduce_scatter and config.reduce_path == "reduce_scatter":
         return HoldGrad
     return CopyToBucket
 
@@ -295,7 +325,7 @@ def capacity(config: Config, *, in_place_reduce_scatter: bool, hold_budget: int)
     """Elements an IPG bucket takes before it is reduced: reduce_bucket_size, or the carrier's
     hold budget when that is smaller and grads are held ([Note: hold budget]). The interpreter
     sizes its reduce buffers by it."""
-    held = config.contiguous_gradients and config.reduce_scatter and in_place_reduce_scatter
+    held = config.contiguous_gradients and config.reduce_path == "reduce_scatter" and in_place_reduce_scatter
     if held and hold_budget:
         return min(config.reduce_bucket_size, hold_budget)
     return config.reduce_bucket_size
@@ -330,7 +360,7 @@ def write_mode(pg: ParamGrad, window: int) -> WriteMode:
 def _reduce(state: GradState, bucket: BucketId, dtype: str, slots: tuple[Slot, ...],
             contiguous: bool, config: Config) -> tuple[GradState, tuple[GradEffect, ...]]:
     effects: list[GradEffect] = [ReduceBucket(bucket, dtype, config.reduce_path, slots, contiguous,
-                                              grad_predivide(state.spec.world_size, config))]
+                                              grad_predivide(state.spec.ranks, config))]
     params = state.params
     for slot in slots:
         pg = params[slot.param]
@@ -339,6 +369,23 @@ def _reduce(state: GradState, bucket: BucketId, dtype: str, slots: tuple[Slot, .
     effects.append(DropGrads(bucket, tuple(s.param for s in slots), contiguous))
     buckets = tuple(b for b in state.buckets if b.id != bucket)
     return state._replace(params=params, buckets=buckets), tuple(effects)
+
+
+def _admit(state: GradState, param: ParamId, comm: str, config: Config
+           ) -> tuple[GradState, tuple[GradEffect, ...]]:
+    """`param`'s grad (a `comm` dtype reduce) into its bucket: the bucket flushed first if the grad
+    would overflow it, or the grad reduced on its own if it is bigger than a whole bucket."""
+    numel = state.spec.params[param].numel
+    most = capacity(config, in_place_reduce_scatter=state.in_place_reduce_scatter, hold_budget=state.hold_budget)
+    effects: tuple[GradEffect, ...] = ()
+    bucket = _bucket_of(state, comm)
+    if bucket is not None and not fits(bucket.fill, numel, most):
+        state, effects = flush(state, config=config, dtype=comm)
+    if numel > most:
+        state, eff = _reduce_alone(state, param, comm, config)
+    else:
+        state, eff = _place(state, param, comm, config)
+    return state, effects + eff
 
 
 def _place(state: GradState, param: ParamId, dtype: str, config: Config

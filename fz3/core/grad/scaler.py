@@ -109,6 +109,17 @@ def unscale_by(state: LossScale, *, config: Config) -> float:
     return state.scale
 
 
+def reported_norm_factor(state: LossScale, *, config: Config) -> float:
+    """What the norm of the unscaled grads is multiplied by for get_global_grad_norm: on a growth
+    step DeepSpeed's stages 1 and 2 report the norm divided by the scale before the update, its
+    stage 3 by the grown one, as it unscales ([Note: unscaled by the grown scale]); 1 otherwise.
+    DeepSpeed: stage_1_and_2.py step (`_global_grad_norm = scaled_global_norm / prev_scale`),
+    stage3.py step (`/ self.loss_scale`)."""
+    if config.stage == 3:
+        return 1.0
+    return unscale_by(state, config=config) / state.scale
+
+
 def loss_factor(state: LossScale, *, config: Config) -> float | None:
     """What engine.backward does to the loss in fp16: / gas, then x scale (None outside fp16,
     where the loss goes in as it is and the boundary divides by W x gas). DeepSpeed:

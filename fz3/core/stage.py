@@ -1,0 +1,69 @@
+"""ZeRO's stages as values of one policy: what each stage keeps whole and what it partitions.
+
+                 params (compute dtype)        grads                           fp32 masters and
+                                                                               optimizer state
+    stage 0      whole on every rank           whole in .grad, all-reduced     whole on every rank
+                                               at the boundary
+    stage 1      whole on every rank           whole in .grad, reduced into    partitioned (1/W)
+                                               partitions at the boundary
+    stage 2      whole on every rank           partitioned: reduced into       partitioned
+                                               partitions every backward
+    stage 3      partitioned: gathered per     partitioned                     partitioned
+                 module, freed after it
+
+One lifecycle runs every stage; each column is a decision the core already makes, and the
+stage picks its value:
+- params whole = every param persistent ([Note: persistent params stay live],
+  fz3/core/param/hold.py): gathered once, kept, refreshed by one gather after each optimizer
+  step (the all-gather of the updated params DeepSpeed's stages 1 and 2 run). `persistence`.
+- grads at the boundary = a grad is not reduced when autograd accumulates it: it waits in
+  param.grad, where the next backward adds to it, and the step() that closes the window
+  reduces every waiting grad at once (fz3/core/grad/grads.py, [Note: grads at the boundary]).
+  DeepSpeed's stages 0 and 1 reduce in the boundary's backward, after the micro-steps before
+  it accumulated locally; 2 and 3 reduce in every backward (IPG buckets).
+- optimizer whole = the layout of one rank: every rank's shard is the whole param, and the
+  reduce keeps the whole mean grad (`layout_world`).
+Memory per param per rank, W ranks, AdamW, fp32 compute (bf16 / fp16: params and grads 2 bytes,
+masters 4 beside them): stage 0 16 bytes; 1: 4 + 4 + 8/W (grads whole through the window); 2:
+4 + 4/W + 8/W; 3: 16/W plus what is gathered (bench/RESULTS.md has the measured table beside
+DeepSpeed's).
+DeepSpeed: runtime/zero/stage_1_and_2.py (stages 1, 2; `partition_gradients` is stage >= 2),
+stage3.py, and the engine's own data parallel at stage 0 (engine.py allreduce_gradients).
+"""
+from __future__ import annotations
+
+import sys
+from typing import NamedTuple, Optional
+
+from fz3.config.config import Config
+
+
+class Policy(NamedTuple):
+    params_whole: bool  # every param stays gathered (persistent)
+    grads_at_boundary: bool  # grads wait in param.grad and are reduced at the boundary's step()
+    optimizer_whole: bool  # masters and optimizer state whole on every rank (layout of one rank)
+
+
+STAGES = {
+    0: Policy(params_whole=True, grads_at_boundary=True, optimizer_whole=True),
+    1: Policy(params_whole=True, grads_at_boundary=True, optimizer_whole=False),
+    2: Policy(params_whole=True, grads_at_boundary=False, optimizer_whole=False),
+    3: Policy(params_whole=False, grads_at_boundary=False, optimizer_whole=False),
+}
+
+
+def policy(config: Config) -> Policy:
+    return STAGES[config.stage]
+
+
+def persistence(config: Config) -> tuple[int, Optional[int]]:
+    """(param_persistence_threshold, model_persistence_threshold) as build_spec takes them:
+    every param at stages 0-2, the config's at stage 3."""
+    if policy(config).params_whole:
+        return sys.maxsize, None
+    return config.param_persistence_threshold, config.model_persistence_threshold
+
+
+def layout_world(config: Config, world_size: int) -> int:
+    """The ranks a param is split over: 1 where the optimizer is whole (stage 0), else all."""
+    return 1 if policy(config).optimizer_whole else world_size
