@@ -63,9 +63,9 @@ def test_inertness_too_wide_is_caught(monkeypatch, naive):
     without them."""
     real = calls.call_tables
 
-    def all_persistent(spec, trainable):
+    def all_persistent(spec, trainable, **kw):
         persistent = tuple(p._replace(persistent=True) for p in spec.params)
-        return real(ModelSpec(persistent, spec.modules, spec.world_size), trainable)
+        return real(ModelSpec(persistent, spec.modules, spec.world_size), trainable, **kw)
 
     monkeypatch.setattr(calls, "call_tables", all_persistent)
     caught_by(naive, r"naive model: Enter.*emitted hook effects \[\], expected \[WrapInputs",
@@ -171,8 +171,8 @@ def test_a_wrong_hook_set_is_caught(monkeypatch, wrong):
     leaf); hooking none leaves every other param's grad unreported."""
     real = calls.call_tables
 
-    def tables(spec, trainable):
-        t = real(spec, trainable)
+    def tables(spec, trainable, **kw):
+        t = real(spec, trainable, **kw)
         return t._replace(hooked=tuple(bool(x) and wrong.startswith("every") for x in trainable))
 
     monkeypatch.setattr(calls, "call_tables", tables)
@@ -223,8 +223,8 @@ def test_quiet_calls_where_params_are_freed_are_caught(monkeypatch):
     run()  # quiet only where nothing is freed: here no call is
     real = calls.call_tables
 
-    def tables(spec, trainable):
-        t = real(spec, trainable)
+    def tables(spec, trainable, **kw):
+        t = real(spec, trainable, **kw)
         return t._replace(quiet=t.inert)
 
     monkeypatch.setattr(calls, "call_tables", tables)

@@ -14,6 +14,7 @@ from hypothesis import Phase, example, given, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from fz3.core.grad import epilogue, grads
+from fz3.core.stage import STAGES
 from fz3.core.effects import CopyToBucket, HoldGrad
 from fz3.core.spec import shard_numel
 from fz3.data import collectives, layout
@@ -112,6 +113,11 @@ WINDOW_BUGS = {
         AssertionError, "closed at another step"),
     "zero_grad drops older grads too": (
         epilogue, "zero_grads", zero_grads_blind_to_older, AssertionError, "older grads share"),
+    # [Note: grads at the boundary] (stages 0 and 1)
+    "grads reduced each backward at stage 1": (
+        grads, "policy", lambda config: STAGES[3], AssertionError, "reduced before the boundary|placement"),
+    "the boundary forgets the waiting grads": (
+        epilogue, "flush_waiting", lambda state, *, config: (state, ()), AssertionError, "I3|reduced"),
     "zero_grad drops nothing": (
         epilogue, "zero_grads", lambda state, *, config: (state._replace(micro_backwards=0), ()), AssertionError,
         "I3|older grads share"),

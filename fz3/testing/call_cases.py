@@ -43,8 +43,7 @@ def call_cases(draw, max_variants: int = 2, avoid: frozenset[str] = KNOWN_GAPS) 
     base = draw(programs(model))
     extra = draw(st.lists(variants(model, base), max_size=max_variants))
     config = draw(configs()).replace(gradient_accumulation_steps=draw(st.sampled_from([1, 2])),
-                                     reduce_bucket_size=draw(st.sampled_from([500_000_000, 8])),
-                                     stage=draw(st.sampled_from([3, 3, 3, 2, 1, 0])))  # fz3/core/stage.py
+                                     reduce_bucket_size=draw(st.sampled_from([500_000_000, 8])))
     def rewrite(c: Call) -> Call:
         c = replace(c, saves=draw(st.integers(0, 3)) != 3)
         _, own, leaf = model.modules[c.module]
