@@ -24,7 +24,7 @@ from torch import nn
 
 from fz3 import func
 from fz3.config.config import Config
-from fz3.core.grad.epilogue import epilogue
+from fz3.core.grad.epilogue import epilogue, micro_step_end
 from fz3.core.grad.grads import bucket_add, init_grad_state
 from fz3.core.spec import build_spec
 from fz3.data import layout
@@ -106,6 +106,9 @@ def step4():
         world.run(eff)
     state, eff = epilogue(state, config=config)
     print(f"   epilogue -> {[type(e).__name__ for e in eff]}")
+    world.run(eff)
+    state, eff = micro_step_end(state, config=config)  # engine.step(): the boundary averages
+    print(f"   step() -> {[type(e).__name__ for e in eff]}")
     world.run(eff)
     _, mean = func.train_step(model, func.shard_params(params, 2), data[0], loss_fn=loss, lr=LR)
     same = all(torch.equal(world.partitions[r][p], mean[n][r]) for p, n in enumerate(names)

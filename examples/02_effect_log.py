@@ -12,8 +12,8 @@ kept for the lm_head when it is reused within max_reuse_distance.
 from fz3 import Config
 from fz3.core.calls import Lifecycle, initial_calls
 from fz3.core.effects import AllGather, Free, Wait
-from fz3.core.events import (BackwardEnded, Enter, GradReady, Leave, PostBackwardRan, PreBackwardRan, Stepped,
-                             update)
+from fz3.core.events import (BackwardEnded, Enter, GradReady, Leave, PostBackwardRan, PreBackwardRan, StepCalled,
+                             Stepped, update)
 from fz3.core.grad.grads import init_grad_state
 from fz3.core.param.invariants import check_fetched, check_quiescent, check_state
 from fz3.core.spec import build_spec
@@ -79,6 +79,7 @@ for pass_no in range(3):
     print(f"-- {rec.counts['AllGather']} gathers ({rec.counts['prefetch']} prefetched), "
           f"{rec.counts['gathered_numel']} elements gathered, peak live {st.params.peak_live_numel} "
           f"(max_live_parameters {config.max_live_parameters})")
+    send(rec, StepCalled())  # engine.step(): the window closes (gradient_accumulation_steps 1)
     send(rec, Stepped())
 print("\nafter the optimizer step only persistent params are live:",
       [spec.params[p].name for p, s in enumerate(st.params.params) if s.status.name != "NOT_AVAILABLE"])

@@ -59,6 +59,9 @@ for path, reduce_scatter in (("reduce_scatter", True), ("all-reduce", False)):
         state, effects = ep.epilogue(state, config=config)
         world.run(effects)
         show("end of backward -> epilogue", effects)
+        state, effects = ep.micro_step_end(state, config=config)
+        world.run(effects)
+        show("engine.step() -> micro_step_end (the last one closes the window)", effects)
     print(" partitions at the boundary (rank: param -> values), against the mean gradient:")
     for p, (name, n) in enumerate(PARAMS):
         mean = sum(grads_of(0, m, p, r) for m in range(GAS) for r in range(W)) / (W * GAS) \

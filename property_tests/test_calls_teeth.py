@@ -127,7 +127,9 @@ def test_leaf_not_reduced_at_end_of_backward_is_caught(monkeypatch):
         return real(st._replace(calls=st.calls._replace(leaves=frozenset())), config=config, with_grad=with_grad)
 
     monkeypatch.setattr(calls, "end_of_backward", forgetful)
-    assert_caught("got grads in this backward but were never reported")
+    # the machine's check, or the core's own (calls._check_no_late_leaf_grad) before it
+    assert_caught("got grads in this backward but were never reported|got its grad after the leaf was reduced",
+                  errors=(AssertionError, GradError))
 
 
 @BY_NAIVE_OR_SIM

@@ -28,7 +28,7 @@ def assert_caught(or_raises: type[Exception] | None = None) -> None:
     """The drawn property fails; `or_raises`: or the engine itself raises that error on a rank
     first (run_threads re-raises it as a RuntimeError from it)."""
     @HUNT
-    @given(dn.nets(), dn.setups())
+    @given(dn.nets(), dn.setups(stages=(3,)))
     def hunt(spec, setup):
         world, config, options = setup
         dn.check_on_threads(spec, world, config, options)

@@ -143,7 +143,7 @@ def test_transition_editing_its_input_is_caught(monkeypatch):
 def test_one_trace_for_every_pass_kind_is_caught(monkeypatch):
     """(f) reset_step ignores the pass kind: a no_grad evaluation pass shares the training
     trace, so every switch between them departs from the plan (DeepSpeed #5662)."""
-    monkeypatch.setattr(step, "pass_kind", lambda grad_enabled, training: "train")
+    monkeypatch.setattr(step, "pass_kind", lambda grad_enabled, training, grad_inputs=False: "train")
     assert_caught("trace")
 
 

@@ -149,8 +149,7 @@ def test_known_unused_keys_warn_once_naming_them():
     (ds({"zero_quantized_weights": True}), "zero_quantized_weights"),
     (ds({"zero_hpz_partition_size": 8}), "zero_hpz_partition_size"),
     (ds(amp={"enabled": True}), "amp"),
-    ({"zero_optimization": {"stage": 2}}, "stage"),
-    ({"zero_optimization": {}}, "stage"),
+    (ds(gradient_allreduce_op="sum"), "gradient_allreduce_op"),
 ])
 def test_lacking_features_error_naming_them(config, key):
     with pytest.raises(ValueError, match=key):
@@ -188,8 +187,6 @@ def test_bad_values(config, error, key):
 
 
 def test_shape_errors():
-    with pytest.raises(ValueError, match="zero_optimization"):
-        Config.from_deepspeed({"train_batch_size": 8})
     with pytest.raises(TypeError):
         Config.from_deepspeed([("zero_optimization", ZERO3)])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="zero_optimization"):
@@ -314,7 +311,7 @@ def test_rejected_naming_key_and_value(config, key, value):
 
 
 ACCEPTED = [  # keys that change nothing in fz3 (or are switched off): accepted and reported
-    ("gradient_allreduce_op", "sum"),  # stage 1/2 only
+    ("gradient_allreduce_op", "mean"),  # DeepSpeed's default: fz3 averages
     ("disable_allgather", True),
     ("log_level", "info"),
     ("wandb", {"enabled": True}),
@@ -374,9 +371,10 @@ def test_every_table_key_is_handled():
 # ---- defaults, predicates and messages of the translation (mutation testing, fz3/core) ---------
 
 def test_zero_optimization_without_stage_is_stage_0():
-    """DeepSpeed's stage default is 0, and the message shows that value."""
-    with pytest.raises(ValueError, match=r"zero_optimization\.stage = 0: fz3 implements stage 3 only"):
-        Config.from_deepspeed({"zero_optimization": {}})
+    """DeepSpeed's stage default is 0, with or without the section."""
+    assert Config.from_deepspeed({"zero_optimization": {}}).stage == 0
+    with pytest.warns(UserWarning, match="train_batch_size"):
+        assert Config.from_deepspeed({"train_batch_size": 8}).stage == 0
 
 
 def test_not_a_dict_names_the_type_given():

@@ -113,9 +113,8 @@ FIELD = {"zero_optimization.reduce_bucket_size": "reduce_bucket_size",
          "zero_optimization.overlap_comm": "overlap_comm",
          "zero_optimization.contiguous_gradients": "contiguous_gradients",
          "zero_optimization.reduce_scatter": "reduce_scatter"}
-# fz3 departs: stage "auto" is DeepSpeed's stage 0, which fz3 does not implement; an unknown
-# warmup_type (DeepSpeed warns, then warms up logarithmically) is an error
-REFUSED_ON_PURPOSE = {"zero_optimization.stage", "scheduler.params.warmup_type"}
+# fz3 departs: an unknown warmup_type (DeepSpeed warns, then warms up logarithmically) is an error
+REFUSED_ON_PURPOSE = {"scheduler.params.warmup_type"}
 AUTO_KEYS = [k for k in FACTS["auto"] if k != "base_config"]
 
 
@@ -153,6 +152,8 @@ def test_auto_does_what_deepspeed_does(key):
     value = fact["initialize"]["value"]
     if key in FIELD:
         assert getattr(settings.config, FIELD[key]) == value, key
+    elif key == "zero_optimization.stage":
+        assert value == 0 and settings.config.stage == 0  # DeepSpeed's default: data parallel
     elif key in ("bf16.enabled", "fp16.enabled"):
         assert value is False and settings.config.compute_dtype == "fp32"
     elif key == "zero_optimization.stage3_gather_16bit_weights_on_model_save":

@@ -11,7 +11,7 @@ skipped_steps and global_steps equal DeepSpeed's; the loss and the grad norm wit
 compute dtype; so are the final weights' norms.
 
 Where fz3 departs from DeepSpeed on purpose the case is held against the DeepSpeed case that does
-what DeepSpeed intends (REFERENCE, each with its reason; docs/deepspeed_map.md §8):
+what DeepSpeed intends (REFERENCE, each with its reason; docs/deepspeed_map.md §3a, §8, §9.11):
 - fp16 and bf16 at stage 0: DeepSpeed runs FP16_UnfusedOptimizer there, which never scales the
   loss in engine.backward yet divides the grads by the scale (recorded: its fp16 losses drift
   6.5% from stages 1-3; bf16 5.8e-3). fz3 runs the one lifecycle at every stage.

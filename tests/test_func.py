@@ -13,7 +13,7 @@ from torch import nn
 
 from fz3 import func
 from fz3.config.config import Config
-from fz3.core.grad.epilogue import epilogue
+from fz3.core.grad.epilogue import epilogue, micro_step_end
 from fz3.core.grad.grads import bucket_add, init_grad_state
 from fz3.core.spec import build_spec
 from fz3.interpreters.simulated import SimulatedWorld
@@ -90,6 +90,8 @@ def test_core_and_simulated_world_reproduce_the_spec(world_size, gas, bucket, re
             state, eff = bucket_add(state, p, config=config)
             world.run(eff)
         state, eff = epilogue(state, config=config)
+        world.run(eff)
+        state, eff = micro_step_end(state, config=config)  # the loop's step()
         world.run(eff)
     _, mean = func.train_step(model, func.shard_params(params, world_size), steps[0],
                               loss_fn=loss, lr=LR)

@@ -73,8 +73,8 @@ def _input(rank: int, step: int) -> torch.Tensor:
 
 def _trained(net, rank: int, loss_of, bare: bool = False, gas: int = 1) -> dict:
     """Two optimizer steps of SGD, `gas` micro-steps each, the loss of micro-step i
-    `loss_of(engine, rank, i)`; `bare`: its backward by loss.backward(), not engine.backward,
-    and step() called at the boundary only (allowed: it is a no-op between boundaries)."""
+    `loss_of(engine, rank, i)`; `bare`: its backward by loss.backward(), not engine.backward.
+    step() after every backward, as DeepSpeed's loop calls it: the window closes at the gas-th."""
     import fz3
 
     engine = fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
@@ -82,8 +82,7 @@ def _trained(net, rank: int, loss_of, bare: bool = False, gas: int = 1) -> dict:
     for micro in range(2 * gas):
         loss = loss_of(engine, rank, micro)
         loss.backward() if bare else engine.backward(loss)
-        if not bare or (micro + 1) % gas == 0:
-            engine.step()
+        engine.step()
     return {"state": engine.full_state_dict(), "steps": engine.optimizer_steps}
 
 
@@ -140,7 +139,7 @@ def _inner(rank: int, world: int, bare: bool = False, gas: int = 1) -> dict:
 def test_a_backward_from_an_inner_inert_output_is_reduced(bare, gas):
     """[Note: persistent grads at the end of backward]: the backward meets no fz3 node and no
     hooked param, so no end is queued; the engine reports the grads left in .grad after
-    engine.backward, or, after a bare loss.backward(), at step() or at the next outermost
-    call's pre-forward (the first micro-step of gas 2: without it the two backwards would be
-    one micro-step, and step() at the boundary would silently take no step)."""
+    engine.backward, or, after a bare loss.backward(), at step() (the micro-step of gas 2 off
+    the boundary too: its grads join the window there) or at the next outermost call's
+    pre-forward."""
     _as_plain_torch(lambda rank, world: _inner(rank, world, bare, gas), gas)

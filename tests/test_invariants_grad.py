@@ -56,8 +56,9 @@ def records_bucket(param, bucket):
     (two_buckets("float32", "float32"), r"one per dtype.*got \['float32', 'float32'\]"),
     (records_bucket(0, 1), "param 0 sits in bucket 0 but records bucket 1"),
     (records_bucket(1, None), "param 1 sits in bucket 0 but records bucket None"),
-    (with_bucket((0, 0, 3))._replace(micro_step=2), r"micro_step 2 outside \[0, 1\]"),
-    (with_bucket((0, 0, 3))._replace(micro_step=-1), r"micro_step -1 outside \[0, 1\]"),
+    (with_bucket((0, 0, 3))._replace(micro_step=1), r"micro_step 1 outside \[0, 1\)"),  # step() calls mod gas
+    (with_bucket((0, 0, 3))._replace(micro_step=-1), r"micro_step -1 outside \[0, 1\)"),
+    (with_bucket((0, 0, 3))._replace(averaged=True), r"averaged with 1 open bucket"),
 ])
 def test_check_grad_state_catches(state, msg):
     with pytest.raises(InvariantError, match=msg):
@@ -66,7 +67,7 @@ def test_check_grad_state_catches(state, msg):
 
 @pytest.mark.parametrize("state", [
     with_bucket((0, 0, 3), (1, 3, 4)),  # fill 7 <= 8, each param once
-    with_bucket((0, 0, 3), (1, 3, 4))._replace(micro_step=1),  # = gradient_accumulation_steps
+    with_bucket((0, 0, 3), (1, 3, 4))._replace(micro_step=0),  # step() calls mod gas: below it
     two_buckets("bfloat16", "float32"),  # one per dtype, sorted
 ])
 def test_check_grad_state_passes_at_the_bounds(state):

@@ -92,7 +92,7 @@ def test_an_inert_call_inside_another_takes_no_event_and_its_params_no_read():
     call the core hears of; mha reads out_proj's params, persistent, and borrows nothing."""
     for out in launch.run_threads(_count, 2, args=(10**6,)):
         assert out["events"] == {"Enter": 1, "Leave": 1, "PreBackwardRan": 1, "BackwardEnded": 1,
-                                 "Stepped": 1}, out
+                                 "StepCalled": 1, "Stepped": 1}, out
         assert out["borrowed"] == [], out
 
 

@@ -6,7 +6,7 @@ from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, HoldGrad,
                               ReduceBucket, Slot, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.grad import grads as grads_core
-from fz3.core.grad.epilogue import epilogue
+from fz3.core.grad.epilogue import epilogue, micro_step_end
 from fz3.core.spec import build_spec
 from fz3.interpreters.simulated import SimulatedWorld, SimulationError
 from fz3.testing.grad_naive import PATHS, grad_spec
@@ -132,6 +132,8 @@ def test_scaled_reduce_gives_the_same_mean(cfg, path):
             state, eff = grads_core.bucket_add(state, p, config=config, dtype="float64")
             world_.run(eff)
         state, eff = epilogue(state, config=config)
+        world_.run(eff)
+        state, eff = micro_step_end(state, config=config)  # the loop's step()
         world_.run(eff)
     tol = dict(rtol=1e-6, atol=1e-6) if config.communication_data_type else dict(rtol=1e-12, atol=1e-12)
     for p, n in enumerate(numels):

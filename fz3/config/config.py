@@ -11,8 +11,9 @@ reprs and in Hypothesis failure output.
 typo ("stage3_prefetch_bucket_sise") that DeepSpeed itself would silently drop. fz3 raises,
 naming the key. Keys DeepSpeed knows but that change nothing in fz3 (steps_per_print, wandb,
 ...) are accepted and listed in one warning. A key that changes DeepSpeed's training and that
-fz3 does not implement (offload, fp16 loss scaling, a JSON optimizer, stage != 3, ...) raises,
-naming the key, its value and what to do instead: never a warning for a behaviour change.
+fz3 does not implement (offload, hpZ, a JSON optimizer, gradient_allreduce_op 'sum', ...)
+raises, naming the key, its value and what to do instead: never a warning for a behaviour
+change.
 
 [Note: leaf modules by default] DeepSpeed 0.19 marks three Hugging Face MoE blocks as leaf
 modules when the JSON says nothing (`DEFAULT_LEAF_MODULE_CLASSES`, deepspeed/runtime/zero/
@@ -45,7 +46,8 @@ LEAF_FIELDS = ("leaf_module_classes", "leaf_module_names", "leaf_module_name_suf
 
 @dataclass(frozen=True)
 class Config:
-    """DeepSpeed ZeRO-3 settings (`zero_optimization` names without the `stage3_` prefix).
+    """DeepSpeed's ZeRO settings (`zero_optimization` names without the `stage3_` prefix), the
+    stage among them (3 by default; fz3/core/stage.py), and the fp16 loss scale's.
 
     Sizes are in elements (numel), as in DeepSpeed.
     """

@@ -97,6 +97,11 @@ TOP_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
                    "fz3 saves and loads its own sharded checkpoints (engine.save_checkpoint / "
                    "load_checkpoint, any world size): remove load_universal / use_node_local_storage"),
     "autotuning": (_enabled, "fz3 has no autotuner: set the zero_optimization sizes yourself"),
+    # DeepSpeed 0.19.8: "mean" (the default) or "sum", which sums the grads over ranks at stages
+    # 0-2 (engine.py gradient_average) and is refused at stage 3
+    "gradient_allreduce_op": (lambda v: v is not None and str(v).lower() != "mean", "fz3 averages the grads over the "
+                              "ranks (DeepSpeed's 'mean', its default); 'sum' is not implemented: remove the key or "
+                              "set 'mean'"),
     "data_efficiency": (_enabled, "fz3 runs no data sampling or random-LTD routing: disable it"),
     "hybrid_engine": (_enabled, "fz3 has no hybrid (generate + train) engine: disable it"),
     "compile": (_any_true("deepcompile", "passes"), "fz3 has no DeepCompile: remove deepcompile "
@@ -191,9 +196,6 @@ TOP_UNUSED = {
     "pipeline": "PipelineModule only",
     "seq_parallel_communication_data_type": "sequence parallelism only",
     "use_data_before_expert_parallelism": "expert-parallel groups of deepspeed.moe only",
-    # read at stage 3 but unused there (engine.py: a stage-3 engine reduces through the ZeRO
-    # optimizer, never through allreduce_bucket / buffered_allreduce_fallback)
-    "gradient_allreduce_op": "stage 1/2 and non-ZeRO reductions only",
     "disable_allgather": "read but used nowhere in DeepSpeed 0.19",
 }
 ZERO_UNUSED = {

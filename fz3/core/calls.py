@@ -118,7 +118,7 @@ from fz3.config.config import COMM_DTYPES, Config
 from fz3.core.grad.epilogue import epilogue, micro_step_end, optimizer_step, without_grad, zero_grads
 from fz3.core.param.fetch import fetch
 from fz3.core.param import hold
-from fz3.core.grad.grads import GradState, bucket_add, new_pass
+from fz3.core.grad.grads import GradError, GradState, bucket_add, new_pass
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
                                    ZeroGrads)
@@ -408,6 +408,7 @@ def end_of_backward(st: Lifecycle, *, config: Config, with_grad: frozenset[Param
     (finish_backward). `with_grad`: the params without a hook (`CallTables.leaf_own`, `at_end`)
     whose .grad is set."""
     calls, grads = st.calls, st.grads
+    _check_no_late_leaf_grad(st, with_grad, config)
     effects: tuple = (ClearGradDue(),)
     for m in sorted(calls.leaves):
         calls, grads, eff = _reduce_leaf(calls, grads, m, config, with_grad)
@@ -495,6 +496,22 @@ def _check_not_leaf_own(st: Lifecycle, m: ModuleId, pids, how: str) -> None:
                 f"module {_name(st, m)} uses it ({how}). A leaf's params are reduced together when its "
                 "backward is done, before grads from outside it arrive; give the other module the same "
                 f"Parameter (tie it), or do not mark {leaf.name!r} a leaf")
+
+
+def _check_no_late_leaf_grad(st: Lifecycle, with_grad: frozenset[ParamId], config: Config) -> None:
+    """A leaf's own param whose .grad is set at the end of backward while its leaf is reduced
+    already got a grad after the reduction ([Note: leaf modules]): it would never be reduced.
+    Not where the grad waits in .grad by design: in an open bucket's slot without
+    contiguous_gradients (the reduce reads .grad then), or at stages 0 and 1 (for the boundary)."""
+    if policy(config).grads_at_boundary:
+        return
+    t, g = st.calls.tables, st.grads
+    pending = {p for m in st.calls.leaves for p in t.leaf_own_of[m]}
+    open_slot = set() if config.contiguous_gradients else {s.param for b in g.buckets for s in b.slots}
+    late = sorted(p for p in with_grad if p in t.leaf_own and p not in pending and p not in open_slot)
+    if late:
+        raise GradError(f"fz3: param {st.params.spec.params[late[0]].name!r} of a leaf module got its grad after "
+                        "the leaf was reduced; it would never be reduced (an internal error: please report it)")
 
 
 def _name(st: Lifecycle, m: ModuleId) -> str:

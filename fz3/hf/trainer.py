@@ -219,7 +219,7 @@ class Trainer(transformers.Trainer):
             raise RuntimeError(f"fz3.hf.Trainer: the Trainer {'closes' if sync else 'does not close'} an "
                                f"accumulation window at this micro-batch and fz3 "
                                f"{'does not' if sync else 'does'} (it closes one every "
-                               f"{self.args.gradient_accumulation_steps} backwards)")
+                               f"{self.args.gradient_accumulation_steps} step() calls)")
 
     def _clip_grad_norm(self, model):
         """The engine clipped at its gradient_clipping; the Trainer logs the norm before it.
@@ -307,7 +307,7 @@ class Trainer(transformers.Trainer):
 
 def _check_windows(dataloader, max_steps: int, gas: int) -> None:
     """The Trainer closes an epoch's last accumulation window early when the epoch's batches are
-    not a multiple of gas; fz3 closes one every gas backwards (its divisor is world_size * gas),
+    not a multiple of gas; fz3 closes one every gas step() calls (its divisor is world_size * gas),
     so such a window is refused before training rather than after the epoch."""
     if not has_length(dataloader):
         return

@@ -122,10 +122,12 @@ def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple
             before = dict(interp.counts)
             interp.peak_held_bytes, interp.peak_live_numel = interp.held_bytes, interp.live_numel  # this step's peaks
             interp.peak_grad_bytes, interp.peak_joint = interp.grad_bytes, interp.joint_bytes()
-            for _ in range(config.gradient_accumulation_steps):
+            for micro in range(config.gradient_accumulation_steps):
                 loss = _loss(engine(*args, **kwargs))
                 with fakes.backward():
                     engine.backward(loss)
+                if micro < config.gradient_accumulation_steps - 1:
+                    engine.step()  # off the boundary, as a DeepSpeed loop steps every micro-step
             stepped |= trainable - set(calls.no_grad_params(engine.state))
             state_bytes = _state_bytes(state_rate, engine.store, stepped)
             waiting = sum(spec.params[p].numel for p in grads.waiting(engine.state.grads)) \

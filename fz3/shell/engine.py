@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from fz3.core import calls, replay
+from fz3.core import calls, replay, stage
 from fz3.core.calls import Lifecycle, initial_calls
 from fz3.core.events import (BackwardEnded, Enter, GradReady, GradsZeroed, Leave, PostBackwardRan, PreBackwardRan,
                              Raised, Read, StepCalled, Stepped)
@@ -170,8 +170,9 @@ class Engine(DeepSpeedSurface):
         # ([Note: persistent grads at the end of backward]): ids, and the params to look at
         self.unhooked = self.call_tables.leaf_own + self.call_tables.at_end
         self.unhooked_params = [self.tables.params[p] for p in self.unhooked]
-        # of them, those a backward may reach without queueing its end (a leaf's always queue it)
-        self.at_end = self.call_tables.at_end
+        # of them, those whose .grad left set after a backward's end means another backward ran
+        # unseen (a grad waiting for the boundary at stages 0 and 1 means nothing of the kind)
+        self.at_end = self.unhooked if not stage.policy(self.config).grads_at_boundary else self.call_tables.at_end
         self.at_end_params = [self.tables.params[p] for p in self.at_end]
         self.ends = 0  # ends of backward queued by the core that ran
         # no event has run yet (engine.compile() checks it). A flag, not the first state kept for
@@ -393,8 +394,9 @@ class Engine(DeepSpeedSurface):
         reported now, as its BackwardEnded ([Note: persistent grads at the end of backward],
         fz3/core/calls.py). Called where the core would next see it: after engine.backward (if
         no end ran in it), at step() and at an outermost call's pre-forward. After an end they
-        are all taken (None). Only those reported at the end of backward are looked at: a backward
-        that reaches a leaf's params passes the leaf's PreBackward node, which queues its end."""
+        are all taken (None), but at stages 0 and 1, where grads wait in .grad for the boundary:
+        there only those reported at the end of backward are looked at (none: every param is
+        hooked, calls.call_tables hook_all)."""
         pending = frozenset(compress(self.at_end, map(operator.is_not, map(_GRAD, self.at_end_params), repeat(None))))
         if pending:
             self.apply(BackwardEnded(pending))
@@ -481,8 +483,9 @@ class Engine(DeepSpeedSurface):
     def backward(self, loss: torch.Tensor, **kwargs) -> torch.Tensor:
         """loss.backward(); the grads are summed over ranks and micro-steps and divided once at
         the boundary, by world_size * gradient_accumulation_steps over what each was divided by
-        before its reduce (fz3/core/grad/epilogue.py; no loss scaling here). -> loss divided by
-        gradient_accumulation_steps, detached: what DeepSpeed's backward returns (its scaled loss)."""
+        before its reduce (fz3/core/grad/epilogue.py); in fp16 the loss is scaled first (`scale`).
+        -> loss divided by gradient_accumulation_steps, detached: what DeepSpeed's backward
+        returns (its scaled loss)."""
         self._refuse_if_stopped()
         ends = self.ends
         self.unmanaged_backwards += 1

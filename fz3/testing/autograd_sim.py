@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from fz3.core.calls import Lifecycle
-from fz3.core.effects import Free
+from fz3.core.effects import ClearGrads, CopyToBucket, DropGrads, Free, HoldGrad
 from fz3.core.events import (BackwardEnded, Enter, GradReady, Leave, PostBackwardRan, PreBackwardRan, Raised,
                              Read)
 from fz3.core.hook_effects import (BeginPass, ClearGradDue, EndPass, GradDue, GradIn,
@@ -122,6 +122,10 @@ class AutogradSim:
         self.waiting: set[int] = set()  # modules with calls waiting for their grads
         self.remaining: Counter[int] = Counter()  # contributions still to come, by param
         self.contributed: set[int] = set()  # trainable params that got one
+        # params whose .grad is set: a grad in, until the effect that takes it out (copied or held
+        # into a bucket, dropped at a reduce that read .grad, cleared); across backwards too (grads
+        # waiting for the boundary at stages 0 and 1). What the engine shows the core as with_grad
+        self.holding: set[int] = set()
         self.queued = self.events = 0
 
     # ---- events and hook effects ----------------------------------------------------------------
@@ -157,6 +161,10 @@ class AutogradSim:
         elif isinstance(e, Free):
             for p in e.params:
                 (self.placeholder.add if p in self.due else self.placeholder.discard)(p)
+        elif isinstance(e, (CopyToBucket, HoldGrad)):
+            self.holding.discard(e.param)
+        elif isinstance(e, DropGrads) and not e.contiguous or isinstance(e, ClearGrads):
+            self.holding.difference_update(e.params)
 
     def grad_in(self, p: int) -> None:
         self.due.discard(p)
@@ -273,7 +281,7 @@ class AutogradSim:
             covered("call decisions", "a backward without events: the engine ends it")
         else:
             covered("call decisions", "end of backward queued once")
-        self.fire(BackwardEnded(frozenset(self.contributed)))
+        self.fire(BackwardEnded(frozenset(self.holding)))
         if self.due or self.placeholder:
             raise SimError(f"grad placeholders left after the end of backward: {sorted(self.due)}")
         return True
@@ -308,7 +316,7 @@ class AutogradSim:
         if hit and node.call.grad_inputs:
             self.compute_backward(node)
         if hit and node.inputs_node:
-            self.event(PostBackwardRan(m, frozenset(self.contributed)))
+            self.event(PostBackwardRan(m, frozenset(self.holding)))
 
     def event(self, event) -> None:
         self.events += 1
@@ -335,6 +343,7 @@ class AutogradSim:
             covered("call decisions", "grad accumulated over a GradDue placeholder")
         self.remaining[p] -= 1
         self.contributed.add(p)
+        self.holding.add(p)
         if self.remaining[p] == 0 and self.hooked[p]:
             self.event(GradReady(p, "float32"))
 
