@@ -26,7 +26,7 @@ from fz3.core.pvec import Log
 from fz3.core.spec import ModelSpec
 from fz3.testing.calls_machine import CallsMachine
 
-HUNT = settings(max_examples=100, stateful_step_count=12, derandomize=True, database=None,
+HUNT = settings(max_examples=200, stateful_step_count=12, derandomize=True, database=None,
                 deadline=None, phases=(Phase.generate,), report_multiple_bugs=False,
                 suppress_health_check=list(HealthCheck))
 
@@ -83,7 +83,8 @@ def test_waiting_call_released_at_its_first_grad_is_caught(monkeypatch):
         return real(c._replace(waiting=waiting), params, m, p, config)
 
     monkeypatch.setattr(calls, "_grad_in", eager)
-    assert_caught(r"I5 in backward: .* NOT_AVAILABLE")
+    # its backward computes with a freed param, or a later grad finds it freed without a placeholder
+    assert_caught(r"I5 in backward: .* NOT_AVAILABLE|AccumulateGrad of .* NOT_AVAILABLE with no GradDue placeholder")
 
 
 @BY_NAIVE_OR_SIM
