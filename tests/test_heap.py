@@ -1,6 +1,7 @@
 """[Note: heap thresholds] (fz3/data/heap.py): on CPU, fz3.initialize sets glibc's mmap threshold
-to 32 MiB and its trim threshold to 64 MiB, unless the environment sets glibc's heap policy or
-Options(malloc_thresholds=False) says not to.
+to 32 MiB and its trim threshold to 64 MiB when Options(malloc_thresholds=True) asks for it, unless
+the environment sets glibc's heap policy; by default it leaves the process's allocator alone
+(STYLE.md rule 15).
 
 What glibc decided is read back from the chunk header in front of a buffer: the size word's
 IS_MMAPPED bit (0x2) is set where malloc gave the buffer a mapping of its own. Each case runs in
@@ -58,24 +59,24 @@ def test_set_thresholds_serves_buffers_below_32_mib_from_the_heap():
     assert seen["32 MiB"]  # still a mapping of its own: huge pages advise it (fz3/data/pages.py)
 
 
-def test_initialize_sets_them_on_cpu():
-    code = textwrap.dedent("""
-        import fz3, fz3.launch, torch
-        def rank(rank, world):
-            net = torch.nn.Linear(4, 4)
-            fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), fz3.Config())
-        fz3.launch.run_threads(rank, world_size=1)
-    """)
-    assert probe(code)["8 MiB"] is False
-
-
-def test_initialize_leaves_them_with_the_option_off():
+def test_initialize_sets_them_on_cpu_when_asked():
     code = textwrap.dedent("""
         import fz3, fz3.launch, torch
         def rank(rank, world):
             net = torch.nn.Linear(4, 4)
             fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), fz3.Config(),
-                           options=fz3.Options(malloc_thresholds=False))
+                           options=fz3.Options(malloc_thresholds=True))
+        fz3.launch.run_threads(rank, world_size=1)
+    """)
+    assert probe(code)["8 MiB"] is False
+
+
+def test_initialize_leaves_the_process_allocator_alone_by_default():
+    code = textwrap.dedent("""
+        import fz3, fz3.launch, torch
+        def rank(rank, world):
+            net = torch.nn.Linear(4, 4)
+            fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), fz3.Config())
         fz3.launch.run_threads(rank, world_size=1)
     """)
     assert probe(code)["8 MiB"] is True

@@ -31,16 +31,18 @@ huge_pages   on CPU, each new buffer of 32 MiB or more that fz3 makes for itself
     pages before it is written (madvise MADV_HUGEPAGE; Linux with transparent huge pages
     "madvise" or "always"): [Note: huge pages for fresh buffers], fz3/data/pages.py. False: 4 KiB
     pages, as torch allocates them
-shared_memory   gloo ranks all on one host (x86-64 Linux) send the point-to-point carrier's large
-    messages (64 KiB or more) through rings in shared memory, one of 1 MiB a direction a pair of
-    ranks, instead of over TCP: [Note: shared-memory carrier], fz3/interpreters/shared_memory.py.
-    False: every message over gloo's TCP
-malloc_thresholds   on CPU with glibc, fz3.initialize sets malloc's mmap threshold to 32 MiB and
-    its trim threshold to 64 MiB, where glibc's own rule takes them once a 32 MiB buffer is freed
-    (DDP's buckets do it), so that buffers below 32 MiB (the loss's logits, fz3's full values)
-    reuse the heap instead of faulting in fresh pages every step; left alone where the
-    environment sets glibc's heap policy (MALLOC_*_ or GLIBC_TUNABLES): [Note: heap
-    thresholds], fz3/data/heap.py. False: glibc's dynamic thresholds, as they stand
+shared_memory   True: gloo ranks all on one host (x86-64 Linux) send the point-to-point
+    carrier's large messages (64 KiB or more) through rings in shared memory, one of 1 MiB a
+    direction a pair of ranks, instead of over TCP: [Note: shared-memory carrier],
+    fz3/interpreters/shared_memory.py. Files in /dev/shm are the process's business, so only when
+    asked. False (the default): every message over gloo's TCP
+malloc_thresholds   True: on CPU with glibc, fz3.initialize sets malloc's mmap threshold to 32
+    MiB and its trim threshold to 64 MiB, where glibc's own rule takes them once a 32 MiB buffer is
+    freed (DDP's buckets do it), so that buffers below 32 MiB (the loss's logits, fz3's full
+    values) reuse the heap instead of faulting in fresh pages every step (2-3 % of the small
+    benchmark GPT's step); left alone where the environment sets glibc's heap policy (MALLOC_*_
+    or GLIBC_TUNABLES): [Note: heap thresholds], fz3/data/heap.py. The allocator is the whole
+    process's, so only when asked. False (the default): glibc's dynamic thresholds, as they stand
 """
 from __future__ import annotations
 
@@ -59,8 +61,10 @@ class Options:
     broadcast_buffers: bool = True
     replay: bool = True
     huge_pages: bool = True
-    malloc_thresholds: bool = True
-    shared_memory: bool = True
+    # process-wide: asked for by name only (STYLE.md rule 15: a library leaves the process as it
+    # found it); bench/systems/common.py fz3_settings asks for both
+    malloc_thresholds: bool = False
+    shared_memory: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gloo_all_gather", "gloo_reduce_scatter"):
