@@ -10,12 +10,13 @@ state exists), after its first backward (mid-window), after its boundary backwar
 step), and after the step. Kinds, from engine.stats() and the model's .grad:
 
     params    what the model's params hold: the full compute-dtype values live (stages 0-2: all of
-              them, always) plus the compute shards where they are not the fp32 masters (bf16, fp16)
+              them, always) and the compute shards (at stage 0 the full value is the shard itself;
+              in fp32 the shard is the master)
     grads     grad partitions (fp32) and grads in param.grad (stages 0 and 1 keep them whole there
               until the boundary's step())
-    masters   fp32 master shards (at stage 0 the whole params); in fp32 they are the params' own
-              shards, so stage 3 fp32 counts them here once, where DeepSpeed keeps two copies
+    masters   fp32 master shards (at stage 0 the whole params), where not counted as params
     states    the optimizer's (exp_avg, exp_avg_sq, step)
+Each storage is counted once, under the first kind that reaches it (as DeepSpeed's count).
 
 Theory (Adam, N ranks): params P (4 or 2 bytes), grads G, masters M = 4 (fp32 compute: 0, the
 params are the masters), states K = 8; stage 0: P + G + M + K; 1: P + G + (M + K)/N; 2: P +
@@ -43,13 +44,24 @@ RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 
 def _count(engine) -> dict[str, int]:
-    s = engine.stats()
-    store = engine.store
-    compute = 0 if store.dtype == torch.float32 else sum(t.numel() for t in store.shards) * store.dtype.itemsize
-    param_grads = sum(p.grad.numel() * p.grad.element_size() for p in engine.tables.params if p.grad is not None)
-    masters = sum(m.numel() for m in store.masters) * 4
-    return {"params": s["gathered_param_bytes"] + compute, "grads": s["grad_partitions"] + param_grads,
-            "masters": masters, "states": s["optimizer_state_bytes"]}
+    """Bytes by kind, each storage counted once, under the first kind that reaches it (as
+    bench/deepspeed_stage_memory.py counts DeepSpeed's): at stage 0 in fp32 a param's full value
+    is its master, counted as params."""
+    store, seen = engine.store, set()
+
+    def once(tensors) -> int:
+        total = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            if t.numel() and storage._cdata not in seen:
+                seen.add(storage._cdata)
+                total += storage.nbytes()
+        return total
+
+    state = [v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"params": once([p.data for p in engine.tables.params] + list(store.shards)),
+            "grads": once([p.grad for p in engine.tables.params if p.grad is not None] + store.segment_grads()),
+            "masters": once(store.masters), "states": once(state)}
 
 
 def _run(rank: int, world: int, stage: int, precision: str) -> dict:
@@ -70,7 +82,7 @@ def _run(rank: int, world: int, stage: int, precision: str) -> dict:
             engine.step()
         if window == 1:
             out[POINTS[2]] = _count(engine)
-    n = sum(p.numel() for p in engine.tables.params)
+    n = sum(shape.numel() for shape in engine.store.shapes)
     return {point: {k: v / n for k, v in kinds.items()} for point, kinds in out.items()}
 
 

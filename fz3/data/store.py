@@ -105,9 +105,13 @@ class TensorStore:
         self.spec, self.module_names = spec, tuple(module_names)
 
     def refresh_shards(self) -> None:
-        """Compute-dtype shards from the fp32 masters (after each optimizer step)."""
+        """Compute-dtype shards from the fp32 masters (after each optimizer step), written into the
+        shards there are: a full value that is its shard (a layout of one rank, stage 0:
+        carriers.Local) keeps reading it, and no second copy is made."""
         if self.dtype == torch.float32:
             self.shards = [m.data for m in self.masters]
+        elif self.shards:
+            torch._foreach_copy_(self.shards, [m.detach() for m in self.masters])
         else:
             self.shards = [m.detach().to(self.dtype) for m in self.masters]
 
@@ -223,7 +227,7 @@ class TensorStore:
         shard = layout.shard_of(full.detach().to(torch.float32).reshape(-1), self.rank, self.world_size)
         self.masters[p].data.copy_(shard)
         if self.dtype != torch.float32:
-            self.shards[p] = self.masters[p].detach().to(self.dtype)
+            self.shards[p].copy_(self.masters[p].detach())
 
     def shard_bytes(self) -> dict[str, int]:
         """Bytes this rank holds: fp32 masters, compute shards (if separate), grad partitions

@@ -269,21 +269,20 @@ class AllReduce(Carrier):
 
 class Local(Carrier):
     """The layout of one rank (ZeRO stage 0: every rank's shard is the whole param,
-    fz3/core/stage.py): a gather is the shard itself, copied into the full value; nothing
+    fz3/core/stage.py): the full value is the shard itself (the fp32 master, or its compute-dtype
+    copy, which refresh_shards writes in place), so nothing is copied or kept twice and nothing
     moves between ranks. The reduces still span every rank (AllReduce, the allreduce path)."""
 
     name = "local"
 
     def gather(self, ps: Sequence[int], shards: Sequence[torch.Tensor]):
-        it = self.ctx
-        fulls = [it.take(it.spec.params[p].numel, s.dtype) for p, s in zip(ps, shards)]
-        for full, shard in zip(fulls, shards):
-            full.copy_(shard[:full.numel()])
+        fulls = [s[:self.ctx.spec.params[p].numel] for p, s in zip(ps, shards)]
         return None, (lambda: fulls), None
 
     def refresh(self, ps: Sequence[int], shards: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor]):
         for full, shard in zip(fulls, shards):
-            full.copy_(shard[:full.numel()])
+            if full.data_ptr() != shard.data_ptr():  # a full value that is its shard is current
+                full.copy_(shard[:full.numel()])
         return None, _nothing
 
     def reduce(self, e: ReduceBucket, grads: list[torch.Tensor], buf: Optional[torch.Tensor]):
