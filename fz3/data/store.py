@@ -22,7 +22,7 @@ from typing import Iterable, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from fz3.core.spec import ModelSpec
+from fz3.core.spec import ModelSpec, padding
 from fz3.data import layout
 from fz3.data.pages import advise_huge
 
@@ -116,11 +116,28 @@ class TensorStore:
             self.shards = [m.detach().to(self.dtype) for m in self.masters]
 
     def set_full(self, p: int, flat: torch.Tensor) -> None:
-        """Param p becomes AVAILABLE: its .data is the gathered full value (numel,)."""
+        """Param p becomes AVAILABLE: its .data is the gathered full value (numel,). A persistent
+        param's compute shard becomes its slice of that value ([Note: a kept param holds its
+        shard])."""
         self.params[p].data = flat.view(self.shapes[p])
         self._forget(p)
         self.full[p] = flat
         self.full_spans.setdefault(_storage(flat), []).append((flat.storage_offset(), flat.numel(), p))
+        kept = self.spec is not None and self.spec.params[p].persistent
+        if kept and self.dtype != torch.float32 and padding(flat.numel(), self.world_size) == 0:
+            n = self.shards[p].numel()
+            self.shards[p] = flat[self.rank * n:(self.rank + 1) * n]
+
+    # [Note: a kept param holds its shard]
+    # A persistent param (every param at stages 0-2: fz3/core/stage.py) stays gathered, and the
+    # gathered value holds this rank's shard, bit for bit, at [rank*s, (rank+1)*s). So its
+    # compute-dtype shard is that slice, not a second copy (DeepSpeed's stages 1 and 2 do the
+    # same: the bf16 partitions are views of the flat bf16 params). refresh_shards writes the
+    # stepped masters into it, and the Refresh that follows gathers the others' slices around
+    # it. A param split with padding keeps its shard apart on every rank (the last rank's shard
+    # runs past the value), so every rank holds the same bytes, as fz3.plan counts them. Should
+    # the param be freed all the same, the slice keeps that buffer alive as the shard (the pool
+    # takes no buffer that still has users), and the next gather replaces it.
 
     def free(self, p: int) -> None:
         """Param p becomes NOT_AVAILABLE: only the shard stays (DeepSpeed: partition()). Its
@@ -233,7 +250,8 @@ class TensorStore:
         """Bytes this rank holds: fp32 masters, compute shards (if separate), grad partitions
         (0 between an optimizer step and the next window's first write)."""
         master = sum(m.numel() for m in self.masters) * 4
-        compute = 0 if self.dtype == torch.float32 else sum(s.numel() for s in self.shards) * 2
+        compute = 0 if self.dtype == torch.float32 else sum(
+            s.numel() * s.element_size() for s in self.shards if self.full_of(s) is None)  # not in a full value
         return {"param_shards": master + compute, "grad_partitions": self.grad_bytes()}
 
 

@@ -23,7 +23,8 @@ SimulatedWorld (fz3/interpreters/simulated.py) shared by all ranks:
 
 After the optimizer step the real shards change (the optimizer on the masters, then
 `store.refresh_shards`): the wrapped refresh submits the new shards as a pseudo-effect,
-`NewShards`, at the same stream position on every rank, and the shadow takes them. The shadow
+`NewShards`, at the same stream position on every rank, and the shadow takes them (and writes
+each into its full value where the real shard is a slice of it: a kept param's). The shadow
 checks the collectives and the writes, not the optimizer.
 
 Bitwise equality needs every reduce to give the same bits in any order of summation: the
@@ -113,7 +114,8 @@ class Shadow:
 
         def refresh() -> None:
             real_refresh()
-            self.submit(r, NewShards(), shards=[s.detach().clone() for s in store.shards])
+            self.submit(r, NewShards(), shards=[s.detach().clone() for s in store.shards],
+                        in_full={p: at[1] for p, at in enumerate(map(store.full_of, store.shards)) if at})
 
         interp.run, store.refresh_shards = run, refresh
 
@@ -155,6 +157,10 @@ class Shadow:
         self.done += 1
         if isinstance(e, NewShards):
             sim.shards = [s["shards"] for s in seen]
+            for r, s in enumerate(seen):  # a shard read from its full value wrote it there
+                for p, at in s["in_full"].items():  # ([Note: a kept param holds its shard], store.py)
+                    full = sim.full[r][p] = sim.full[r][p].clone()
+                    full[at:at + sim.shards[r][p].numel()] = sim.shards[r][p]
             return
         if any(s["grads"].keys() != seen[0]["grads"].keys() for s in seen):
             self._fail(f"effect {k} {e}: the ranks had grads for params {[sorted(s['grads']) for s in seen]}")
