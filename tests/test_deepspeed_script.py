@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-from fz3.launch import free_port
+from tests.support.swapped import run_on_two_ranks, swapped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "deepspeed_script.py")
@@ -28,32 +25,12 @@ EXACT = ("global_steps", "global_samples", "micro_steps", "boundary_before_forwa
          "boundary_after_step", "was_step_applied", "phase", "micro_step")
 
 
-def swapped(tmp_path) -> str:
-    """The script with its one import line changed, as a user would."""
-    with open(SCRIPT) as f:
-        text = f.read()
-    assert text.count("\nimport deepspeed\n") == 1
-    path = tmp_path / "fz3_script.py"
-    path.write_text(text.replace("\nimport deepspeed\n", "\nimport fz3.deepspeed as deepspeed\n"))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deepspeed_script")
     out = tmp / "rows.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FZ3_DEVICE": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           swapped(tmp), "--deepspeed_config", CONFIG, "--out", str(out), "--save_dir", str(tmp / "ckpt")]
-    proc = subprocess.Popen(cmd, env=env, cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: a hang kills every rank
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail("the script did not finish within 240 s:\n" + stdout[-3000:] + stderr[-3000:])
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    args = ["--deepspeed_config", CONFIG, "--out", str(out), "--save_dir", str(tmp / "ckpt")]
+    run_on_two_ranks(swapped(SCRIPT, tmp), args, cwd=tmp, timeout=240)
     with open(out) as f, open(RECORDED) as g:
         return json.load(f), json.load(g)
 

@@ -27,13 +27,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-from fz3.launch import free_port
+from tests.support.swapped import run_on_two_ranks, swapped
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -55,31 +52,12 @@ TOL = {"fp16": dict(rel=2 ** -11), "bf16": dict(rel=2 ** -8), "fp32": dict(rel=1
 EXACT = ("was_step_applied", "skipped_steps", "global_steps", "poisoned_ranks")
 
 
-def swapped(tmp_path) -> str:
-    with open(SCRIPT) as f:
-        text = f.read()
-    assert text.count("\nimport deepspeed\n") == 1
-    path = tmp_path / "fz3_stages.py"
-    path.write_text(text.replace("\nimport deepspeed\n", "\nimport fz3.deepspeed as deepspeed\n"))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def fz3_record(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stages")
     out = tmp / "record.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FZ3_DEVICE": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           swapped(tmp), "--out", str(out), "--two-backwards"] + [a for c in CASES for a in ("--case", c)]
-    proc = subprocess.Popen(cmd, env=env, cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: a hang kills every rank
-    try:
-        stdout, stderr = proc.communicate(timeout=800)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail("the script did not finish within 800 s:\n" + stdout[-3000:] + stderr[-3000:])
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    cases = [a for c in CASES for a in ("--case", c)]
+    run_on_two_ranks(swapped(SCRIPT, tmp), ["--out", str(out), "--two-backwards"] + cases, cwd=tmp, timeout=800)
     with open(out) as f:
         return json.load(f)
 
