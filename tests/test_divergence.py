@@ -509,3 +509,51 @@ def test_pass_words_and_hint_for_each_kind_of_pass():
     x.register_hook(lambda g: seen.append(read()))
     (x * 2).sum().backward()
     assert seen == [PHASE | BACKWARD]
+
+
+# ---- a call every rank must make, made on rank 0 alone ------------------------------------------
+
+ALONE = {  # the call, under `if master_process:`, and how its error names it
+    "full_state_dict": (lambda e, d: e.full_state_dict(), "engine.full_state_dict()"),
+    "save_checkpoint": (lambda e, d: e.save_checkpoint(d, tag="t"), "engine.save_checkpoint()"),
+    "load_checkpoint": (lambda e, d: e.load_checkpoint(d, tag="t"), "engine.load_checkpoint()"),
+    "save_16bit_model": (lambda e, d: e.save_16bit_model(d), "engine.save_16bit_model()"),
+    "full_optimizer_state_dict": (lambda e, d: e.full_optimizer_state_dict(), "engine.full_optimizer_state_dict()"),
+}
+
+
+def _alone(rank: int, world: int, call: str, root: str) -> dict:
+    import fz3
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            fz3.Config(param_persistence_threshold=0))
+    engine.gather_16bit_weights_on_model_save = True  # what fz3.deepspeed.initialize sets from the JSON key
+    engine.backward(engine(torch.ones(2, 4)).square().mean())
+    engine.step()
+    engine.save_checkpoint(root, tag="t")  # every rank: the checkpoint load_checkpoint reads
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            ALONE[call][0](engine, root)
+        else:  # trains on
+            engine.backward(engine(torch.ones(2, 4)).square().mean())
+        return {"error": None}
+    except fz3.DivergenceError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize("call", sorted(ALONE))
+def test_a_call_every_rank_must_make_on_rank_0_alone_is_named_on_both(tmp_path, call):
+    """HF's and nanoGPT's `if master_process:` around a call that needs every rank's shards:
+    rank 0's error and rank 1's (at its next forward's gather) name the call and say what to do,
+    in seconds, instead of a hang until the process group's timeout."""
+    outs = launch.run_threads(_alone, 2, args=(call, str(tmp_path)), timeout_s=120)
+    named = ALONE[call][1]
+    for rank, out in enumerate(outs):
+        msg = out["error"]
+        assert msg is not None and out["seconds"] < 60, (rank, out)
+        assert f"rank 0: step 2, collective 2: {named}" in msg, msg  # 1: the save both made
+        assert "rank 1: step 2, collective 2: all-gather" in msg, msg
+        assert " needs every rank (each holds only its shards): every rank must call it at the same point of its " \
+               "program, not under `if master_process:`." in msg, msg

@@ -171,7 +171,8 @@ def test_a_state_dict_of_shards_is_refused(runs):
 def test_full_optimizer_state_dict_on_one_rank_alone_stops_both(runs):
     for out in runs:
         msg = out["alone"]
-        assert msg is not None and "rank 0: step 3, collective 1: engine.full_optimizer_state_dict()'s gather of " \
+        # collective 1 of the step: the full_state_dict() every rank made
+        assert msg is not None and "rank 0: step 3, collective 2: engine.full_optimizer_state_dict()'s gather of " \
                                    "the optimizer state" in msg, msg
-        assert "engine.full_optimizer_state_dict() gathers from every rank: every rank must call it at the same " \
-               "point of its program, not under `if master_process:`." in msg, msg
+        assert "engine.full_optimizer_state_dict() needs every rank (each holds only its shards): every rank must " \
+               "call it at the same point of its program, not under `if master_process:`." in msg, msg

@@ -67,13 +67,21 @@ from fz3.interpreters import pass_hint
 from fz3.interpreters.threads import WorldFailed
 from fz3.interpreters.transport import PeerFailed, Transport
 
-GATHER, REDUCE, NORM, BUFFERS, FLAGS, OPTIMIZER_STATE = 1, 2, 3, 4, 5, 6
+GATHER, REDUCE, NORM, BUFFERS, FLAGS = 1, 2, 3, 4, 5
+OPTIMIZER_STATE, FULL_STATE, SIXTEEN_BIT, SAVE, LOAD = 6, 7, 8, 9, 10
+CALLS = {OPTIMIZER_STATE: "engine.full_optimizer_state_dict()", FULL_STATE: "engine.full_state_dict()",
+         SIXTEEN_BIT: "engine.save_16bit_model() (or _zero3_consolidated_16bit_state_dict())",
+         SAVE: "engine.save_checkpoint()", LOAD: "engine.load_checkpoint()"}
+"""The kinds that are a call of the user's, not of the engine's hooks: a rank there alone called
+it where the others did not (under `if master_process:`). Each is checked as the call begins
+(fz3.shell.agree.every_rank), before its first collective."""
 KINDS = {GATHER: "all-gather", REDUCE: "reduce", NORM: "grad-norm all-reduce", BUFFERS: "buffer broadcast",
          FLAGS: "all-reduce of which leaf params got a grad",
-         OPTIMIZER_STATE: "engine.full_optimizer_state_dict()'s gather of the optimizer state"}
-CALLS = {OPTIMIZER_STATE: "engine.full_optimizer_state_dict()"}
-"""The kinds that are a call of the user's, not of the engine's hooks: a rank there alone called
-it where the others did not (under `if master_process:`)."""
+         OPTIMIZER_STATE: "engine.full_optimizer_state_dict()'s gather of the optimizer state",
+         FULL_STATE: "engine.full_state_dict()'s gather of the params",
+         SIXTEEN_BIT: "engine.save_16bit_model()'s (or _zero3_consolidated_16bit_state_dict()'s) gather of the "
+                      "16-bit weights",
+         SAVE: "engine.save_checkpoint()", LOAD: "engine.load_checkpoint()"}
 FIELDS = 9  # compared
 PHASE_FIELD = 8  # the pass a gather or reduce is made in (pass_hint.py); 0 for the other kinds
 STAMPED = (GATHER, REDUCE)
@@ -237,8 +245,8 @@ class Agreement:
             passes = pass_hint.pass_hint(where, PHASE_FIELD)
             hint = "" if passes else self.hint(where)
             called = sorted({CALLS[v[0]] for v in where.values() if v[0] in CALLS})
-            rule = (f"{' and '.join(called)} gathers from every rank: every rank must call it at the same point "
-                    "of its program, not under `if master_process:`." if called else
+            rule = (f"{' and '.join(called)} needs every rank (each holds only its shards): every rank must call "
+                    "it at the same point of its program, not under `if master_process:`." if called else
                     passes or "Every rank must run the same modules, in the same order, with the same params "
                               "requiring grad.")
             raise DivergenceError(f"ranks diverged (seen on rank {self.rank}; ranks {sorted(differ)} differ from "

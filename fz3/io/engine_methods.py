@@ -20,8 +20,10 @@ import torch
 from fz3.io.checkpoint import save_checkpoint
 from fz3.io.checkpoint_load import load_checkpoint
 from fz3.io.consolidate import compute_dtype_state_dict, full_state_dict
+from fz3.interpreters import agreement
 from fz3.io.optimizer_state import full_optimizer_state_dict
 from fz3.shell import log
+from fz3.shell.agree import every_rank
 
 
 class ValueMovers:
@@ -30,6 +32,7 @@ class ValueMovers:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 params (and buffers), keys as the model's state_dict."""
         self._refuse_if_stopped()
+        every_rank(self, agreement.FULL_STATE)
         return full_state_dict(self)
 
     def full_optimizer_state_dict(self) -> dict:
@@ -44,6 +47,7 @@ class ValueMovers:
         """Sharded, atomic checkpoint under save_dir/<tag> (fz3/io/checkpoint.py).
         DeepSpeed: save_checkpoint."""
         self._refuse_if_stopped()
+        every_rank(self, agreement.SAVE)
         return save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **options) -> tuple[str, dict]:
@@ -51,6 +55,7 @@ class ValueMovers:
         load_lr_scheduler_states, load_module_only (fz3/io/checkpoint_load.py).
         DeepSpeed: load_checkpoint."""
         self._refuse_if_stopped()
+        every_rank(self, agreement.LOAD)
         return load_checkpoint(self, load_dir, tag, **options)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
@@ -58,6 +63,7 @@ class ValueMovers:
         save_16bit_model writes); other ranks: None. Every rank must call it. DeepSpeed's name,
         which Accelerate's get_state_dict calls: _zero3_consolidated_16bit_state_dict."""
         self._refuse_if_stopped()
+        every_rank(self, agreement.SIXTEEN_BIT)
         return compute_dtype_state_dict(self, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",

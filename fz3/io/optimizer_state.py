@@ -35,6 +35,7 @@ import torch
 
 from fz3.data import layout
 from fz3.interpreters import agreement
+from fz3.shell.agree import every_rank
 from fz3.shell.optim import load_shard_state_dict, shard_state_dict
 
 
@@ -60,9 +61,7 @@ def full_optimizer_state_dict(engine) -> dict:
     index_param = _param_of_index(engine)
     todo = [(i, k) for i in sorted(sd["state"]) for k, v in sd["state"][i].items()
             if _sharded(engine, index_param[i], k, v)]
-    ag = getattr(engine.interp, "agreement", None)
-    if ag is not None:  # every rank is here, and gathers as many tensors: else a DivergenceError
-        ag.check(agreement.OPTIMIZER_STATE, (), len(todo))
+    every_rank(engine, agreement.OPTIMIZER_STATE, len(todo))  # and gathers as many tensors
     state = {i: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
              for i, entry in sd["state"].items()}
     for i, k in todo:

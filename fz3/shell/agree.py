@@ -20,6 +20,16 @@ sent only between steps (a checkpoint is taken at an accumulation boundary), whe
 collective's data is in flight under a tag made from a descriptor."""
 
 
+def every_rank(engine, kind: int, numel: int = 0) -> None:
+    """The user's call `kind` (agreement.CALLS), which every rank must make at the same point:
+    its descriptor goes first, so a rank that calls it alone (under `if master_process:`) gets a
+    DivergenceError naming the call, on every rank, once the others reach their next checked
+    collective, instead of a hang in its first gather."""
+    ag = getattr(getattr(engine, "interp", None), "agreement", None)
+    if ag is not None:
+        ag.check(kind, (), numel)
+
+
 def failed_ranks(engine, failed: bool) -> list[int]:
     """The ranks of `engine`'s group that report `failed`, the same list on every rank."""
     flags = torch.zeros(engine.world_size, dtype=torch.int32, device=engine.store.device)  # (W,)
