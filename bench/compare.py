@@ -64,17 +64,21 @@ def systems_table(with_volume: bool) -> dict[str, dict]:
 
 
 def launch(system: dict, spec: dict, timeout: float, env: dict | None = None) -> list[dict]:
+    """One launch of `system`'s ranks, with its own environment ("env": see `variant`) and `env`."""
     import fz3.launch
     from systems.common import worker
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
+    with fz3.launch.spawn_environment({**system.get("env", {}), **(env or {})}):
         return fz3.launch.run(worker, world_size=system["world"], args=(system["module"], spec),
                               timeout=timeout, threads=1)
-    finally:  # put the environment back
-        os.environ.update({k: v for k, v in saved.items() if v is not None})
-        for k in [k for k, v in saved.items() if v is None]:
-            os.environ.pop(k, None)
+
+
+def variant(fields: dict) -> dict:
+    """An fz3 system with these Config / Options fields; "malloc_thresholds": true starts its ranks
+    with glibc's heap thresholds, as fz3.launch.run(malloc_thresholds=True) does (fz3/data/heap.py)."""
+    from fz3.data import heap
+    fields = dict(fields)
+    env = heap.rank_environment() if fields.pop("malloc_thresholds", False) else {}
+    return {"module": "fz3_z3", "world": 2, "options": {"config": fields}, **({"env": env} if env else {})}
 
 
 def merge_ranks(results: list[dict]) -> dict:
@@ -173,7 +177,7 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of: stats, breakdown, core, copies")
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
                     help="one more fz3 system: LABEL, fz3 with these Config / Options fields "
-                         "(e.g. fz3-dynamic='{\"malloc_thresholds\": false}'); add it to --systems")
+                         "(e.g. fz3-fast='{\"shared_memory\": true, \"malloc_thresholds\": true}'); add it to --systems")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default=os.path.join(HERE, "results.json"))
     ap.add_argument("--md", default=os.path.join(HERE, "RESULTS.md"))
@@ -193,7 +197,7 @@ def main() -> int:
         label, sep, fields = variant.partition("=")
         if not sep or not label or label in table:
             raise SystemExit(f"--variant {variant!r}: want LABEL=JSON with a new label (taken: {sorted(table)})")
-        table[label] = {"module": "fz3_z3", "world": 2, "options": {"config": json.loads(fields)}}
+        table[label] = variant(json.loads(fields))
     labels = args.systems.split(",") if args.systems else [k for k in table if k != "fz3-vol" or not args.no_volume_timed]
     stats_labels = labels + (["fz3-vol"] if "fz3-vol" not in labels and "fz3" in labels else [])
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)

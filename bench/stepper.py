@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 
-from fz3.launch import free_port
+from fz3.launch import free_port, spawn_environment
 
 
 def _rank_main(rank: int, world: int, port: int, module: str, spec: dict, conn, bench_dir: str) -> None:
@@ -73,7 +73,8 @@ class Group:
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_rank_main, args=(r, system["world"], port, system["module"], spec, child, here),
                             daemon=True)
-            p.start()
+            with spawn_environment(system.get("env", {})):  # compare.py's `variant`
+                p.start()
             self.conns.append(parent)
             self.procs.append(p)
         self.times: list[float] = []

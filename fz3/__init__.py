@@ -11,10 +11,7 @@
 
 The shell's names load on first use, so `import fz3.core` stays free of torch.
 """
-from fz3 import moved
 from fz3.config import Config, Options
-
-moved.install()  # the old import paths of modules that moved (fz3/moved.py)
 
 __all__ = ["Config", "Options", "Init", "initialize", "gathered_parameters", "set_leaf_modules", "load_weights", "plan",
            "timeline", "DivergenceError", "check"]

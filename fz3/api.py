@@ -8,7 +8,6 @@ from torch import nn
 
 from fz3.config.config import Config
 from fz3.build import meta
-from fz3.data import heap
 from fz3.data.shards import shard_of
 from fz3.shell import log, registry
 from fz3.shell.pick import check_group_backend, pick_device
@@ -66,9 +65,6 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
         raise RuntimeError(f"fz3.launch.run_threads runs on CPU only; this rank picked {device.torch_device} "
                            "(set FZ3_DEVICE=cpu)")
     device.set_device()
-    thresholds = "left alone"
-    if options.malloc_thresholds and device.torch_device.type == "cpu":
-        thresholds = heap.set_thresholds()  # [Note: heap thresholds]
     if meta.has_meta(model):  # built on torch.device("meta"): one module at a time (meta.py)
         if isinstance(transport, threads.ThreadTransport):
             raise ValueError("fz3.initialize: a model built on the meta device needs a process group "
@@ -84,7 +80,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
                                                               training=lambda: model.training))
     optimizer_state.install(engine)  # optimizer.state_dict() / load_state_dict(): unsharded, or an error
     registry.register(engine)
-    log.initialized(engine, thresholds)
+    log.initialized(engine)
     return engine
 
 

@@ -17,9 +17,16 @@ thread can abort a rank during interpreter shutdown after all its work is done (
 A rank that raises, or exits without a result, fails the whole run with every rank's error:
 the others get `_GRACE_S` to report theirs (a peer's exit usually makes them raise too, e.g.
 fz3.DivergenceError), then are killed. A run that exceeds `timeout` fails with TimeoutError.
+
+    fz3.launch.run(fn, world_size=2, malloc_thresholds=True)
+    # the ranks start with glibc's MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ at 32 / 64 MiB,
+    # so buffers below 32 MiB reuse the heap on CPU ([Note: heap thresholds], fz3/data/heap.py);
+    # off by default, and left as they are where the environment already sets glibc's heap policy.
+    # This process's own environment is put back once the ranks have started.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -29,10 +36,11 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch.distributed as dist
 
+from fz3.data import heap
 from fz3.interpreters import threads
 from fz3.shell.pick import backend_for, pick_device
 
@@ -65,6 +73,22 @@ def _init_group(backend: str | None, timeout_s: float, **rendezvous: int) -> Non
     device.set_device()
     bind = {"device_id": device.torch_device} if backend == "nccl" else {}
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **bind, **rendezvous)
+
+
+@contextlib.contextmanager
+def spawn_environment(extra: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment plus `extra` while ranks are spawned (a spawned interpreter
+    starts with it), then as it was."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any],
@@ -103,14 +127,18 @@ def _died_silently(procs: list, reported: set) -> dict[int, str]:
 
 
 def run(fn: Callable, *, world_size: int = 2, args: Sequence[Any] = (), timeout: float = 300,
-        threads: int = 1, backend: str | None = None, group_timeout: float | None = None) -> list[Any]:
+        threads: int = 1, backend: str | None = None, group_timeout: float | None = None,
+        malloc_thresholds: bool = False) -> list[Any]:
     """fn(rank, world_size, *args) on `world_size` spawned ranks; -> per-rank results.
 
     Rank r is local rank r, so on accelerators it needs device r (FZ3_DEVICE=cpu runs any
     number of ranks on gloo); `backend` as in `init_from_env`. `group_timeout`: seconds the
-    process group's waits give up after (init_process_group's timeout; None: `timeout`)."""
+    process group's waits give up after (init_process_group's timeout; None: `timeout`);
+    `malloc_thresholds`: start the ranks with glibc's heap thresholds ([Note: heap thresholds])."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not isinstance(malloc_thresholds, bool):
+        raise TypeError(f"fz3.launch.run: malloc_thresholds must be a bool, got {malloc_thresholds!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -118,8 +146,9 @@ def run(fn: Callable, *, world_size: int = 2, args: Sequence[Any] = (), timeout:
     procs = [ctx.Process(target=_entry, daemon=True,
                          args=(r, world_size, port, fn, args, results, group_timeout_s, threads, backend))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with spawn_environment(heap.rank_environment() if malloc_thresholds else {}):
+        for p in procs:
+            p.start()
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:

@@ -1,7 +1,7 @@
-"""[Note: heap thresholds] (fz3/data/heap.py): on CPU, fz3.initialize sets glibc's mmap threshold
-to 32 MiB and its trim threshold to 64 MiB when Options(malloc_thresholds=True) asks for it, unless
-the environment sets glibc's heap policy; by default it leaves the process's allocator alone
-(STYLE.md rule 15).
+"""[Note: heap thresholds] (fz3/data/heap.py): fz3.launch.run(malloc_thresholds=True) starts its
+ranks with glibc's mmap threshold at 32 MiB and its trim threshold at 64 MiB, through glibc's
+MALLOC_* variables, unless the environment sets glibc's heap policy; by default, and in
+fz3.initialize always, the process's allocator is left alone (STYLE.md rule 15).
 
 What glibc decided is read back from the chunk header in front of a buffer: the size word's
 IS_MMAPPED bit (0x2) is set where malloc gave the buffer a mapping of its own. Each case runs in
@@ -51,27 +51,49 @@ def probe(code: str, **env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_set_thresholds_serves_buffers_below_32_mib_from_the_heap():
-    seen = probe("from fz3.data import heap; seen['did'] = heap.set_thresholds()")
-    assert seen["did"] == "set"
-    assert seen["fresh 8 MiB"]  # glibc's own threshold starts at 128 KiB
-    assert not seen["8 MiB"] and not seen["31 MiB"]
+def test_the_ranks_environment_serves_buffers_below_32_mib_from_the_heap():
+    env = heap.rank_environment({})
+    assert env == {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
+    seen = probe("", **env)
+    assert seen["fresh 8 MiB"] is False and seen["8 MiB"] is False and seen["31 MiB"] is False
     assert seen["32 MiB"]  # still a mapping of its own: huge pages advise it (fz3/data/pages.py)
+    assert probe("")["fresh 8 MiB"] is True  # glibc's own threshold starts at 128 KiB
 
 
-def test_initialize_sets_them_on_cpu_when_asked():
-    code = textwrap.dedent("""
-        import fz3, fz3.launch, torch
-        def rank(rank, world):
-            net = torch.nn.Linear(4, 4)
-            fz3.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), fz3.Config(),
-                           options=fz3.Options(malloc_thresholds=True))
-        fz3.launch.run_threads(rank, world_size=1)
-    """)
-    assert probe(code)["8 MiB"] is False
+LAUNCHED = textwrap.dedent("""
+    import json, os, fz3.launch
+    def rank(rank, world):
+        return {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+    if __name__ == "__main__":
+        before = dict(os.environ)
+        out = fz3.launch.run(rank, world_size=2, timeout=120, **json.loads(os.environ["ASKED"]))
+        print(json.dumps({"ranks": out, "parent_unchanged": dict(os.environ) == before}))
+""")
 
 
-def test_initialize_leaves_the_process_allocator_alone_by_default():
+def _launched(tmp_path, asked: dict, **env: str) -> dict:
+    script = tmp_path / "launched.py"  # spawned ranks import the main module: a file, not -c
+    script.write_text(LAUNCHED)
+    clean = {k: v for k, v in os.environ.items() if heap.user_choice({k: v}) is None}
+    out = subprocess.run([sys.executable, str(script)], env={**clean, **env, "FZ3_DEVICE": "cpu",
+                                                             "ASKED": json.dumps(asked)},
+                         capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_launch_starts_its_ranks_with_the_thresholds_when_asked_and_puts_its_own_environment_back(tmp_path):
+    seen = _launched(tmp_path, {"malloc_thresholds": True})
+    assert seen["ranks"] == [heap.rank_environment({})] * 2
+    assert seen["parent_unchanged"]
+
+
+def test_launch_leaves_the_ranks_allocator_alone_by_default(tmp_path):
+    seen = _launched(tmp_path, {})
+    assert seen["ranks"] == [{"MALLOC_MMAP_THRESHOLD_": None, "MALLOC_TRIM_THRESHOLD_": None}] * 2
+
+
+def test_initialize_never_touches_the_process_allocator():
     code = textwrap.dedent("""
         import fz3, fz3.launch, torch
         def rank(rank, world):
@@ -84,10 +106,11 @@ def test_initialize_leaves_the_process_allocator_alone_by_default():
 
 @pytest.mark.parametrize("name, value", [("MALLOC_MMAP_THRESHOLD_", "131072"), ("MALLOC_TOP_PAD_", "0"),
                                          ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072")])
-def test_the_users_own_heap_settings_are_left_alone(name, value):
-    seen = probe("from fz3.data import heap; seen['did'] = heap.set_thresholds()", **{name: value})
-    assert seen["did"] == f"{name} set"
-    assert seen["8 MiB"] is True  # glibc's, as the environment left it
+def test_the_users_own_heap_settings_are_left_alone(tmp_path, name, value):
+    assert heap.rank_environment({name: value}) == {}
+    seen = _launched(tmp_path, {"malloc_thresholds": True}, **{name: value})
+    assert seen["ranks"][0] == {k: (value if k == name else None)
+                                for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
 
 
 def test_user_choice_names_the_setting():
@@ -97,7 +120,7 @@ def test_user_choice_names_the_setting():
     assert heap.user_choice({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1"}) == "GLIBC_TUNABLES"
 
 
-def test_the_option_is_a_bool():
-    import fz3
-    with pytest.raises(TypeError, match="malloc_thresholds"):
-        fz3.Options(malloc_thresholds="yes")
+def test_the_launch_switch_is_a_bool():
+    import fz3.launch
+    with pytest.raises(TypeError, match="malloc_thresholds must be a bool, got 'yes'"):
+        fz3.launch.run(print, world_size=1, malloc_thresholds="yes")

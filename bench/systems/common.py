@@ -215,14 +215,12 @@ class Plain:
 
 def fz3_settings(fields: dict):
     """-> (fz3.Config, fz3.Options) from one flat dict of field names: the benches name DeepSpeed's
-    knobs and fz3's own switches (the gloo carriers) side by side. The benches ask for fz3's two
-    process-wide opt-ins by name, as a user who wants them does (glibc's heap thresholds, the
-    shared-memory carrier: off by default since 2026-12-06), so their figures stay comparable
-    with the ones before; a field given here wins."""
+    knobs and fz3's own switches (the gloo carriers) side by side. fz3's defaults where a field is
+    not given (the shared-memory carrier off since 2026-12-06; glibc's heap thresholds are the
+    launch's, not an option: bench/compare.py's `launch_env`)."""
     import dataclasses
 
     import fz3
     own = {f.name for f in dataclasses.fields(fz3.Options)}
-    asked = {"malloc_thresholds": True, "shared_memory": True}
     return (fz3.Config(**{k: v for k, v in fields.items() if k not in own}),
-            fz3.Options(**{**asked, **{k: v for k, v in fields.items() if k in own}}))
+            fz3.Options(**{k: v for k, v in fields.items() if k in own}))

@@ -34,15 +34,9 @@ huge_pages   on CPU, each new buffer of 32 MiB or more that fz3 makes for itself
 shared_memory   True: gloo ranks all on one host (x86-64 Linux) send the point-to-point
     carrier's large messages (64 KiB or more) through rings in shared memory, one of 1 MiB a
     direction a pair of ranks, instead of over TCP: [Note: shared-memory carrier],
-    fz3/interpreters/shared_memory.py. Files in /dev/shm are the process's business, so only when
-    asked. False (the default): every message over gloo's TCP
-malloc_thresholds   True: on CPU with glibc, fz3.initialize sets malloc's mmap threshold to 32
-    MiB and its trim threshold to 64 MiB, where glibc's own rule takes them once a 32 MiB buffer is
-    freed (DDP's buckets do it), so that buffers below 32 MiB (the loss's logits, fz3's full
-    values) reuse the heap instead of faulting in fresh pages every step (2-3 % of the small
-    benchmark GPT's step); left alone where the environment sets glibc's heap policy (MALLOC_*_
-    or GLIBC_TUNABLES): [Note: heap thresholds], fz3/data/heap.py. The allocator is the whole
-    process's, so only when asked. False (the default): glibc's dynamic thresholds, as they stand
+    fz3/interpreters/shared_memory.py. The rings hold W (W - 1) MiB of the host's /dev/shm while
+    the ranks train, and files in /dev/shm are the process's business, so only when asked. False
+    (the default): every message over gloo's TCP
 """
 from __future__ import annotations
 
@@ -61,9 +55,8 @@ class Options:
     broadcast_buffers: bool = True
     replay: bool = True
     huge_pages: bool = True
-    # process-wide: asked for by name only (STYLE.md rule 15: a library leaves the process as it
-    # found it); bench/systems/common.py fz3_settings asks for both
-    malloc_thresholds: bool = False
+    # files in the host's /dev/shm: asked for by name only (STYLE.md rule 15: a library leaves the
+    # process as it found it)
     shared_memory: bool = False
 
     def __post_init__(self) -> None:
@@ -73,8 +66,7 @@ class Options:
         n = self.gloo_coalesce_numel
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"Options.gloo_coalesce_numel must be an int >= 0 (0: no packing), got {n!r}")
-        for name in ("debug_checks", "broadcast_buffers", "replay", "huge_pages", "malloc_thresholds",
-                     "shared_memory"):
+        for name in ("debug_checks", "broadcast_buffers", "replay", "huge_pages", "shared_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 

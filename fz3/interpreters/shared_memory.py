@@ -33,8 +33,10 @@ is left behind, whatever happens later). Each rank's RSS grows by the rings it w
   a second of silence (`CHECK_EVERY`); one alive but not coming, after the transport's timeout,
   as on gloo.
 
-Off with `fz3.Options(shared_memory=False)`; off also where /dev/shm cannot hold the rings (a
-rank that cannot make or map one tells the others, and all stay on gloo).
+Off unless asked for: `fz3.Options(shared_memory=True)`. Its cost: the rings take W (W - 1) MiB
+of the host's /dev/shm (tmpfs, which a DataLoader's workers also use) for as long as the ranks
+train, though their names are gone at once. Off also where /dev/shm cannot hold them (a rank that
+cannot make or map one tells the others, and all stay on gloo).
 """
 from __future__ import annotations
 
@@ -312,23 +314,25 @@ def for_carrier(inner, enabled: bool = True):
 
     ok = True
     try:
-        for j in range(W):
-            if j != rank:
-                made.append(name(rank, j))
-                outgoing[j] = make_ring(made[-1])
-    except OSError:
-        ok = False
-    ok = everyone(ok)
-    try:
-        for j in range(W) if ok else ():
-            if j != rank:
-                incoming[j] = Ring(name(j, rank))
-    except (OSError, RuntimeError):
-        ok = False
-    ok = everyone(ok)  # and mapped the others': nothing needs the files now
-    for path in made:
         try:
-            os.unlink(path)
+            for j in range(W):
+                if j != rank:
+                    made.append(name(rank, j))
+                    outgoing[j] = make_ring(made[-1])
         except OSError:
-            pass
+            ok = False
+        ok = everyone(ok)
+        try:
+            for j in range(W) if ok else ():
+                if j != rank:
+                    incoming[j] = Ring(name(j, rank))
+        except (OSError, RuntimeError):
+            ok = False
+        ok = everyone(ok)  # and mapped the others': nothing needs the files now
+    finally:  # whatever happened (a peer gone mid-setup too), no file is left in /dev/shm
+        for path in made:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
     return SharedMemoryTransport(inner, outgoing, incoming, pids) if ok else inner

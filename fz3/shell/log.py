@@ -2,8 +2,8 @@
 
     INFO     at fz3.initialize, rank 0: world size, device, backend and the carriers of the
              gathers and reduces (and whether their large messages go through shared memory:
-             fz3/interpreters/shared_memory.py), params sharded and persistent, bytes per rank, what was done
-             with glibc's heap thresholds (fz3/data/heap.py), and the config's differences from
+             fz3/interpreters/shared_memory.py), params sharded and persistent, bytes per rank, whether the
+             environment sets glibc's heap policy (fz3/data/heap.py), and the config's differences from
              DeepSpeed's defaults
     INFO     at engine.compile(), rank 0: the backend and the modules compiled
     DEBUG    after each optimizer step, every rank: gathers (on demand / prefetched), bytes
@@ -24,11 +24,13 @@ comparison per pass.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 
 from fz3.config.config import differences
 from fz3.core.ids import TraceMode
 from fz3.core.param.trace import UNIT_GREW
+from fz3.data import heap
 from fz3.interpreters import accounting
 from fz3.shell.memory import human_bytes
 
@@ -37,9 +39,8 @@ STEP_KEYS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "gathe
              "reduced_bytes", "graphs", "graph_breaks", "compiled_frames")
 
 
-def initialized(engine, thresholds: str = "left alone") -> None:
-    """The INFO summary of a new engine (rank 0); `thresholds`: what fz3.initialize did with glibc's
-    heap thresholds (fz3/data/heap.py)."""
+def initialized(engine) -> None:
+    """The INFO summary of a new engine (rank 0)."""
     if engine.rank != 0 or not LOG.isEnabledFor(logging.INFO):
         return
     spec, store = engine.spec, engine.store
@@ -53,11 +54,11 @@ def initialized(engine, thresholds: str = "left alone") -> None:
                                 for c in (gather_by, reduce_by))
     LOG.info("fz3: %d ranks on %s, backend %s (all-gather by %s, reduce-scatter by %s); %d params "
              "sharded (%s elements), %d persistent (%s elements); per rank: param shards %s, grad "
-             "partitions %s; glibc heap thresholds: %s; config differences from the defaults: %s",
+             "partitions %s; glibc's heap policy: %s; config differences from the defaults: %s",
              engine.world_size, engine.accelerator.torch_device, engine.accelerator.backend, gather_by, reduce_by,
              len(spec.params) - len(persistent), f"{sum(p.numel for p in spec.params if not p.persistent):,}",
              len(persistent), f"{sum(p.numel for p in persistent):,}", human_bytes(shards), human_bytes(grads),
-             thresholds, changed)
+             f"{chosen} set" if (chosen := heap.user_choice(os.environ)) else "its own (dynamic)", changed)
 
 
 class StepLog:

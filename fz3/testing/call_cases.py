@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Iterator
 
+import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
 from hypothesis import strategies as st
 
 from fz3.testing.models import Call, Case, External, Model, configs, models, programs, variants

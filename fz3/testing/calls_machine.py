@@ -46,6 +46,7 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
+import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule

@@ -19,6 +19,7 @@ import hashlib
 import json
 import sys
 
+import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 

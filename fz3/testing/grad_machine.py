@@ -29,6 +29,7 @@ grads in place, for a bucket then reduced on the reduce_scatter path. Reuse it:
 from __future__ import annotations
 
 import torch
+import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Sequence
 
 import torch
+import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
 from hypothesis import strategies as st
 
 from fz3.core.grad import epilogue as ep

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
 from hypothesis import strategies as st
 
 from fz3.core.spec import padding, shard_numel

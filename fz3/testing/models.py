@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Union
 
+import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
 from hypothesis import strategies as st
 
 from fz3.testing.param_events import (BackwardFetch, BackwardRelease, Compute, Fetch, Register,

@@ -31,6 +31,7 @@ Reuse:  from fz3.testing.param_machine import ParamLifecycleMachine
 """
 from __future__ import annotations
 
+import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule

@@ -19,6 +19,7 @@ Reuse:  from fz3.testing.replay_machine import ReplayMachine
 """
 from __future__ import annotations
 
+import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule

@@ -15,6 +15,7 @@ Reuse: `TestScaler = ScalerMachine.TestCase`.
 """
 from __future__ import annotations
 
+import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule

@@ -31,6 +31,7 @@ import functools
 import time
 from dataclasses import dataclass, field
 
+import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
