@@ -64,7 +64,7 @@ def systems_table(with_volume: bool) -> dict[str, dict]:
 
 
 def launch(system: dict, spec: dict, timeout: float, env: dict | None = None) -> list[dict]:
-    """One launch of `system`'s ranks, with its own environment ("env": see `variant`) and `env`."""
+    """One launch of `system`'s ranks, with its own environment ("env": see `fz3_variant`) and `env`."""
     import fz3.launch
     from systems.common import worker
     with fz3.launch.spawn_environment({**system.get("env", {}), **(env or {})}):
@@ -72,7 +72,7 @@ def launch(system: dict, spec: dict, timeout: float, env: dict | None = None) ->
                               timeout=timeout, threads=1)
 
 
-def variant(fields: dict) -> dict:
+def fz3_variant(fields: dict) -> dict:
     """An fz3 system with these Config / Options fields; "malloc_thresholds": true starts its ranks
     with glibc's heap thresholds, as fz3.launch.run(malloc_thresholds=True) does (fz3/data/heap.py)."""
     from fz3.data import heap
@@ -197,7 +197,7 @@ def main() -> int:
         label, sep, fields = variant.partition("=")
         if not sep or not label or label in table:
             raise SystemExit(f"--variant {variant!r}: want LABEL=JSON with a new label (taken: {sorted(table)})")
-        table[label] = variant(json.loads(fields))
+        table[label] = fz3_variant(json.loads(fields))
     labels = args.systems.split(",") if args.systems else [k for k in table if k != "fz3-vol" or not args.no_volume_timed]
     stats_labels = labels + (["fz3-vol"] if "fz3-vol" not in labels and "fz3" in labels else [])
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)

@@ -73,7 +73,7 @@ class Group:
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_rank_main, args=(r, system["world"], port, system["module"], spec, child, here),
                             daemon=True)
-            with spawn_environment(system.get("env", {})):  # compare.py's `variant`
+            with spawn_environment(system.get("env", {})):  # compare.py's `fz3_variant`
                 p.start()
             self.conns.append(parent)
             self.procs.append(p)
