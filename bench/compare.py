@@ -8,7 +8,7 @@ Every system trains the same GPT from the same seed on the same data with torch 
 2 ranks x 1 intra-op thread (single process: 1 rank, the whole batch). Timed launches are
 interleaved (round r runs every system once, in reverse order on odd rounds) so that load
 drift hits all alike; warm-up steps are discarded. Memory, collectives and peak RSS come from
-separate "stats" launches run with MALLOC_MMAP_THRESHOLD_=131072 (DESIGN §5). Then: the
+separate "stats" launches run with MALLOC_MMAP_THRESHOLD_=131072 (docs/environment.md). Then: the
 ZeRO-3 volume check, the fz3 per-step breakdown (bench/breakdown.py), the core-overhead
 table (bench/core_overhead.py) and the cost of fz3's pack/unpack copies (bench/copy_costs.py).
 The log goes to stdout; bench/out/ (ignored by git) holds scratch files.

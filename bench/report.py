@@ -13,6 +13,7 @@ import statistics
 import sys
 
 BEGIN, END = "<!-- compare:begin -->", "<!-- compare:end -->"
+SUMMARY_BEGIN, SUMMARY_END = "<!-- summary:begin -->", "<!-- summary:end -->"
 TARGETS = {"fsdp2": 0.9, "deepspeed": 0.9, "ddp": 1.15}  # fz3 step time / system's, at most
 MiB = 2**20
 
@@ -226,9 +227,38 @@ def render(res: dict) -> str:
     return "\n".join(out)
 
 
+def summary(res: dict) -> str:
+    """The top of RESULTS.md: when, at which commit, the command, and one table (at most 60 lines)."""
+    v, m = res["versions"], res["machine"]
+    rows = ["| model | system | step ms (median) | **fz3 ÷ system** | model states MiB a rank | peak RSS MiB rank 0 / 1 |",
+            "|---|---|---:|---:|---:|---|"]
+    for model, timed in res["timed"].items():
+        if "fz3" not in timed:
+            continue
+        fz3_med = statistics.median(_times(timed["fz3"]))
+        stats = res["stats"].get(model, {})
+        for label, runs in timed.items():
+            med = statistics.median(_times(runs))
+            out = stats.get(label)
+            mem = out[0]["mem"] if out else None
+            states = _mib(mem["params"] + mem["grads"] + mem["optimizer"]) if mem else "–"
+            rss = " / ".join(f"{o['peak_rss'] / MiB:.0f}" for o in out) if out else "–"
+            rows.append(f"| {model} | {label} | {_ms(med)} | **{fz3_med / med:.2f}** | {states} | {rss} |")
+    lines = [SUMMARY_BEGIN, "## Now", "",
+             f"{res['finished'][:10]}, fz3 at {v.get('fz3_git')}{' + uncommitted changes' if v.get('fz3_dirty') else ''}: "
+             f"`{res['command'].strip()}` ({res['total_s'] / 60:.0f} min; {m['cpu']}, {m['cores']} cores; "
+             f"torch {v['torch']}, deepspeed {v.get('deepspeed')}). 2 gloo ranks x 1 thread, fp32, AdamW, steps "
+             "interleaved; model states = params + grads + optimizer state after a step; peak RSS with "
+             "MALLOC_MMAP_THRESHOLD_=131072. fz3 runs with its defaults; the full tables are below "
+             "(\"fz3 vs single process, ...\").", ""] + rows + ["", SUMMARY_END]
+    assert len(lines) <= 60, f"the summary has {len(lines)} lines; RESULTS.md opens with at most 60"
+    return "\n".join(lines)
+
+
 def write(res: dict, path: str) -> None:
     from bench_env import replace_section
     replace_section(path, render(res), BEGIN, END)
+    replace_section(path, summary(res), SUMMARY_BEGIN, SUMMARY_END)
 
 
 if __name__ == "__main__":

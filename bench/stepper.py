@@ -57,7 +57,7 @@ def _rank_main(rank: int, world: int, port: int, module: str, spec: dict, conn, 
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # gloo can abort a rank at interpreter shutdown (DESIGN §5)
+    os._exit(code)  # gloo can abort a rank at interpreter shutdown (docs/environment.md)
 
 
 class Group:

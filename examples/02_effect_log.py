@@ -3,9 +3,18 @@
 No tensors and no processes: fz3.core alone takes the events a 2-layer GPT's hooks would send
 (fz3/core/events.py: Enter, Leave, PreBackwardRan, GradReady, ...; tied token embedding /
 lm_head) through three training steps on 2 ranks, and prints the parameter effects it asks the
-data plane to run. Pass 0 records the module order (trace RECORD),
-pass 1 prefetches from it (COMPLETE). Watch the tied embedding: gathered once for the embedding,
-kept for the lm_head when it is reused within max_reuse_distance.
+data plane to run. The root's Enter at the start of each pass moves the trace
+(fz3/core/param/trace.py): pass 0 runs in RECORD, so every gather is on demand and the module
+order is logged; pass 1's Enter freezes that log into a plan (COMPLETE), and passes 1 and 2
+prefetch from it. Watch the tied weight, wte.weight: pass 0 gathers it four times (the
+embedding and the lm_head, in forward and in backward); from pass 1 on it is gathered once a
+pass and kept from the embedding to the embedding's backward, because the modules between two
+of its uses hold at most 67,712 elements, fewer than max_reuse_distance
+(fz3/core/param/release.py). One backward gather is on demand: prefetching it would pass
+max_live_parameters. (The events here carry no log of what autograd saved, so the embedding's
+backward fetches its weight; the real engine sees that the embedding saves none and frees the
+tied weight right after the lm_head's backward: [Note: backward reads no param],
+fz3/core/calls.py.)
 
     python examples/02_effect_log.py
 """
@@ -31,8 +40,9 @@ for i in range(2):
                 (f"h.{i}.proj", [base + 2], False), (f"h.{i}.mlp", [base + 3], False)]
 modules.append(("lm_head", [0], False))  # tied to wte
 
+# between wte and lm_head in forward lie wpe (2,048) and two blocks (32,832 each): 67,712 elements
 config = Config(prefetch_bucket_size=20_000, max_live_parameters=60_000,
-                max_reuse_distance=40_000, param_persistence_threshold=D)
+                max_reuse_distance=70_000, param_persistence_threshold=D)
 spec = build_spec(params, modules, world_size=2, persistence_threshold=config.param_persistence_threshold)
 order = list(range(1, len(modules)))  # every module once, in registration order
 trainable = (True,) * len(params)
@@ -49,6 +59,10 @@ def send(rec, event):
     check_state(st.params)
 
 
+WHAT = {"RECORD": "every gather on demand; the module order is logged",
+        "COMPLETE": "the plan of the recorded order drives prefetch and reuse-keeping"}
+
+
 def wrapped(m):
     """The engine gives a call autograd nodes unless the core says it is inert (its own params
     all persistent: the layer norms here)."""
@@ -57,8 +71,8 @@ def wrapped(m):
 
 for pass_no in range(3):
     rec = Recorder(spec)
-    print(f"\n== pass {pass_no}: trace {st.params.trace.mode.name}")
-    send(rec, Enter(0, grad=True, grad_inputs=False))
+    send(rec, Enter(0, grad=True, grad_inputs=False))  # the root's Enter: reset_step moves the trace
+    print(f"\n== pass {pass_no}: trace {st.params.trace.mode.name}: {WHAT[st.params.trace.mode.name]}")
     for m in order:  # the token and position embeddings take ids: no grad inputs
         send(rec, Enter(m, grad=True, grad_inputs=m > 2))
         check_fetched(st.params, m)
@@ -79,6 +93,8 @@ for pass_no in range(3):
     print(f"-- {rec.counts['AllGather']} gathers ({rec.counts['prefetch']} prefetched), "
           f"{rec.counts['gathered_numel']} elements gathered, peak live {st.params.peak_live_numel} "
           f"(max_live_parameters {config.max_live_parameters})")
+    tied = sum(1 for e in rec.log if isinstance(e, AllGather) and 0 in e.params)
+    print(f"-- wte.weight (tied to lm_head) gathered {tied} time(s) in this pass")
     send(rec, StepCalled())  # engine.step(): the window closes (gradient_accumulation_steps 1)
     send(rec, Stepped())
 print("\nafter the optimizer step only persistent params are live:",

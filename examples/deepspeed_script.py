@@ -141,7 +141,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
         print(f"wrote {args.out}", flush=True)
-    # torch 2.13 + gloo can abort a rank during interpreter shutdown (DESIGN §5): end cleanly
+    # torch 2.13 + gloo can abort a rank during interpreter shutdown (docs/environment.md): end cleanly
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)

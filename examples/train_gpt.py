@@ -100,7 +100,7 @@ def main() -> int:
         rank, world = fz3.launch.init_from_env()
         losses = train(rank, world, args)
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()  # before exit: see DESIGN.md §5 (gloo, 2.13)
+        torch.distributed.destroy_process_group()  # before exit: see docs/environment.md (gloo, 2.13)
         if rank != 0:
             return 0
     else:

@@ -157,7 +157,7 @@ def main() -> int:
             raise SystemExit(f"--batch {args.batch} must divide by the world size {world}")
         losses = train(rank, world, args)
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()  # before exit: see DESIGN.md §5 (gloo, 2.13)
+        torch.distributed.destroy_process_group()  # before exit: see docs/environment.md (gloo, 2.13)
         if rank != 0:
             return 0
     else:

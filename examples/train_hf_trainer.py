@@ -135,7 +135,7 @@ def main() -> int:
         args.out = out[0]
         sharded(rank, world, args)
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()  # before exit: see DESIGN.md §5 (gloo, 2.13)
+        torch.distributed.destroy_process_group()  # before exit: see docs/environment.md (gloo, 2.13)
         return 0
     os.environ.setdefault("FZ3_DEVICE", "cpu")
     args.out = args.out or tempfile.mkdtemp(prefix="fz3_hf_trainer_")

@@ -13,7 +13,7 @@ each rank's device as fz3.initialize will (`pick_device`: FZ3_DEVICE, LOCAL_RANK
 present), make it current, and init the group with its backend: gloo on CPU, nccl on CUDA, hccl
 on Ascend; an explicit `backend` must fit that device (fz3/shell/pick.py). Every rank
 ends with barrier, destroy_process_group, flush, os._exit(0): on torch 2.13 a gloo worker
-thread can abort a rank during interpreter shutdown after all its work is done (DESIGN.md §5).
+thread can abort a rank during interpreter shutdown after all its work is done (docs/environment.md).
 A rank that raises, or exits without a result, fails the whole run with every rank's error:
 the others get `_GRACE_S` to report theirs (a peer's exit usually makes them raise too, e.g.
 fz3.DivergenceError), then are killed. A run that exceeds `timeout` fails with TimeoutError.
@@ -121,7 +121,7 @@ _GRACE_S = 10.0  # once a rank failed, how long run() waits for the others' own 
 def _died_silently(procs: list, reported: set) -> dict[int, str]:
     """rank -> 'exited without a result (exit code c)' for each rank that exited and reported
     nothing: a crash while starting, or os._exit in `fn`. A rank that put a result may still die
-    at shutdown (DESIGN.md §5): that is not a failure."""
+    at shutdown (docs/environment.md): that is not a failure."""
     return {r: f"exited without a result (exit code {p.exitcode})" for r, p in enumerate(procs)
             if r not in reported and p.exitcode is not None}
 

@@ -3,7 +3,7 @@ client optimizer, fp32, stage-3 settings = DS_ZERO below (DeepSpeed's defaults, 
 fz3's "same settings" run is Config.from_deepspeed of the same dict), gradient_clipping 0
 (DeepSpeed 0.19.8 defaults it to 1.0; nothing else here clips).
 
-The model is built outside zero.Init (zero.Init would skip GPT's custom init, DESIGN §5) and
+The model is built outside zero.Init (zero.Init would skip GPT's custom init, docs/environment.md) and
 partitioned by deepspeed.initialize. DeepSpeed's TorchBackend JIT-compiles a shared-memory
 all-reduce op at init_distributed (~75 s, used only by inference all-reduce): build_shm_op is
 replaced by `lambda: None` before init, which is DeepSpeed's own "op unavailable" path.

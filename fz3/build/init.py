@@ -33,7 +33,7 @@ How a model is built without ever being whole on a rank:
 Every rank must run the same code inside the block: closing and opening are collectives.
 Modules built on the `meta` device are left alone (fz3.initialize materializes those).
 DeepSpeed: deepspeed.zero.Init (partition_parameters.py), which broadcasts from rank 0 too but
-skips custom init done after a module is built (DESIGN §5).
+skips custom init done after a module is built (docs/environment.md).
 """
 from __future__ import annotations
 

@@ -34,80 +34,7 @@ The state is the three lifecycles together (`Lifecycle`); each step is a pure fu
 `f(state, ..., *, config) -> (state, effects)` as below it (`update` looks them up here when it
 runs, so a test may replace one).
 
-[Note: inert modules] A module whose own params are all persistent (or that has none: a
-container) never gathers nor frees, and its externals are pinned to the step's end: its
-backward would do nothing, so its calls get no autograd nodes. 18 of the small benchmark GPT's
-33 calls; ~2.7 ms a step (bench/no_comm_overhead.py, toy). The root and leaf modules always get
-theirs.
-
-Where no param is ever freed (every param persistent: `saves_matter` False), a call of an inert
-module inside another call takes no event either (`CallTables.quiet`): its params are live from
-the outermost call's enter on ([Note: persistent params stay live], fz3/core/param/hold.py),
-its enter and leave would change nothing but the stack of open calls, and what it reads nothing
-(nothing to borrow: nothing is freed). The shell sends none (fz3/shell/engine.py,
-`_pre_forward`), and what the calls inside it do is seen as done by the call around it: on the
-deep narrow benchmark GPT 116 of its 117 calls, ~1.3 ms of its forward (issue #27). Not where
-params are freed: there a param such a call reads off the _parameters of the call around it
-would be that call's own read, and that call may free it at its own grads ([Note: modules
-without grad inputs]) while the inert call's backward still needs it (the calls machine found
-it, fz3/testing/calls_machine.py QuietCallsMachine). The outermost call of an inert module
-(called on its own) always takes its events, and its outputs get a PreBackward node ([Note:
-persistent grads at the end of backward]).
-
-[Note: modules without grad inputs] A call whose inputs need no grad (an embedding on token
-ids) never gets a post-backward, so DeepSpeed keeps its params gathered to the end of backward:
-for the token embedding, the largest unit, through the whole backward. Its backward is over
-once its own params' grads are accumulated, so it is released then (`grad_ready`). To the param
-lifecycle such a call has one grad input: the release at its grads is its post_backward. Its
-params are still read by the module's other calls whose input grads are not done (a block
-called once on a grad-requiring input, once not): so the waiting calls end only when every
-other call of the module has ended its backward (its grads remaining are the waiting calls'),
-at the last grad or at that other call's post_backward, whichever comes later.
-
-[Note: backward reads no param] Such a call whose forward saved none of its params for backward
-(the saved-tensor hooks logged none: F.embedding saves the ids and the weight's row count)
-computes its params' grads without reading their values. So its backward needs no fetch and its
-backward bookkeeping is over at its post-forward: its params are freed as soon as no other
-module needs them, with their shape kept for AccumulateGrad (GradDue). A tied embedding /
-lm_head weight, which DeepSpeed keeps gathered from the lm_head's backward through the
-embedding's, is freed right after the lm_head's backward.
-
-[Note: persistent grads at the end of backward] A param of one inert module alone (persistent,
-then) gets no grad hook: autograd's hook, the event and the core's door cost ~5 us a param, and
-195 of the deep narrow benchmark GPT's 196 params are such (issue #27). Its grad is reported at
-the end of backward when its .grad is set (`with_grad`), in id order: it is never freed, and no
-call waits for it (an inert call never waits: `grad_params`; a persistent param of a module
-that is not inert keeps its hook, since a call of that module without grad inputs ends when
-all its grads are in). A reduce at the end of backward is what the hold path does with a small
-grad anyway. It is reported like a hooked param, not as a leaf's: only when it got a grad, so a
-grad on one rank only is still a reduce the other ranks do not issue, a DivergenceError ([Note:
-no grad, no step], epilogue.py). The price: its grad waits in .grad until then (on a carrier
-that copies grads into buckets, the persistent params' grads, small by the threshold's design,
-live to the end of backward), and it is not reduced while the backward still runs. A tied
-param (two modules) keeps its hook. The outermost call always gets a PreBackward node, so a
-backward through a call of inert modules alone still queues its end. A backward that meets no
-fz3 node and no hooked param (one started from the output of an inert call inside another: the
-calls machine found it) queues none: the engine sees the unhooked grads left in .grad and
-sends that BackwardEnded itself: right after engine.backward, or, after a bare
-loss.backward(), at step() or at the next outermost call's pre-forward (so each such backward
-still counts as one micro-step). Left open: a bare one followed by another backward with no
-forward or step between (retain_graph); the second's end takes both backwards' grads as one
-micro-step, since by its first event its own grads may already be in the same .grad. And a
-.grad set by hand on such a param (not a ZeRO-3 grad in DeepSpeed either) is taken for a
-backward that sent no end: nothing tells the two apart without a hook on every such param.
-
-[Note: leaf modules] A leaf module's own params (in no other module) get no grad hooks: its
-calls' backwards may each add to them (a MoE block's experts), so they are reduced together
-once the backward of all its calls is done: at the post_backward of its last call with grad
-inputs when no call still waits for its pre_backward (a call without grad inputs never gets a
-post_backward, and its backward may come after: calls.py once reduced the leaf before it), else
-at the end of backward. Zeros stand in for grads its experts did not produce on this rank, so
-every rank reduces the same. A leaf param that is also another module's (tied) gets a hook
-like any param, which torch fires once every use added to it. One that a module borrows at run
-time (returned out of the leaf, or read off it) would get grads after the leaf's reduction:
-refused with an error naming it. The shell says which of the leaf's params hold a grad when
-the leaf may be reduced (`with_grad`, what torch shows it); the others get zeros (ZeroGrads),
-reported as stand-ins, not as grads ([Note: no grad, no step], epilogue.py).
+The Notes this file cites are at its end.
 """
 from __future__ import annotations
 
@@ -576,3 +503,81 @@ def _reduce_leaf(calls: CallState, grads: GradState, m: ModuleId, config: Config
         grads, eff = bucket_add(grads, p, config=config, dtype=grad_dtype(config), stand_in=p not in with_grad)
         effects += eff
     return calls._replace(leaves=calls.leaves - {m}), grads, effects
+
+
+# ---- Notes --------------------------------------------------------------------------------------
+#
+# [Note: inert modules] A module whose own params are all persistent (or that has none: a
+# container) never gathers nor frees, and its externals are pinned to the step's end: its
+# backward would do nothing, so its calls get no autograd nodes. 18 of the small benchmark GPT's
+# 33 calls; ~2.7 ms a step (bench/no_comm_overhead.py, toy). The root and leaf modules always get
+# theirs.
+#
+# Where no param is ever freed (every param persistent: `saves_matter` False), a call of an inert
+# module inside another call takes no event either (`CallTables.quiet`): its params are live from
+# the outermost call's enter on ([Note: persistent params stay live], fz3/core/param/hold.py),
+# its enter and leave would change nothing but the stack of open calls, and what it reads nothing
+# (nothing to borrow: nothing is freed). The shell sends none (fz3/shell/engine.py,
+# `_pre_forward`), and what the calls inside it do is seen as done by the call around it: on the
+# deep narrow benchmark GPT 116 of its 117 calls, ~1.3 ms of its forward (issue #27). Not where
+# params are freed: there a param such a call reads off the _parameters of the call around it
+# would be that call's own read, and that call may free it at its own grads ([Note: modules
+# without grad inputs]) while the inert call's backward still needs it (the calls machine found
+# it, fz3/testing/calls_machine.py QuietCallsMachine). The outermost call of an inert module
+# (called on its own) always takes its events, and its outputs get a PreBackward node ([Note:
+# persistent grads at the end of backward]).
+#
+# [Note: modules without grad inputs] A call whose inputs need no grad (an embedding on token
+# ids) never gets a post-backward, so DeepSpeed keeps its params gathered to the end of backward:
+# for the token embedding, the largest unit, through the whole backward. Its backward is over
+# once its own params' grads are accumulated, so it is released then (`grad_ready`). To the param
+# lifecycle such a call has one grad input: the release at its grads is its post_backward. Its
+# params are still read by the module's other calls whose input grads are not done (a block
+# called once on a grad-requiring input, once not): so the waiting calls end only when every
+# other call of the module has ended its backward (its grads remaining are the waiting calls'),
+# at the last grad or at that other call's post_backward, whichever comes later.
+#
+# [Note: backward reads no param] Such a call whose forward saved none of its params for backward
+# (the saved-tensor hooks logged none: F.embedding saves the ids and the weight's row count)
+# computes its params' grads without reading their values. So its backward needs no fetch and its
+# backward bookkeeping is over at its post-forward: its params are freed as soon as no other
+# module needs them, with their shape kept for AccumulateGrad (GradDue). A tied embedding /
+# lm_head weight, which DeepSpeed keeps gathered from the lm_head's backward through the
+# embedding's, is freed right after the lm_head's backward.
+#
+# [Note: persistent grads at the end of backward] A param of one inert module alone (persistent,
+# then) gets no grad hook: autograd's hook, the event and the core's door cost ~5 us a param, and
+# 195 of the deep narrow benchmark GPT's 196 params are such (issue #27). Its grad is reported at
+# the end of backward when its .grad is set (`with_grad`), in id order: it is never freed, and no
+# call waits for it (an inert call never waits: `grad_params`; a persistent param of a module
+# that is not inert keeps its hook, since a call of that module without grad inputs ends when
+# all its grads are in). A reduce at the end of backward is what the hold path does with a small
+# grad anyway. It is reported like a hooked param, not as a leaf's: only when it got a grad, so a
+# grad on one rank only is still a reduce the other ranks do not issue, a DivergenceError ([Note:
+# no grad, no step], epilogue.py). The price: its grad waits in .grad until then (on a carrier
+# that copies grads into buckets, the persistent params' grads, small by the threshold's design,
+# live to the end of backward), and it is not reduced while the backward still runs. A tied
+# param (two modules) keeps its hook. The outermost call always gets a PreBackward node, so a
+# backward through a call of inert modules alone still queues its end. A backward that meets no
+# fz3 node and no hooked param (one started from the output of an inert call inside another: the
+# calls machine found it) queues none: the engine sees the unhooked grads left in .grad and
+# sends that BackwardEnded itself: right after engine.backward, or, after a bare
+# loss.backward(), at step() or at the next outermost call's pre-forward (so each such backward
+# still counts as one micro-step). Left open: a bare one followed by another backward with no
+# forward or step between (retain_graph); the second's end takes both backwards' grads as one
+# micro-step, since by its first event its own grads may already be in the same .grad. And a
+# .grad set by hand on such a param (not a ZeRO-3 grad in DeepSpeed either) is taken for a
+# backward that sent no end: nothing tells the two apart without a hook on every such param.
+#
+# [Note: leaf modules] A leaf module's own params (in no other module) get no grad hooks: its
+# calls' backwards may each add to them (a MoE block's experts), so they are reduced together
+# once the backward of all its calls is done: at the post_backward of its last call with grad
+# inputs when no call still waits for its pre_backward (a call without grad inputs never gets a
+# post_backward, and its backward may come after: calls.py once reduced the leaf before it), else
+# at the end of backward. Zeros stand in for grads its experts did not produce on this rank, so
+# every rank reduces the same. A leaf param that is also another module's (tied) gets a hook
+# like any param, which torch fires once every use added to it. One that a module borrows at run
+# time (returned out of the leaf, or read off it) would get grads after the leaf's reduction:
+# refused with an error naming it. The shell says which of the leaf's params hold a grad when
+# the leaf may be reduced (`with_grad`, what torch shows it); the others get zeros (ZeroGrads),
+# reported as stand-ins, not as grads ([Note: no grad, no step], epilogue.py).

@@ -28,7 +28,7 @@ from fz3.initialize: STYLE.md rule 15), and leaves the ranks' environment as it 
 user chose: any of glibc's MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_ or
 MALLOC_MMAP_MAX_ in the environment, or a glibc.malloc tunable in GLIBC_TUNABLES (the
 benchmarks' memory launches set MALLOC_MMAP_THRESHOLD_=131072 to see what sharding saves:
-DESIGN §5). Off glibc (another libc, or an allocator such as jemalloc preloaded) the variables
+docs/environment.md). Off glibc (another libc, or an allocator such as jemalloc preloaded) the variables
 mean nothing and none is set.
 """
 from __future__ import annotations

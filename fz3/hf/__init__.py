@@ -10,9 +10,14 @@ fz3.hf.TrainingArguments is transformers' with `deepspeed=` taken as fz3's confi
 DeepSpeed is never set up (fz3/hf/arguments.py).
 
 Importing this package imports transformers and accelerate (the `hf` extra); `import fz3` never
-does (fz3/hf/trainer.py).
+does (fz3/hf/trainer.py). Their versions are checked first (fz3/hf/versions.py: written against
+transformers 5.x, tested with 5.25.0 and accelerate 1.16.0).
 """
-from fz3.hf.arguments import TrainingArguments
-from fz3.hf.trainer import Trainer
+from fz3.hf import versions
+
+versions.check()
+
+from fz3.hf.arguments import TrainingArguments  # noqa: E402 - after the version check
+from fz3.hf.trainer import Trainer  # noqa: E402
 
 __all__ = ["Trainer", "TrainingArguments"]

@@ -10,7 +10,7 @@ and I2 after each.
     watch.i1, watch.reach, watch.i2   # the first violation of each, or None
     watch.active()              # the modules whose forward runs now, innermost last
 
-Every rank's core is deterministic and rank-agnostic (DESIGN.md §2), so the effect streams are
+Every rank's core is deterministic and rank-agnostic (docs/architecture.md, "Two planes"), so the effect streams are
 what fz3.check compares: between two runs of one example (determinism, I6) and between the ranks
 of one run (no divergence: ranks fed the same module events emit the same effects). The module
 names entered say where the ranks' (or the passes') calls departed from each other.

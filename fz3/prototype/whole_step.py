@@ -112,7 +112,7 @@ def _gather(unit: str, pids: Sequence[int], engine) -> Gather:
 
 class _GatherShards(torch.autograd.Function):
     """all_gather_into_tensor (flat, rank-major) + wait; backward: reduce_scatter_tensor SUM,
-    then / W (fz3 divides itself: gloo's AVG is unreliable, DESIGN.md §5)."""
+    then / W (fz3 divides itself: gloo's AVG is unreliable, docs/environment.md)."""
 
     @staticmethod
     def forward(ctx, flat: torch.Tensor, world: int, group: str) -> torch.Tensor:

@@ -18,7 +18,7 @@ collective's async `Work`, so its streams and events are inert `NullStream` / `N
 (pick.py), when `pick_device` asks for it, never when this module is imported. torch may
 also autoload an installed torch_npu during `import torch`; fz3 does not set
 TORCH_DEVICE_BACKEND_AUTOLOAD=0, but a user whose stray torch_npu install breaks `import torch`
-can (DESIGN §5).
+can (docs/environment.md).
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ class CpuDevice:
     /proc/self/status, the peak reset by writing 5 to /proc/self/clear_refs (Linux).
     Where /proc is missing the peak falls back to getrusage's ru_maxrss, which cannot be reset.
     RSS counts everything in the process, and glibc's allocator keeps freed memory, hiding what
-    sharding saves: measure with MALLOC_MMAP_THRESHOLD_=131072 (DESIGN §5).
+    sharding saves: measure with MALLOC_MMAP_THRESHOLD_=131072 (docs/environment.md).
     """
 
     type = "cpu"

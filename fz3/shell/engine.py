@@ -17,10 +17,32 @@ hands it to the core, and runs the effects it gets back: the parameter and gradi
 through the interpreter, the hook effects (fz3/core/hook_effects.py: wrap the call's tensors,
 queue the end of backward, the store's grad placeholders) itself, by one `match`, in order.
 fz3's features (gathered_parameters, load_weights, load_checkpoint) send their events through
-the same door, `engine.apply`. The engine's own cells: the core's (a Replay: the state and the
-recorded passes) and the last grad norm;
-torch forces two more, kept beside what they serve: the saved-tensor hooks of a root forward
-(saved.py) and the tensor store (fz3/data/store.py).
+the same door, `engine.apply`.
+
+The engine's mutable cells, all set in __init__ or _take_units:
+    cell                 the core's: a Replay (fz3/core/replay.py), the state and the recorded
+                         passes; every decision about params and grads is made in it
+    loss_scale           fp16's scale (fz3/core/grad/scaler.py decides each change; the cell is
+                         kept beside the core's: [Note: the scaler's count])
+    grad_norm, norm_reported, overflow, step_applied
+                         what the last boundary found, for DeepSpeed's getters
+    micro_steps, global_samples, boundary_override, batch, unmanaged_backwards,
+    gather_16bit_weights_on_model_save
+                         DeepSpeed's counters and switches (surface.py)
+    in_step, inside_no_sync, stopped, untouched
+                         guards: step() is running, a coalesce_grad_reduction block is open, a
+                         DivergenceError stopped the engine, no event has run yet
+    ends, graph_tasks    autograd's bookkeeping: ends of backward the core queued and ran, and
+                         torch's graph task ids numbered by pass
+and the objects with state of their own: the tensor store (fz3/data/store.py), the interpreter,
+the saved-tensor hooks of a root forward (saved.py), the buffers' broadcast (buffers.py), the
+flat optimizer steps (flat_step.py) and the step log (log.py).
+
+Decisions the shell still makes, not the core: whether a backward that met no fz3 node has
+ended (`_end_unreported_backward`: after engine.backward, or at step() or the next forward);
+refusing step() inside coalesce_grad_reduction and every call after a DivergenceError; counting
+engine.backward calls when managed_gradient_accumulation is off (surface.py); and stepping the
+lr scheduler when the core says the step was applied.
 """
 from __future__ import annotations
 
@@ -147,8 +169,7 @@ class Engine(DeepSpeedSurface):
         self.module_ids = {id(m): i for i, m in enumerate(self.tables.modules)}
         in_place = getattr(self.interp, "in_place_reduce_scatter", False)
         hold = getattr(self.interp, "hold_budget", 0)
-        # the engine's two cells: the core's (its state and recorded passes), and the grad norm
-        # at the last boundary
+        # the core's cell: its state and recorded passes
         grads = init_grad_state(self.spec, in_place_reduce_scatter=in_place, hold_budget=hold)
         self.cell = replay.start(Lifecycle(initial_state(self.spec), grads,
                                            initial_calls(self.spec, self.store.trainable, self.config)))

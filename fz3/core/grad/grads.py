@@ -21,55 +21,7 @@ Per-param flags cost O(1) to reset: a param records the backward (and graph task
 report, so "reported in this backward" is `reported == state.backward`, and advancing the
 backward counter (the epilogue, fz3/core/grad/epilogue.py) clears every flag at once.
 
-[Note: copy vs add] DeepSpeed copies on micro_step 0 and adds later, so a param that gets no
-grad in micro-step 0 but does later adds onto the previous window's stale partition. fz3 copies
-on the param's *first write in the window* (it records the window of its last write), and the
-epilogue zeroes the partitions never written in a window.
-
-[Note: pre-division] Partitions hold sums over ranks and micro-steps; the boundary divides once,
-by W x gas / predivide, where each grad was divided by `grad_predivide` before the reduce: 1
-(nothing) by default, W with prescale_gradients or when grads are reduced in fp16,
-gradient_predivide_factor otherwise. Either way
-the partitions end as the mean gradient. Pre-dividing keeps the sum of W grads inside the range
-of a narrow comm dtype (fp16). DeepSpeed stage 3 divides every grad by W before each reduce
-(`reduce_scatter_coalesced`, `__avg_scatter_contiguous_grads`), with a predivide factor f also by
-f before and times f after, and scales the loss by 1/gas; it refuses prescale_gradients and f != 1
-with reduce_scatter on (an assert in `DeepSpeedZeroOptimizer_Stage3.__init__`), while fz3 runs
-them on both reduce paths: the same arithmetic, in another order.
-
-[Note: copy or hold] DeepSpeed copies every grad into the contiguous IPG buffer, which one
-collective then reads. A point-to-point reduce-scatter (gloo's p2p carrier) sends each rank's
-slice straight from each grad, so the copy would only stage it: with such a carrier
-(`init_grad_state(..., in_place_reduce_scatter=True)`) and reduce_scatter on, a placed grad is
-held instead (HoldGrad), saving the copy and the bucket's memory. The interpreter says what its
-carrier does; the choice is made here, where the machines see it (fz3/testing/grad_machine.py).
-
-[Note: hold budget] A held grad is the grad autograd made, kept whole until its bucket is
-reduced, so an open bucket of held grads holds reduce_bucket_size elements of grads beside the
-model (DeepSpeed's default 5e8: 2 GB per rank in fp32, whatever the model) while the carrier
-gains nothing from that batching: it sends grad by grad, and packs only the small ones
-(fz3/core/messages.py). The interpreter says how many elements its carrier gains from batching
-(`hold_budget`, init_grad_state), and held buckets are reduced at the smaller of that and
-reduce_bucket_size (`capacity`). A copied bucket keeps reduce_bucket_size: the one buffer it
-copies into is the memory DeepSpeed's users sized, and a collective over it is what batching
-buys.
-
-[Note: grads at the boundary] At stages 0 and 1 (fz3/core/stage.py) a grad is not reduced when
-autograd has accumulated it: bucket_add marks the param `waits` (this window) and returns no
-effect, so the grad stays whole in param.grad, where the window's later backwards add to it
-(AccumulateGrad), as DeepSpeed's stage 0 and 1 accumulate before their one reduce. The step()
-that closes the window reduces every waiting grad (`flush_waiting`), the partitions' one write
-of the window (copy), and the average follows as at any stage. A zero_grad drops them
-(ClearGrads). The reduce's traffic is once a window instead of once a backward; the grads are
-whole in the meantime, the memory stage 1 spends where stage 2 does not.
-
-[Note: reentrant checkpointing] A param used inside and outside a reentrant-checkpointed region
-fires its grad hook once per graph task. The shell passes the graph task; a second report in a
-new task is a partial grad, reduced and added. If the first is still in an open bucket: with
-contiguous_gradients the first grad sits in the bucket (copied or held) and param.grad was
-released, so the bucket is flushed first and the new grad takes a fresh slot (no bucket ever
-holds a param twice; DeepSpeed PR #7780 fixed stale buckets here); without, autograd accumulated
-the new grad into param.grad, which the open slot reads at reduce time, so there is nothing to do.
+The Notes this file cites are at its end.
 """
 from __future__ import annotations
 
@@ -449,3 +401,56 @@ def _open(state: GradState, bucket: int) -> Optional[IPGBucket]:
         if b.id == bucket:
             return b
     return None
+
+
+# ---- Notes --------------------------------------------------------------------------------------
+#
+# [Note: copy vs add] DeepSpeed copies on micro_step 0 and adds later, so a param that gets no
+# grad in micro-step 0 but does later adds onto the previous window's stale partition. fz3 copies
+# on the param's *first write in the window* (it records the window of its last write), and the
+# epilogue zeroes the partitions never written in a window.
+#
+# [Note: pre-division] Partitions hold sums over ranks and micro-steps; the boundary divides once,
+# by W x gas / predivide, where each grad was divided by `grad_predivide` before the reduce: 1
+# (nothing) by default, W with prescale_gradients or when grads are reduced in fp16,
+# gradient_predivide_factor otherwise. Either way
+# the partitions end as the mean gradient. Pre-dividing keeps the sum of W grads inside the range
+# of a narrow comm dtype (fp16). DeepSpeed stage 3 divides every grad by W before each reduce
+# (`reduce_scatter_coalesced`, `__avg_scatter_contiguous_grads`), with a predivide factor f also by
+# f before and times f after, and scales the loss by 1/gas; it refuses prescale_gradients and f != 1
+# with reduce_scatter on (an assert in `DeepSpeedZeroOptimizer_Stage3.__init__`), while fz3 runs
+# them on both reduce paths: the same arithmetic, in another order.
+#
+# [Note: copy or hold] DeepSpeed copies every grad into the contiguous IPG buffer, which one
+# collective then reads. A point-to-point reduce-scatter (gloo's p2p carrier) sends each rank's
+# slice straight from each grad, so the copy would only stage it: with such a carrier
+# (`init_grad_state(..., in_place_reduce_scatter=True)`) and reduce_scatter on, a placed grad is
+# held instead (HoldGrad), saving the copy and the bucket's memory. The interpreter says what its
+# carrier does; the choice is made here, where the machines see it (fz3/testing/grad_machine.py).
+#
+# [Note: hold budget] A held grad is the grad autograd made, kept whole until its bucket is
+# reduced, so an open bucket of held grads holds reduce_bucket_size elements of grads beside the
+# model (DeepSpeed's default 5e8: 2 GB per rank in fp32, whatever the model) while the carrier
+# gains nothing from that batching: it sends grad by grad, and packs only the small ones
+# (fz3/core/messages.py). The interpreter says how many elements its carrier gains from batching
+# (`hold_budget`, init_grad_state), and held buckets are reduced at the smaller of that and
+# reduce_bucket_size (`capacity`). A copied bucket keeps reduce_bucket_size: the one buffer it
+# copies into is the memory DeepSpeed's users sized, and a collective over it is what batching
+# buys.
+#
+# [Note: grads at the boundary] At stages 0 and 1 (fz3/core/stage.py) a grad is not reduced when
+# autograd has accumulated it: bucket_add marks the param `waits` (this window) and returns no
+# effect, so the grad stays whole in param.grad, where the window's later backwards add to it
+# (AccumulateGrad), as DeepSpeed's stage 0 and 1 accumulate before their one reduce. The step()
+# that closes the window reduces every waiting grad (`flush_waiting`), the partitions' one write
+# of the window (copy), and the average follows as at any stage. A zero_grad drops them
+# (ClearGrads). The reduce's traffic is once a window instead of once a backward; the grads are
+# whole in the meantime, the memory stage 1 spends where stage 2 does not.
+#
+# [Note: reentrant checkpointing] A param used inside and outside a reentrant-checkpointed region
+# fires its grad hook once per graph task. The shell passes the graph task; a second report in a
+# new task is a partial grad, reduced and added. If the first is still in an open bucket: with
+# contiguous_gradients the first grad sits in the bucket (copied or held) and param.grad was
+# released, so the bucket is flushed first and the new grad takes a fresh slot (no bucket ever
+# holds a param twice; DeepSpeed PR #7780 fixed stale buckets here); without, autograd accumulated
+# the new grad into param.grad, which the open slot reads at reduce time, so there is nothing to do.
