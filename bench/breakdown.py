@@ -91,7 +91,7 @@ def instrument(timers: Timers) -> None:
                  "end_of_backward", "stepped"):  # the core's events: every decision and transition
         setattr(calls, name, timers.wrap("core", getattr(calls, name)))
     import fz3.core.replay as replay  # the engine's door: a replayed event never reaches calls.*
-    replay.update = timers.wrap("core", replay.update)
+    replay.advance = timers.wrap("core", replay.advance)
     eng.at_boundary = timers.wrap("core", eng.at_boundary)
     for name in ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_on_param_read",
                  "_end_of_backward", "apply", "_run", "_begin_pass"):

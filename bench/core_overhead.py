@@ -196,7 +196,7 @@ def measure(sizes: list[int], config: Config, *, world_size: int = 2,
         if events.startswith("steady"):  # the engine's cell; steady-full: nothing recorded
             keep = events == "steady"
             box = [(replay.start(initial(spec, "calls")), steady_events(spec, order, config),
-                    lambda cell, e, config, keep=keep: replay.update(cell, e, config=config, keep=keep))]
+                    lambda cell, e, config, keep=keep: replay.advance(cell, e, config=config, keep=keep))]
         else:
             box = [initial(spec, events)]
         run = PASSES[events]

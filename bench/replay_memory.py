@@ -50,7 +50,7 @@ def synthetic(sizes=(100, 1000, 10000)) -> None:
         grew = []
         for keep in (False, True):
             box = [(replay.start(co.initial(spec, "calls")), co.steady_events(spec, order, cfg),
-                    lambda cell, e, config, keep=keep: replay.update(cell, e, config=config, keep=keep))]
+                    lambda cell, e, config, keep=keep: replay.advance(cell, e, config=config, keep=keep))]
             gc.collect()
             start = tracemalloc.get_traced_memory()[0]
             for _ in range(6):

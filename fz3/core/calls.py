@@ -27,7 +27,7 @@ effects for the interpreter and the hook effects (hook_effects.py) for the hook 
     stepped            Stepped: at the boundary, finite: StepOptimizer (unused params without a
                        the grad norm known       grad), optimizer_step, end_of_step;
                                                  else SkipStep, the window closed, nothing stale
-    unhold(pids)       Unhold: the exit of       hold.unhold; stale inside a call: the persistent
+    hold_ended(pids)   Unhold: the exit of       hold.unhold; stale inside a call: the persistent
                        gathered_parameters       params gathered again
 
 The state is the three lifecycles together (`Lifecycle`); each step is a pure function
@@ -196,7 +196,7 @@ def enter(st: Lifecycle, m: ModuleId, *, config: Config, grad: bool, grad_inputs
     return Lifecycle(params, grads, calls._replace(stack=calls.stack + (frame,))), tuple(effects) + eff
 
 
-def unhold(st: Lifecycle, pids: tuple[ParamId, ...], *, config: Config, stale: bool = True
+def hold_ended(st: Lifecycle, pids: tuple[ParamId, ...], *, config: Config, stale: bool = True
            ) -> tuple[Lifecycle, tuple]:
     """gathered_parameters' exit (hold.unhold). A stale one inside a call frees persistent
     params that the quiet calls still to come in it read without an event: they are gathered

@@ -182,7 +182,7 @@ def update(st: Lifecycle, event, *, config: Config) -> tuple[Lifecycle, tuple]:
             params, effects = hold.hold(st.params, ps, config=config)
             return st._replace(params=params), effects
         case Unhold(ps, stale):
-            return calls.unhold(st, ps, config=config, stale=stale)
+            return calls.hold_ended(st, ps, config=config, stale=stale)
         case ShardsReplaced():
             params, effects = step.end_of_step(st.params, config=config)
             return st._replace(params=params), effects

@@ -156,7 +156,7 @@ class Log(Generic[T]):
 
     def __eq__(self, other: object) -> bool:
         # the lengths first: a replayed Leave compares the pass's saved-param log with the
-        # recorded one at every call it answers (replay.update); both are empty where no pass
+        # recorded one at every call it answers (replay.advance); both are empty where no pass
         # frees a param (calls.saves_matter)
         if not isinstance(other, Log) or self._n != other._n:
             return False

@@ -1,6 +1,6 @@
 """The steady state replayed: a pass recorded once, later passes answered from the recording.
 
-    update(replay, event, *, config) -> (replay, effects)     the engine's door to the core
+    advance(replay, event, *, config) -> (replay, effects)    the engine's door to the core
 
               pass starts (root Enter)
                     |
@@ -35,7 +35,7 @@ become NEVER (grads.new_pass), and the shell numbers autograd's graph tasks from
 (torch's own ids grow for the whole process). What is left to differ between two steady passes
 is two counters, `backward` and `window`, and the per-param fields that equal them: a `Shift`
 moves all of those together. The core compares those fields only with their counters, for
-equality, so a shifted state behaves as the state did (tests/test_replay.py checks `update`
+equality, so a shifted state behaves as the state did (tests/test_replay.py checks `events.update`
 against shifted states), and a schedule recorded at one step serves every later one: its
 states shifted by how far the counters moved. The one effect that carries a counter, SkipStep
 (the step number it skipped), and the one event that sets counters, Resumed (a checkpoint
@@ -190,7 +190,7 @@ def starts_pass(event) -> bool:
     return type(event) is Enter and event.module == 0 and not event.recomputing
 
 
-def update(rp: Replay, event, *, config: Config, check: bool = False, keep: bool = True) -> tuple[Replay, tuple]:
+def advance(rp: Replay, event, *, config: Config, check: bool = False, keep: bool = True) -> tuple[Replay, tuple]:
     """The state after `event`, and the effects to run for it: `events.update`'s, read off a
     schedule when one applies (see the module docstring). `check`: also run `events.update` on
     every event a schedule answers and fail if it gives other effects or another state

@@ -40,7 +40,7 @@ scratch) comes from a `BufferPool` (fz3/data/pool.py): the same sizes come back 
 How an AllGather or a ReduceBucket moves its bytes is its carrier's business (carriers.py: P2P,
 Native, AllReduce), chosen once here from the options and the backend (accounting.carriers);
 whether grads are copied or held is the core's (fz3.core.grad.grads.grad_route), told what the
-reduce-scatter carrier does by `in_place_reduce_scatter`;
+reduce-scatter carrier does by `capabilities` (protocol.py);
 this file keeps what every carrier shares: the effect dispatch, the grads a reduce reads, the
 reduces in flight and the writes that wait for them.
 """
@@ -58,6 +58,7 @@ from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket,
 from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import BufferPool
 from fz3.interpreters import accounting, agreement, carriers, p2p, pass_hint, shared_memory
+from fz3.interpreters.protocol import Capabilities
 from fz3.interpreters.transport import Transport
 from fz3.config.options import Options
 from fz3.data.store import TensorStore
@@ -145,7 +146,6 @@ class DistInterpreter:
         # [Note: shared-memory carrier] the P2P carrier's large messages, on one host
         p2p_comm = shared_memory.for_carrier(transport, options.shared_memory and "p2p" in (self.gather_by,
                                                                                              self.reduce_scatter_by))
-        self.shared_memory = isinstance(p2p_comm, shared_memory.SharedMemoryTransport)
         ctx = carriers.Context(self.shard_rank, W, self.spec, p2p_comm, self.async_op, self.agreement,
                                self.buffers_pool.take, self.reduce_buffer, self.on, self.gather_stream,
                                self.reduce_stream, self.bucket_capacity, self.shard_capacity, self.scratch_capacity,
@@ -156,6 +156,9 @@ class DistInterpreter:
         self.gather = carriers.Local(ctx) if local else carriers.CARRIERS[self.gather_by](ctx)
         self.reduce_scatter = carriers.CARRIERS[self.reduce_scatter_by](ctx)
         self.all_reduce_carrier = carriers.AllReduce(ctx)
+        self.capabilities = Capabilities(in_place_reduce_scatter=self.reduce_scatter.reads_grads_in_place,
+                                         hold_budget=self.reduce_scatter.hold_budget,
+                                         shared_memory=isinstance(p2p_comm, shared_memory.SharedMemoryTransport))
 
     def run(self, effects: Iterable[object]) -> None:
         if torch.is_inference_mode_enabled():
@@ -271,18 +274,6 @@ class DistInterpreter:
             self.store.set_full(p, full)
 
     # ---- gradients ------------------------------------------------------------------------------
-
-    @property
-    def hold_budget(self) -> int:
-        """Held grads' elements the reduce-scatter carrier gains from batching (the core reduces
-        held buckets at that size: fz3.core.grad.grads.capacity)."""
-        return self.reduce_scatter.hold_budget
-
-    @property
-    def in_place_reduce_scatter(self) -> bool:
-        """Whether the reduce-scatter carrier sends each grad from where it lies (p2p): the core
-        then holds grads instead of copying them (fz3.core.grad.grads.init_grad_state, grad_route)."""
-        return self.reduce_scatter.reads_grads_in_place
 
     def _copy_to_bucket(self, e: CopyToBucket) -> None:
         param = self.store.params[e.param]

@@ -8,7 +8,7 @@ DistInterpreter does. A gathered param gets a fake full value (shape, no memory;
 the plan's FakeTensorMode), a reduce only its counters; grads are
 taken out of param.grad where the real interpreter takes them (CopyToBucket, HoldGrad, a
 non-contiguous ReduceBucket); only CopyToBucket makes a bucket buffer. It reports the same
-`in_place_reduce_scatter` as the real interpreter would, so the core routes grads alike. Every
+`capabilities` as the real interpreter would, so the core routes grads alike. Every
 rank runs the same effects on shards of the same size (I6), so rank 0's figures are every
 rank's.
 
@@ -28,6 +28,7 @@ from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket,
 from fz3.core import messages
 from fz3.core.ids import Handle
 from fz3.interpreters import accounting, carriers
+from fz3.interpreters.protocol import Capabilities
 from fz3.config.options import Options
 from fz3.data.store import TensorStore
 
@@ -54,6 +55,10 @@ class PlanInterpreter:
         self.live_numel = self.peak_live_numel = 0  # the core's live count: gathered or in flight
         self.grad_bytes = self.peak_grad_bytes = 0
         self.peak_joint = 0
+        carrier = carriers.CARRIERS[self.reduce_scatter_by]  # what DistInterpreter would say
+        self.capabilities = Capabilities(in_place_reduce_scatter=carrier.reads_grads_in_place,
+                                         hold_budget=carrier.hold_budget)
+        self.agreement = None  # one rank, no peers to agree with
 
     def run(self, effects: Iterable[object]) -> None:
         for e in effects:
@@ -153,16 +158,6 @@ class PlanInterpreter:
             full = self.fulls[p] = torch.empty(self.spec.params[p].numel, dtype=self.store.dtype,
                                                device=self.store.device)
         return full
-
-    @property
-    def hold_budget(self) -> int:
-        """What DistInterpreter would say: its reduce-scatter carrier's `hold_budget`."""
-        return carriers.CARRIERS[self.reduce_scatter_by].hold_budget
-
-    @property
-    def in_place_reduce_scatter(self) -> bool:
-        """What DistInterpreter would say: its reduce-scatter carrier's `reads_grads_in_place`."""
-        return carriers.CARRIERS[self.reduce_scatter_by].reads_grads_in_place
 
     def end_of_backward(self) -> None:
         """No pool to release."""

@@ -21,26 +21,32 @@ tensors, below the engine: the core's property machines drive it.)
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Protocol
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Protocol
 
 import torch
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an interpreter's carriers can do that the core's decisions depend on, read once by
+    the engine when it builds the core's state (fz3.core.grad.grads.init_grad_state)."""
+    in_place_reduce_scatter: bool = False  # its reduce-scatter sends each grad from where it lies
+    # (gloo's p2p carrier): the core then holds grads (HoldGrad) on the reduce_scatter path
+    # instead of copying them into a bucket (CopyToBucket), [Note: copy or hold]
+    hold_budget: int = 0  # elements of held grads its reduce-scatter gains from batching; the
+    # core reduces a bucket of held grads at the smaller of this and reduce_bucket_size ([Note:
+    # hold budget], fz3/core/grad/grads.py); 0: no budget
+    shared_memory: bool = False  # its point-to-point messages of 64 KiB or more go through
+    # rings in /dev/shm (Options.shared_memory: fz3/interpreters/shared_memory.py); the log says so
+
+
 class Interpreter(Protocol):
     counts: Counter  # the COUNTERS of engine.stats() (fz3/shell/engine.py), and more
-
-    @property
-    def in_place_reduce_scatter(self) -> bool:
-        """Whether its reduce-scatter sends each grad from where it lies (gloo's p2p carrier).
-        The engine passes it to fz3.core.grad.grads.init_grad_state, and the core then holds grads
-        (HoldGrad) on the reduce_scatter path instead of copying them into a bucket
-        (CopyToBucket). An interpreter without it is taken to say False."""
-
-    @property
-    def hold_budget(self) -> int:
-        """Elements of held grads its reduce-scatter gains from batching; the core reduces a
-        bucket of held grads at the smaller of this and reduce_bucket_size ([Note: hold
-        budget], fz3/core/grad/grads.py). Without it: 0, no budget."""
+    capabilities: Capabilities
+    agreement: Optional[Any]  # the divergence check (fz3/interpreters/agreement.py); None: none
+    held_bytes: int  # bytes of grads held for a reduce (HoldGrad), now
+    peak_held_bytes: int  # ... and at most since the interpreter was made
 
     def run(self, effects: Iterable[object]) -> None:
         """Carry out the core's effects, in order."""

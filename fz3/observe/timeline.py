@@ -78,8 +78,7 @@ class Recorder:
         names = e.tables.module_names
         self._wrap(e, "update", self._update(e.update))
         self._wrap(e.interp, "run", self._run(e.interp.run))
-        if hasattr(e.interp, "_complete_oldest"):
-            self._wrap(e.interp, "_complete_oldest", self._complete(e.interp))
+        self._wrap(e.interp, "_complete_oldest", self._complete(e.interp))  # DistInterpreter's
         for m, module in enumerate(e.tables.modules):
             name = names[m] or "<root>"
             pre = module.register_forward_pre_hook(self._forward_begin(m))
@@ -142,7 +141,7 @@ class Recorder:
                               wait_us=(end - start) / 1000.0)
                 elif isinstance(e, ReduceBucket):
                     self.open_reduces[e.bucket] = start
-                    if not getattr(self.engine.interp, "reduces", ()):  # none in flight: it is done
+                    if not self.engine.interp.reduces:  # none in flight: it is done
                         self.span(COMM, "reduce", self.open_reduces.pop(e.bucket), end, slots=len(e.slots))
         return run
 

@@ -25,7 +25,7 @@ def every_rank(engine, kind: int, numel: int = 0) -> None:
     its descriptor goes first, so a rank that calls it alone (under `if master_process:`) gets a
     DivergenceError naming the call, on every rank, once the others reach their next checked
     collective, instead of a hang in its first gather."""
-    ag = getattr(getattr(engine, "interp", None), "agreement", None)
+    ag = engine.interp.agreement
     if ag is not None:
         ag.check(kind, (), numel)
 
@@ -49,7 +49,7 @@ def outcomes(engine, code: int) -> Outcomes:
     transport's own error ("Connection closed by peer"). On gloo and thread worlds the
     divergence check's transport carries them; elsewhere (NCCL without the check) one
     all-reduce, which cannot name a peer that left."""
-    ag = getattr(getattr(engine, "interp", None), "agreement", None)
+    ag = engine.interp.agreement
     comm = ag.comm if ag is not None else engine.transport
     if engine.world_size == 1 or comm.backend not in ("gloo", "threads"):
         codes = torch.zeros(engine.world_size, dtype=torch.int64, device=engine.store.device)  # (W,)

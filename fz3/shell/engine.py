@@ -144,7 +144,7 @@ class Engine(DeepSpeedSurface):
         self.saved = SavedParams(self.store, self.tables.names, self.param_ids, watch=calls.saves_matter(self.spec))
         # the core's one door (fz3.timeline times what goes through it); debug_checks also holds
         # every event a schedule answers against `events.update`
-        self.update = functools.partial(replay.update, check=options.debug_checks, keep=options.replay)
+        self.update = functools.partial(replay.advance, check=options.debug_checks, keep=options.replay)
         if config.compute_dtype != "fp32":
             _cast_buffers(model, DTYPES[config.compute_dtype])
         self.buffers = BufferSync(model, lambda t: self.interp.broadcast(t), enabled=options.broadcast_buffers,
@@ -167,10 +167,10 @@ class Engine(DeepSpeedSurface):
         self.stopped: DivergenceError | None = None  # [Note: an engine stops at a DivergenceError]
         self._watch_divergence()
         self.module_ids = {id(m): i for i, m in enumerate(self.tables.modules)}
-        in_place = getattr(self.interp, "in_place_reduce_scatter", False)
-        hold = getattr(self.interp, "hold_budget", 0)
+        can = self.interp.capabilities
         # the core's cell: its state and recorded passes
-        grads = init_grad_state(self.spec, in_place_reduce_scatter=in_place, hold_budget=hold)
+        grads = init_grad_state(self.spec, in_place_reduce_scatter=can.in_place_reduce_scatter,
+                                hold_budget=can.hold_budget)
         self.cell = replay.start(Lifecycle(initial_state(self.spec), grads,
                                            initial_calls(self.spec, self.store.trainable, self.config)))
         self.call_tables = replay.view(self.cell).calls.tables  # static: read by hooks
@@ -266,7 +266,7 @@ class Engine(DeepSpeedSurface):
         an internal KeyError from a state that no longer matched the tensors. The interpreter's
         check tells the engine (`on_failure`); an event pays one attribute check. The check also
         names a leaf module to mark when the ranks ran different submodules of one parent."""
-        agreement = getattr(self.interp, "agreement", None)
+        agreement = self.interp.agreement
         if agreement is not None:
             agreement.on_failure = self._stop
             agreement.hint = leaf_hint(self.tables.names, [(name, type(m)) for name, m in

@@ -49,7 +49,7 @@ def initialized(engine) -> None:
     shards = store.shard_bytes()["param_shards"]
     grads = sum(g.numel() * g.element_size() for g in store.segment_grads())
     changed = ", ".join(f"{k}={v!r}" for k, v in differences(engine.config).items()) or "none"
-    if getattr(engine.interp, "shared_memory", False):  # fz3/interpreters/shared_memory.py
+    if engine.interp.capabilities.shared_memory:  # fz3/interpreters/shared_memory.py
         gather_by, reduce_by = (f"{c} (large messages through shared memory)" if c == "p2p" else c
                                 for c in (gather_by, reduce_by))
     LOG.info("fz3: %d ranks on %s, backend %s (all-gather by %s, reduce-scatter by %s); %d params "

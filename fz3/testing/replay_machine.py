@@ -55,7 +55,7 @@ class ReplayMachine(CallsMachine):
         effects = super().fire(event)
         self.check_shifted(before, event, effects)
         played_before = self.cell.playing is not None
-        self.cell, got = replay.update(self.cell, event, config=self.config)
+        self.cell, got = replay.advance(self.cell, event, config=self.config)
         assert got == effects, f"replay answered {event!r} with {got}, update gives {effects}"
         assert snapshot(replay.current(self.cell)) == snapshot(self.state), (
             f"replay: the state after {event!r} is not update's")
