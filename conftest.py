@@ -1,6 +1,11 @@
-"""Say in pytest's header what this run covers (CI logs are read by people)."""
+"""Say in pytest's header what this run covers (CI logs are read by people), and put examples/
+on the path: the tests train the examples' GPT (examples/gpt.py, `from gpt import GPT`), and the
+ranks they spawn inherit the path."""
 import os
 import platform
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples"))
 
 
 def pytest_report_header(config):

@@ -9,9 +9,13 @@ Every batch has 6 sequences: 6 divides among 1, 2 and 3 ranks, the default world
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
-from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from gpt import GPT, GPTConfig, loss_fn, markov_batch  # noqa: E402 - examples/gpt.py
 
 ROWS = 6  # sequences per global micro-batch
 

@@ -109,8 +109,8 @@ def largest_module_params(model: str) -> int:
 def _meta_gpt(model: str):
     import torch
 
-    from fz3.testing.gpt import GPT
     from systems.common import MODELS
+    from gpt import GPT  # examples/gpt.py (systems put it on the path)
     with torch.device("meta"):
         return GPT(MODELS[model][0])
 

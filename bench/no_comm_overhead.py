@@ -27,8 +27,8 @@ def worker(rank: int, world: int, model: str, steps: int) -> dict:
     import torch
 
     import fz3
-    from fz3.testing.gpt import GPT, GPTConfig, markov_batch
     from systems.common import batches, fz3_step, make_model, make_optimizer, plain_step
+    from gpt import GPT, GPTConfig, markov_batch  # examples/gpt.py (systems put it on the path)
 
     if model == "toy":
         cfg = GPTConfig(vocab=64, d_model=16, n_head=4, n_layer=4, seq=8)

@@ -70,7 +70,7 @@ def deepspeed_estimate(name: str, world: int) -> int:
     import torch
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
     from systems.common import MODELS
-    from fz3.testing.gpt import GPT
+    from gpt import GPT
     with torch.device("meta"):
         model = GPT(MODELS[name][0])
     total = sum({id(p): p.numel() for p in model.parameters()}.values())  # meta: no data_ptr to dedupe by

@@ -1,4 +1,4 @@
-"""The whole-step compile prototype (fz3/prototype/whole_step.py, issue #25 point 5) against fz3
+"""The whole-step compile prototype (bench/prototype/whole_step.py, issue #25 point 5) against fz3
 eager and fz3 with compiled blocks, on 2 local gloo ranks x 1 intra-op thread.
 
     python bench/whole_step.py               # small GPT: 3 warm-up + 10 measured steps each
@@ -56,7 +56,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [HERE, ROOT]  # systems.common, fz3 (spawned ranks inherit sys.path)
+sys.path[:0] = [HERE, ROOT, os.path.join(ROOT, "examples")]  # systems, fz3, gpt (spawned ranks inherit it)
 
 LABELS = ["fz3 eager", "fz3 + compiled blocks", "whole step", "whole step, recompute", "whole step, bucketed"]
 QUICK = {"vocab": 64, "d_model": 32, "n_head": 2, "n_layer": 2, "seq": 16, "batch": 4}
@@ -68,7 +68,7 @@ def _setup(rank: int, cache_root: str, quick: bool) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"rank{rank}")  # cold, read at first compile
     if quick:
         from systems import common
-        from fz3.testing.gpt import GPTConfig
+        from gpt import GPTConfig
         q = dict(QUICK)
         common.MODELS["quick"] = (GPTConfig(**{k: v for k, v in q.items() if k != "batch"}), q["batch"])
 
@@ -99,8 +99,8 @@ class _Whole:
     def __init__(self, model_name: str, program, *, recompute: bool, backend="inductor") -> None:
         import torch
         import torch.distributed as dist
-        from fz3.prototype.whole_step import WholeStep, shards_of
-        from fz3.testing.gpt import GPT
+        from prototype.whole_step import WholeStep, shards_of
+        from gpt import GPT
         from systems.common import MODELS, make_model, make_optimizer
         with torch.device("meta"):
             template = GPT(MODELS[model_name][0])
@@ -117,7 +117,7 @@ class _Whole:
 
 def _program(engine, x, y, label: str):
     """`label`'s Program, off `engine`'s trace after one eager step (which it takes if it has none)."""
-    from fz3.prototype.whole_step import program_from_trace
+    from prototype.whole_step import program_from_trace
     from systems.common import fz3_step
     if engine.params_state.trace.plan is None and engine.params_state.trace.step_id == 0:
         fz3_step(engine, x, y)
@@ -203,7 +203,7 @@ def _numel(shape) -> int:
 
 
 def _saved(name: str, program, recompute: bool, batch) -> dict:
-    from fz3.prototype.whole_step import CaptureGraphs, counts, saved_bytes
+    from prototype.whole_step import CaptureGraphs, counts, saved_bytes
     graphs = CaptureGraphs()
     w = _Whole(name, program, recompute=recompute, backend=graphs)
     w.step(*batch)

@@ -18,7 +18,7 @@ rank will do, on this machine, without a process group.
 import torch
 
 import fz3
-from fz3.testing.gpt import GPT, GPTConfig, markov_batch
+from gpt import GPT, GPTConfig, markov_batch
 
 
 def small_gpt():

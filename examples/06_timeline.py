@@ -19,7 +19,7 @@ from fz3 import launch
 
 
 def train(rank: int, world: int, path: str) -> None:
-    from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
+    from gpt import GPT, GPTConfig, loss_fn, markov_batch
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=4096, d_model=256, n_head=4, n_layer=4, seq=128))
     engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), fz3.Config())

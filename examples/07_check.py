@@ -117,4 +117,4 @@ if __name__ == "__main__":
     print(report.summary())
     shrunk = next(r.shrunk.example for r in report.results if r.shrunk is not None)
     print(f"\nthe smallest failing example: {shrunk.world_size} rank(s), {shrunk.steps} step(s), "
-          f"{fz3.observe.check_draw.config_source(shrunk.config)}")
+          f"{fz3.checking.draw.config_source(shrunk.config)}")

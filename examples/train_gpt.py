@@ -20,7 +20,7 @@ import torch
 
 import fz3
 import fz3.launch
-from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
+from gpt import GPT, GPTConfig, loss_fn, markov_batch
 
 MODEL = GPTConfig(vocab=256, d_model=64, n_head=4, n_layer=2, seq=32)
 

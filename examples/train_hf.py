@@ -9,7 +9,7 @@ training of the same model on the same data.
     torchrun --nproc_per_node 2 examples/train_hf.py         # or under torchrun
 
 The model is LlamaForCausalLM (untied lm_head) from a tiny LlamaConfig with a fixed seed; the
-data is a fixed random Markov chain over the vocabulary (fz3.testing.gpt.markov_batch), made
+data is a fixed random Markov chain over the vocabulary (examples/gpt.py markov_batch), made
 locally, no tokenizer. The loss is the model's own: `engine(input_ids=x, labels=x).loss`, a
 field of the CausalLMOutputWithPast the root returns. `--gradient-checkpointing` calls HF's
 `model.gradient_checkpointing_enable()` (transformers 5.x: use_reentrant=False unless
@@ -28,7 +28,7 @@ import torch
 
 import fz3
 import fz3.launch
-from fz3.testing.gpt import markov_batch
+from gpt import markov_batch
 
 try:
     from transformers import LlamaConfig, LlamaForCausalLM

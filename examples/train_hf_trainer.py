@@ -31,7 +31,7 @@ import tempfile
 import torch
 
 import fz3.launch
-from fz3.testing.gpt import markov_batch
+from gpt import markov_batch
 
 try:
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments

@@ -147,7 +147,7 @@ def _verify(args) -> int:
 
 def _check(args) -> int:
     import fz3
-    from fz3.observe.check_build import CheckInputError
+    from fz3.checking.build import CheckInputError
     try:
         worlds = tuple(int(w) for w in args.world_sizes.split(",") if w.strip())
     except ValueError:
@@ -296,6 +296,7 @@ def _function(target: str):
             if spec is None or not os.path.exists(module_name):
                 raise UsageError(f"{module_name!r}: no such file")
             module = importlib.util.module_from_spec(spec)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(module_name)))  # its siblings, as `python FILE`
             spec.loader.exec_module(module)
         else:
             sys.path.insert(0, os.getcwd())

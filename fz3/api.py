@@ -18,7 +18,7 @@ from fz3.io import optimizer_state
 from fz3.io.engine_methods import ValueMovers
 from fz3.shell import engine as lifecycle
 from fz3.config.options import Options, given
-from fz3.observe.check_report import CheckReport
+from fz3.checking.report import CheckReport
 
 
 class Engine(ValueMovers, lifecycle.Engine):
@@ -110,17 +110,17 @@ def check(build, *, world_sizes=(1, 2, 3), examples: int = 12, steps: int = 2, c
     """Does the model `build()` makes train the same on N ranks as in one process, under configs
     drawn around `config` (a fz3.Config, or a DeepSpeed dict for Config.from_deepspeed)?
     `build()` returns (model, example_batches, loss_fn), loss_fn(model, batch) -> scalar loss,
-    or (model, example_inputs), the loss then derived from the output (fz3/observe/check_build.py).
+    or (model, example_inputs), the loss then derived from the output (fz3/checking/build.py).
     `examples` examples, each `steps` optimizer steps on one of `world_sizes` thread ranks
     (fz3.launch.run_threads) against one process doing fz3's arithmetic, then checked: losses,
     params (rtol, atol; looser with bf16 compute, drawn only when `bf16` or `config` says so),
     buffers, I1, I2, determinism, divergence. A failing example is shrunk to the smallest that
     still fails. `options`: the fz3.Options the run will use; `optimizer`: "sgd" (momentum 0.9,
     lr 1e-2), "adamw", "adam" or callable(params). -> CheckReport (.ok, .failures, .summary()).
-    Bad input raises fz3.observe.check_build.CheckInputError (a ValueError) naming what was
+    Bad input raises fz3.checking.build.CheckInputError (a ValueError) naming what was
     expected. `python -m fz3 check MODULE:FUNCTION` is the same from the command line
     (docs/check.md)."""
-    from fz3.observe.check import Settings, check as run_check
+    from fz3.checking.check import Settings, check as run_check
     if isinstance(config, dict):
         config = Config.from_deepspeed(config)
     settings = Settings(world_sizes=tuple(world_sizes) if isinstance(world_sizes, (list, tuple)) else world_sizes,

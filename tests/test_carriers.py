@@ -244,7 +244,7 @@ def _train(rank: int, world: int, coalesce: int, persistence: int) -> dict:
 @pytest.mark.parametrize("persistence", [0, 100])  # gathered per module / refreshed after the step
 def test_small_params_travel_packed_and_train_the_same(world, persistence):
     """Options.gloo_coalesce_numel: the small params of each gather and reduce share one message
-    per peer (fz3.core.messages); the training is the same bit for bit as one message per param."""
+    per peer (fz3.interpreters.messages); the training is the same bit for bit as one message per param."""
     packed = launch.run_threads(_train, world, args=(65_536, persistence))
     alone = launch.run_threads(_train, world, args=(0, persistence))
     for a, b in zip(packed, alone):

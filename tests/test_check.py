@@ -1,5 +1,5 @@
 """fz3.check (issue #28): the user's model on 1-3 thread ranks under drawn configs against one
-process (fz3/observe/check*.py).
+process (fz3/checking/).
 
     a clean model       a tied weight, a block called twice, a returned param, dropout: passes on
                         W 1-3, bit for bit at W 1-2; Hugging Face as (model, example_inputs)
@@ -27,12 +27,12 @@ from torch import nn
 from torch.nn import functional as F
 
 import fz3
-from fz3.observe import check_draw
-from fz3.observe.check import Runner, Settings
-from fz3.observe.check_build import CheckInputError, numels, take
-from fz3.observe.check_compare import Tolerance, compare
-from fz3.observe.check_draw import Example, Space, config_source, draw, neighbours, shrink
-from fz3.observe.check_run import Reference, RankRun
+from fz3.checking import draw as check_draw
+from fz3.checking.check import Runner, Settings
+from fz3.checking.build import CheckInputError, numels, take
+from fz3.checking.compare import Tolerance, compare
+from fz3.checking.draw import Example, Space, config_source, draw, neighbours, shrink
+from fz3.checking.run import Reference, RankRun
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -269,7 +269,7 @@ def test_data_dependent_order_between_passes_passes_with_a_warning():
 
 def test_a_second_run_that_differs_is_a_determinism_failure(monkeypatch):
     """The second run of an example emits another effect on rank 0 (planted): named, with where."""
-    from fz3.observe import check as check_module
+    from fz3.checking import check as check_module
     calls = []
     real = check_module.on_ranks
 
@@ -291,7 +291,7 @@ def test_a_second_run_that_differs_is_a_determinism_failure(monkeypatch):
 def test_a_core_that_prefetches_past_the_budget_fails_I1(monkeypatch):
     """Planted: the watch holds the ranks to a live budget of 0 while their core prefetches up to
     the config's 1e9, as a core ignoring max_live_parameters would."""
-    from fz3.observe import check_watch
+    from fz3.checking import watch as check_watch
     real = check_watch.Watch.__init__
 
     def tight(self, engine):
@@ -309,7 +309,7 @@ def test_a_core_that_prefetches_past_its_reach_fails_the_reach_check(monkeypatch
     """Planted: the watch holds the ranks to a prefetch bucket of 0 while their core prefetches a
     bucket of 5e7 ahead (the whole model at the forward's first fetch), as a core walking past its
     reach would."""
-    from fz3.observe import check_watch
+    from fz3.checking import watch as check_watch
     real = check_watch.Watch.__init__
 
     def short(self, engine):
@@ -325,7 +325,7 @@ def test_a_core_that_prefetches_past_its_reach_fails_the_reach_check(monkeypatch
 
 def test_counters_left_after_a_backward_fail_I2(monkeypatch):
     from fz3.core.param.invariants import InvariantError
-    from fz3.observe import check_watch
+    from fz3.checking import watch as check_watch
 
     def planted(state):
         raise InvariantError("module block has pre_backward=1, grads_remaining=0 after the pass")

@@ -17,8 +17,10 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
+    """The CLI in a fresh process; the tests' own targets import the examples' GPT (examples/gpt.py)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "examples"), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "fz3", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=240)
+                          timeout=240, env=env)
 
 
 def test_plan_prints_the_table_for_64_ranks(tmp_path):
@@ -47,7 +49,7 @@ def test_plan_takes_models_that_make_tensors_or_read_their_data(target, guessed)
     (("plan", "no_such_module_fz3:f", "--world-size", "2"), "cannot import 'no_such_module_fz3'"),
     (("plan", "examples/05_plan.py:nope", "--world-size", "2"), "has no function 'nope'"),
     (("plan", "examples/05_plan.py", "--world-size", "2"), "is not MODULE:FUNCTION"),
-    (("plan", "fz3.testing.gpt:markov_batch", "--world-size", "2"), "markov_batch() raised TypeError"),
+    (("plan", "examples/gpt.py:markov_batch", "--world-size", "2"), "markov_batch() raised TypeError"),
     (("plan", "fz3.config.config:Config", "--world-size", "2"), "must return (model, example_inputs)"),
     (("plan", TARGET, "--world-size", "0"), "--world-size must be >= 1, got 0"),
     (("plan", TARGET, "--world-size", "two"), "invalid int value: 'two'"),

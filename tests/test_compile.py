@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 import fz3
 from fz3 import launch
 from fz3.shell.compiled import outside_graph
-from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
+from gpt import GPT, GPTConfig, loss_fn, markov_batch
 
 C = GPTConfig(vocab=32, d_model=16, n_head=2, n_layer=2, seq=8)
 PER_RANK, GAS, STEPS = 2, 2, 3

@@ -435,7 +435,7 @@ def _rank_only_eval(rank: int, world: int, when: int, train_mode: bool) -> dict:
     estimate_loss()`, under torch.no_grad(), in model.eval() unless `train_mode`) while rank 1
     goes on training. Both must stop at rank 0's first gather of the evaluation."""
     import fz3
-    from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
+    from gpt import GPT, GPTConfig, loss_fn, markov_batch
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, d_model=32, n_head=2, n_layer=2, seq=16))
     engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),

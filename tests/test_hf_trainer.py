@@ -47,7 +47,7 @@ pytest.importorskip("accelerate")
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments  # noqa: E402
 
 import fz3.launch  # noqa: E402
-from fz3.testing.gpt import markov_batch  # noqa: E402
+from gpt import markov_batch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

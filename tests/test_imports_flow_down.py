@@ -6,7 +6,7 @@
     interpreters   run the core's effects on the data plane
     shell          torch's hooks: events in, effects out
     features       library features on the shell's engine: io/ (checkpoints, weights,
-                   consolidation), build/ (Init, meta models), observe/ (plan, timeline)
+                   consolidation), build/ (Init, meta models), observe/ (plan, timeline), checking/ (fz3.check)
     the rest       what is built on all of it: fz3.api (initialize), fz3.deepspeed, fz3.hf,
                    fz3.func, the launcher, the CLI, fz3.testing
 
@@ -25,7 +25,7 @@ import fz3
 
 ROOT = Path(fz3.__file__).parent
 LAYERS = ("config", "core", "data", "interpreters", "shell", "features")  # bottom first; anything else is above
-FEATURES = ("io", "build", "observe")  # one layer: they may use each other, never in a cycle
+FEATURES = ("io", "build", "observe", "checking")  # one layer: they may use each other, never in a cycle
 
 
 def layer(module: str) -> int:

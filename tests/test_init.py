@@ -176,7 +176,7 @@ def _compare(model_init: nn.Module, reference: nn.Module) -> list[str]:
 
 
 def _train(engine, steps: int, rank: int, world: int) -> tuple[list[float], dict]:
-    from fz3.testing.gpt import loss_fn, markov_batch
+    from gpt import loss_fn, markov_batch
     losses = []
     for i in range(steps):
         x, y = markov_batch(i, batch=6, seq=8, vocab=64)
@@ -192,7 +192,7 @@ def _cases(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import fz3
-    from fz3.testing.gpt import GPT, GPTConfig
+    from gpt import GPT, GPTConfig
     out = {}
     cfg = GPTConfig(vocab=64, d_model=32, n_head=4, n_layer=2, seq=8)
 

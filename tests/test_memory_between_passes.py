@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _gpt():
-    from fz3.testing.gpt import GPT, GPTConfig
+    from gpt import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab=128, d_model=32, n_head=4, n_layer=2, seq=16))
 
@@ -40,7 +40,7 @@ def _free_pooled(engine) -> int:
 
 def _train(rank: int, world: int, config: dict) -> dict:
     import fz3
-    from fz3.testing.gpt import loss_fn, markov_batch
+    from gpt import loss_fn, markov_batch
     model, ref = _gpt(), _gpt()
     engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5),
                             fz3.Config(param_persistence_threshold=0, **config))

@@ -1,9 +1,9 @@
-"""fz3/core/messages.py: which params of one collective travel together."""
+"""fz3/interpreters/messages.py: which params of one collective travel together."""
 from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
-from fz3.core.messages import groups
+from fz3.interpreters.messages import groups
 
 
 def test_small_params_share_a_group_and_large_ones_travel_alone():

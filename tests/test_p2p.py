@@ -4,14 +4,14 @@ gloo ranks, against the layout's definition of shards and partitions (fz3.data.l
 Sizes cover the padding cases: numel 0, numel < W (a rank holds padding only), numel not a
 multiple of W, an even split, and one large param (megabytes per message). Two operations are
 in flight at once, so messages under different tags must not mix. Each runs with every param its
-own message and with the small ones packed (fz3.core.messages), in one group or several.
+own message and with the small ones packed (fz3.interpreters.messages), in one group or several.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fz3.core import messages
+from fz3.interpreters import messages
 from fz3.data import layout
 from fz3.data.layout import rank_span
 from fz3.interpreters import accounting, p2p

@@ -25,7 +25,7 @@ CONFIGS = [
 
 
 def _gpt():
-    from fz3.testing.gpt import GPT, GPTConfig
+    from gpt import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab=64, d_model=32, n_head=4, n_layer=2, seq=8))
 
@@ -97,7 +97,7 @@ ROUTED_READ = next(i + 1 for i, line in enumerate(open(__file__)) if "# ROUTED_R
 
 
 def _case(name: str):
-    from fz3.testing.gpt import loss_fn, markov_batch
+    from gpt import loss_fn, markov_batch
     if name in ("gpt", "arange"):
         x, y = markov_batch(0, batch=2, seq=8, vocab=64)
         return (_gpt() if name == "gpt" else ArangeGPT()), (x, y), lambda out: loss_fn(out, y)

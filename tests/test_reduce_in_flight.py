@@ -71,7 +71,7 @@ def _reduce_buffers(rank: int, world: int) -> list[tuple[int, int]]:
     groups' staging buffers at once (GROUP_MOST elements each, fz3/interpreters/carriers.py
     P2P.stage), per reduce carrier, over two steps of a stack whose layers (and so buckets)
     differ in size."""
-    from fz3.core.messages import GROUP_MOST
+    from fz3.interpreters.messages import GROUP_MOST
     out = []
     for extra in CARRIERS[:2]:
         most = [0, 0]

@@ -34,7 +34,7 @@ class Net(nn.Module):
 def _in_use_bytes(engine) -> int:
     """Pooled gather buffers in use; a packed group's staging buffers (GROUP_MOST elements, only
     while a gather is in flight: a prefetch for the backward) are not a param's memory."""
-    from fz3.core.messages import GROUP_MOST
+    from fz3.interpreters.messages import GROUP_MOST
     from fz3.data.pool import _users
     return sum(t.numel() * t.element_size() for t in engine.interp.buffers_pool.kept()
                if _users(t) > 0 and t.numel() != GROUP_MOST)

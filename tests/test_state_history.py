@@ -29,7 +29,7 @@ def _live_pvecs() -> int:
 
 def _train(rank: int, world: int, gas: int) -> list[int]:
     import fz3
-    from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
+    from gpt import GPT, GPTConfig, loss_fn, markov_batch
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=32, d_model=8, n_head=2, n_layer=2, seq=8))
     engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -58,7 +58,7 @@ def test_the_heap_does_not_grow_with_the_steps(gas):
 
 def _made(rank: int, world: int) -> tuple:
     import fz3
-    from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
+    from gpt import GPT, GPTConfig, loss_fn, markov_batch
     model = GPT(GPTConfig(vocab=32, d_model=8, n_head=2, n_layer=2, seq=8))
     engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), fz3.Config())
     x, y = markov_batch(0, batch=4, seq=8, vocab=32)

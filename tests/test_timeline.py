@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _train(rank: int, world: int, path: str) -> dict:
     import fz3
-    from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
+    from gpt import GPT, GPTConfig, loss_fn, markov_batch
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, d_model=32, n_head=4, n_layer=2, seq=8))
     engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),

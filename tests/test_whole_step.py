@@ -1,9 +1,12 @@
-"""fz3/prototype/whole_step.py on 2 gloo ranks: the whole step compiled as one graph (gathers in
+"""bench/prototype/whole_step.py on 2 gloo ranks: the whole step compiled as one graph (gathers in
 the forward, reduce-scatters in the backward, AOT autograd between) trains a tiny GPT as fz3's
 eager engine and single-process PyTorch do: the same losses, grads and params after K steps,
 with the gathers in its graphs where the Program puts them (and again in the backward when
 recompute is on). Backend: AOT autograd run eagerly (aot_eager's speed, inductor's partitioner)."""
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 from torch.testing import assert_close
@@ -11,8 +14,10 @@ from torch.testing import assert_close
 import fz3
 from fz3 import launch
 from fz3.data.layout import shard_of
-from fz3.prototype import whole_step as ws
-from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
+from gpt import GPT, GPTConfig, loss_fn, markov_batch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from prototype import whole_step as ws  # noqa: E402 - bench/prototype/: not part of the package
 
 TINY = GPTConfig(vocab=32, d_model=16, n_head=2, n_layer=1, seq=8)  # 9 gathers
 BATCH, STEPS = 4, 4  # global batch; rank r trains on rows [r * B/W, (r + 1) * B/W)

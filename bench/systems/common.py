@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from fz3.testing.gpt import GPT, GPTConfig, loss_fn, markov_batch
+from gpt import GPT, GPTConfig, loss_fn, markov_batch
 
 MODELS = {  # issue #5: same model, data, optimizer and global batch for every system
     "small": (GPTConfig(vocab=4096, d_model=256, n_head=4, n_layer=4, seq=128), 8),

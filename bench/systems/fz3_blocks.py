@@ -5,7 +5,7 @@ units (fewer, larger gathers and reduces) and how much the compiler."""
 from __future__ import annotations
 
 import fz3
-from fz3.testing.gpt import Block
+from gpt import Block
 from systems.common import fz3_settings, make_model, make_optimizer
 from systems.fz3_z3 import Fz3
 

@@ -13,7 +13,7 @@ gloo_all_gather, gloo_reduce_scatter   what carries an all-gather and a reduce_s
     "native": gloo's allgather / reduce_scatter, the slowest (bench/gloo_collectives.py,
     bench/RESULTS.md). NCCL and HCCL always use their own collectives.
 gloo_coalesce_numel   on the "p2p" carriers, params of at most this many elements travel packed,
-    one message per peer for each group of them in one gather or reduce (fz3/core/messages.py);
+    one message per peer for each group of them in one gather or reduce (fz3/interpreters/messages.py);
     larger ones are sent from where they lie. 0: every param its own message. The backends' own
     collectives pack every collective whole already
 debug_checks   the shell runs the core's check_* invariants after each event (fz3/shell/checks.py),

@@ -74,7 +74,7 @@ CALLS = {OPTIMIZER_STATE: "engine.full_optimizer_state_dict()", FULL_STATE: "eng
          SAVE: "engine.save_checkpoint()", LOAD: "engine.load_checkpoint()"}
 """The kinds that are a call of the user's, not of the engine's hooks: a rank there alone called
 it where the others did not (under `if master_process:`). Each is checked as the call begins
-(fz3.shell.agree.every_rank), before its first collective."""
+(fz3.interpreters.agree.every_rank), before its first collective."""
 KINDS = {GATHER: "all-gather", REDUCE: "reduce", NORM: "grad-norm all-reduce", BUFFERS: "buffer broadcast",
          FLAGS: "all-reduce of which leaf params got a grad",
          OPTIMIZER_STATE: "engine.full_optimizer_state_dict()'s gather of the optimizer state",

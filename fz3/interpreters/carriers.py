@@ -1,6 +1,6 @@
 """Carriers: how one all-gather or one reduce moves its bytes, chosen once per interpreter.
 
-    P2P         gloo: point-to-point sends, one per peer per message group (fz3.core.messages):
+    P2P         gloo: point-to-point sends, one per peer per message group (fz3.interpreters.messages):
                 large params straight into the full values and out of the grads, small ones
                 packed together (p2p.py); its data travels under a tag made from the
                 divergence check's descriptor, which it compares at the wait
@@ -33,7 +33,7 @@ from typing import Callable, ContextManager, NamedTuple, Optional, Sequence
 
 import torch
 
-from fz3.core import messages
+from fz3.interpreters import messages
 from fz3.core.effects import ReduceBucket
 from fz3.core.spec import ModelSpec
 from fz3.data import collectives
@@ -125,7 +125,7 @@ class P2P(Carrier):
         return self.ctx.reduce_buffer(numel, dtype, messages.GROUP_MOST)
 
     def groups(self, params: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-        """The message groups of a collective over `params` (fz3.core.messages), made once per
+        """The message groups of a collective over `params` (fz3.interpreters.messages), made once per
         param set: the trace repeats them every step."""
         key = tuple(params)
         got = self.grouped.get(key)

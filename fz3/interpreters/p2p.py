@@ -6,7 +6,7 @@
                     received partitions are added, peer after peer in rank order, into this
                     rank's own partition in place (no packed buffer, no output buffer)
 
-One message per peer per message group (fz3.core.messages.groups): a large param travels alone,
+One message per peer per message group (fz3.interpreters.messages.groups): a large param travels alone,
 from and into where it lies; the small params of one collective travel together, staged into one
 buffer on each side (a send costs ~30 us on gloo here whatever its size, issue #27).
 
@@ -136,7 +136,7 @@ def all_gather(fulls: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], co
                tag: int, groups: Optional[Sequence[Sequence[int]]] = None, take: Optional[Take] = None,
                layout: Optional[GatherLayout] = None) -> P2PWork:
     """fulls[i] (n_i,) gets param i's full value, shards[i] (s_i,) being this rank's shard.
-    One message per peer per group of `groups` (fz3.core.messages): a group of one param is
+    One message per peer per group of `groups` (fz3.interpreters.messages): a group of one param is
     received in place, a packed one into a staging buffer (from `take`) and copied out after
     the wait. No groups: each param alone. `layout`: made before for these fulls and groups."""
     groups, take = _defaults(groups, take, len(fulls))
@@ -218,7 +218,7 @@ def reduce_scatter(grads: Sequence[torch.Tensor], scratch: torch.Tensor, comm: T
                    layout: Optional[ReduceLayout] = None) -> tuple[P2PWork, Callable[[], list[torch.Tensor]]]:
     """SUM over ranks of this rank's partition of each flat grad (n_i,). `scratch` holds the
     peers' partitions: (W - 1) * scratch_numel(...) elements, one block per peer per group of
-    `groups` (fz3.core.messages), each received by one message; a peer's slices of a packed
+    `groups` (fz3.interpreters.messages), each received by one message; a peer's slices of a packed
     group are staged into one send. -> (work, result): after the work is waited, result() adds
     them into the grads' own partitions (written in place) and returns the partitions,
     zero-padded to s_i. `layout`: made before for grads of these sizes and these groups."""

@@ -25,7 +25,7 @@ import torch
 from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WritePartition, ZeroPartitions)
-from fz3.core import messages
+from fz3.interpreters import messages
 from fz3.core.ids import Handle
 from fz3.interpreters import accounting, carriers
 from fz3.interpreters.protocol import Capabilities
@@ -137,7 +137,7 @@ class PlanInterpreter:
             self._count_sends(ps, gather=True)
 
     def _count_sends(self, ps, *, gather: bool) -> None:
-        """p2p_sends as the point-to-point carrier posts them on this rank (fz3/core/messages.py)."""
+        """p2p_sends as the point-to-point carrier posts them on this rank (fz3/interpreters/messages.py)."""
         numels = [self.spec.params[p].numel for p in ps]
         groups = messages.groups(numels, small=self.coalesce_numel)
         self.counts["p2p_sends"] += accounting.p2p_sends(numels, groups, self.store.rank, self.spec.world_size,

@@ -18,7 +18,7 @@ is left behind, whatever happens later). Each rank's RSS grows by the rings it w
 
 - A message is a 16-byte header (its bytes and its tag) and its bytes. Messages between two
   ranks travel in the order they were posted (the carrier posts them in group order on both
-  sides, fz3.core.messages); the receiver checks each header against the receive it posted.
+  sides, fz3.interpreters.messages); the receiver checks each header against the receive it posted.
 - Messages below `SMALL` bytes, and every collective, go through gloo as before (`inner`).
 - Nothing moves in the background: the bytes move while a rank posts or waits (`progress`,
   every queue of every peer), so a message completes once both ranks wait for it. A waiting

@@ -43,7 +43,7 @@ import shutil
 import torch
 
 from fz3.io import interrupts
-from fz3.shell.agree import outcomes, strings
+from fz3.interpreters.agree import outcomes, strings
 from fz3.shell.optim import shard_state_dict
 
 FORMAT, VERSION = "fz3-zero3-checkpoint", 1

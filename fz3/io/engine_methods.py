@@ -23,7 +23,7 @@ from fz3.io.consolidate import compute_dtype_state_dict, full_state_dict
 from fz3.interpreters import agreement
 from fz3.io.optimizer_state import full_optimizer_state_dict
 from fz3.shell import log
-from fz3.shell.agree import every_rank
+from fz3.interpreters.agree import every_rank
 
 
 class ValueMovers:

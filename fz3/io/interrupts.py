@@ -2,7 +2,7 @@
 stops, so they raise an error naming it and its signal instead of a raw transport error.
 
     save step raises KeyboardInterrupt (SIGINT)  --caught-->  the rank reports SIGINT to the
-    or Interrupted (SIGTERM, inside `raising`)                others (fz3/shell/agree.py
+    or Interrupted (SIGTERM, inside `raising`)                others (fz3/interpreters/agree.py
                                                               outcomes), then `resume`s: raises
                                                               KeyboardInterrupt again / ends by
                                                               SIGTERM, as it would have

@@ -35,7 +35,7 @@ import torch
 
 from fz3.data import layout
 from fz3.interpreters import agreement
-from fz3.shell.agree import every_rank
+from fz3.interpreters.agree import every_rank
 from fz3.shell.optim import load_shard_state_dict, shard_state_dict
 
 

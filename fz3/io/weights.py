@@ -33,7 +33,7 @@ import torch
 
 from fz3.core.events import ShardsReplaced
 from fz3.data import layout
-from fz3.shell.agree import failed_ranks
+from fz3.interpreters.agree import failed_ranks
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 

@@ -1,6 +1,6 @@
 """Imported first by each fz3.testing module that needs Hypothesis (the machines, the naive models'
 strategies, `verify`): without the test extra, a plain ImportError that names it, instead of a
-bare "No module named 'hypothesis'". `fz3.testing.gpt` needs torch only and does not import it."""
+bare "No module named 'hypothesis'"."""
 try:
     import hypothesis  # noqa: F401
 except ModuleNotFoundError as e:

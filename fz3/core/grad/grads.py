@@ -432,7 +432,7 @@ def _open(state: GradState, bucket: int) -> Optional[IPGBucket]:
 # reduced, so an open bucket of held grads holds reduce_bucket_size elements of grads beside the
 # model (DeepSpeed's default 5e8: 2 GB per rank in fp32, whatever the model) while the carrier
 # gains nothing from that batching: it sends grad by grad, and packs only the small ones
-# (fz3/core/messages.py). The interpreter says how many elements its carrier gains from batching
+# (fz3/interpreters/messages.py). The interpreter says how many elements its carrier gains from batching
 # (`hold_budget`, init_grad_state), and held buckets are reduced at the smaller of that and
 # reduce_bucket_size (`capacity`). A copied bucket keeps reduce_bucket_size: the one buffer it
 # copies into is the memory DeepSpeed's users sized, and a collective over it is what batching

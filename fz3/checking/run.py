@@ -6,7 +6,7 @@
                                          # watched for a read of a param fz3 had released
 
 Both train `job.steps` optimizer steps of gradient_accumulation_steps micro-steps; micro-step i
-takes example batch i % n, split among the ranks (fz3/observe/check_build.py), and draws its
+takes example batch i % n, split among the ranks (fz3/checking/build.py), and draws its
 random numbers (dropout) from torch.manual_seed(seed_for(i, r)) for rank r's slice, on both
 sides: the thread ranks each keep a generator stream of their own (run_threads(private_rng=True),
 [Note: a private RNG per rank] in fz3/interpreters/threads.py), so rank r's dropout masks are
@@ -49,8 +49,8 @@ from fz3.config.options import Options
 from fz3.core.param.state import AVAILABLE
 from fz3.data.store import DTYPES
 from fz3.interpreters.threads import run_threads
-from fz3.observe.check_build import CheckInputError, Subject, copies, loss_backward, rank_batch, unique_params
-from fz3.observe.check_watch import Watch
+from fz3.checking.build import CheckInputError, Subject, copies, loss_backward, rank_batch, unique_params
+from fz3.checking.watch import Watch
 from fz3.shell import pytree
 
 

@@ -12,7 +12,7 @@ kept at the user's value half the time, else one of its alternatives, which are 
 model's own param sizes (`Space.around`), so any model meets the regimes that change what fz3
 does: nothing persistent and everything persistent, no prefetch and prefetch of everything, a
 live budget of nothing, reuse off, a reduce bucket of one element, the other reduce path,
-gradient accumulation, bf16 compute (only where allowed: fz3/observe/check.py says when).
+gradient accumulation, bf16 compute (only where allowed: fz3/checking/check.py says when).
 
     example k:   W = world_sizes[k % len]      config = the user's (k < len(world_sizes))
                                                          or drawn from Random("fz3.check:seed:k")

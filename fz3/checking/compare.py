@@ -29,9 +29,9 @@ import torch
 from fz3.interpreters.agreement import DivergenceError
 from fz3.interpreters.leaf_hint import leaf_parent
 from fz3.interpreters.threads import WorldFailed
-from fz3.observe.check_draw import Example
-from fz3.observe.check_report import Failure
-from fz3.observe.check_run import Reference, RankRun, ReleasedParamRead
+from fz3.checking.draw import Example
+from fz3.checking.report import Failure
+from fz3.checking.run import Reference, RankRun, ReleasedParamRead
 
 
 @dataclass(frozen=True)

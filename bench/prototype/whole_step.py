@@ -41,7 +41,7 @@ from fz3.core.ids import TraceMode
 from fz3.core.param.state import unit_of
 from fz3.core.param.trace import TRAIN, TraceState, reset
 from fz3.data.layout import shard_of
-from fz3.testing.gpt import loss_fn
+from gpt import loss_fn
 
 
 @dataclass(frozen=True)

@@ -5,30 +5,30 @@ user's, and does anything in it break that? (issue #28)
     assert report.ok, report.summary()
     python -m fz3 check mymodule:build [--world-sizes 1,2,3] [--examples N] [--steps K] ...
 
-    build() -> (model, example_batches, loss_fn) | (model, example_inputs)   (check_build.py)
+    build() -> (model, example_batches, loss_fn) | (model, example_inputs)   (build.py)
         |
         take, size guard, one forward and backward in one process (bad input: CheckInputError)
         |
-    examples: the user's config at each world size, then drawn ones     (check_draw.py)
+    examples: the user's config at each world size, then drawn ones     (draw.py)
         |  for each example
         v
     reference in one process, fz3's arithmetic (memoised per world size, gas, dtypes)
-    fz3.initialize on W thread ranks, every core event watched (I1, I2, effects)  (check_run.py,
-    the same again (determinism); after a failure without a known cause, once     check_watch.py)
+    fz3.initialize on W thread ranks, every core event watched (I1, I2, effects)  (run.py,
+    the same again (determinism); after a failure without a known cause, once     watch.py)
     more with every torch call watched (a read of a param fz3 had released)
         |
-    compare: losses, params, buffers, I1, I2, determinism, divergence, errors   (check_compare.py)
+    compare: losses, params, buffers, I1, I2, determinism, divergence, errors   (compare.py)
         |  a failing example
         v
     shrink: greedy to a fixed point, each field back to the user's, fewer ranks, fewer steps
         |
     CheckReport: per example pass / the first failure, its cause, the smallest failing config
-                 as fz3.Config(...) to paste; warnings; what was not checked   (check_report.py)
+                 as fz3.Config(...) to paste; warnings; what was not checked   (report.py)
 
 [Note: tolerance] fp32 compares with rtol 1e-5 (the issue's bound) and atol 1e-6 (a param that
 ends near zero keeps an absolute error of a few ulps of its largest grad term; tests/test_parity.py
 says why) by default, and reports whether an example matched bit for bit, as 1 and 2 ranks do:
-the reference does fz3's arithmetic in fz3's order (check_run.py [Note: the check's reference]),
+the reference does fz3's arithmetic in fz3's order (run.py [Note: the check's reference]),
 so a deviation comes only from the order in which a reduce adds 3 or more ranks. bf16 compute
 is drawn only when asked (`bf16=True`, `--bf16`) or when the user's config computes in bf16:
 a model may not run in bf16 on the CPU, or may not be meant to. Its reference computes in bf16
@@ -54,12 +54,12 @@ import torch
 
 from fz3.config.config import Config
 from fz3.config.options import Options
-from fz3.observe.check_build import (CheckInputError, Subject, check_model, copies, divides, estimate_bytes,
+from fz3.checking.build import (CheckInputError, Subject, check_model, copies, divides, estimate_bytes,
                                      loss_backward, numels, rank_batch, take)
-from fz3.observe.check_compare import Compared, Tolerance, compare, first_error
-from fz3.observe.check_draw import Example, Space, draw, shrink
-from fz3.observe.check_report import CheckReport, ExampleResult, Failure
-from fz3.observe.check_run import Job, Reference, cast_floating, on_ranks, reference, seed_for
+from fz3.checking.compare import Compared, Tolerance, compare, first_error
+from fz3.checking.draw import Example, Space, draw, shrink
+from fz3.checking.report import CheckReport, ExampleResult, Failure
+from fz3.checking.run import Job, Reference, cast_floating, on_ranks, reference, seed_for
 
 OPTIMIZERS: dict[str, Callable] = {
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
@@ -270,7 +270,7 @@ class Runner:
 
 def _unexplained(got: Compared) -> bool:
     """A numbers failure or an error (not a divergence) without a recognised cause, or two runs
-    that differ: worth the diagnosis run (check_run.ReleasedReads; a read of a param's
+    that differ: worth the diagnosis run (run.ReleasedReads; a read of a param's
     placeholder reads whatever its memory holds, so it differs from run to run too)."""
     return any((f.check in ("losses", "params", "error") and not f.cause) or f.check == "determinism"
                for f in got.failures)

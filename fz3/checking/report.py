@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from fz3.config.config import Config
-from fz3.observe.check_draw import Example, Shrunk, config_source
+from fz3.checking.draw import Example, Shrunk, config_source
 
 CHECKS = {
     "losses": "every rank's loss at every micro-step equals one process's on the same slice",

@@ -1,4 +1,4 @@
 """Prototypes: ideas tried against fz3's real engine and measured, not part of the public API.
 
-    fz3.prototype.whole_step   one whole training step compiled as one graph (issue #25 point 5)
+    prototype.whole_step   one whole training step compiled as one graph (issue #25 point 5)
 """
