@@ -32,6 +32,7 @@ import time
 
 from fz3.core import calls, replay
 from fz3.core import events as ev
+from fz3.core.events import BackwardEnded, Enter, GradReady, Leave, PostBackwardRan, PreBackwardRan
 from fz3.core.param.backward import fetch_for_backward, release_after_backward
 from fz3.config.config import Config
 from fz3.core.param.fetch import fetch
@@ -81,19 +82,19 @@ def one_pass_calls(box, order, config):
     their grads before its post-backward, then the end of backward. No optimizer step: the
     accumulation window is made long enough never to close (the param rows stay as they are)."""
     config = config.replace(gradient_accumulation_steps=1 << 40)
-    st, _ = calls.enter(box.pop(), 0, config=config, grad=True, grad_inputs=False)
+    st, _ = calls.enter(box.pop(), Enter(module=0, grad=True, grad_inputs=False), config=config)
     units = st.params.spec.modules
     for m in order:
-        st, _ = calls.enter(st, m, config=config, grad=True, grad_inputs=True)
-        st, _ = calls.leave(st, m, config=config, grad_outputs=True)
-    st, _ = calls.leave(st, 0, config=config, grad_outputs=True)
+        st, _ = calls.enter(st, Enter(module=m, grad=True, grad_inputs=True), config=config)
+        st, _ = calls.leave(st, Leave(module=m, grad_outputs=True), config=config)
+    st, _ = calls.leave(st, Leave(module=0, grad_outputs=True), config=config)
     for m in reversed(order):
-        st, _ = calls.pre_backward(st, m, config=config)
+        st, _ = calls.pre_backward(st, PreBackwardRan(module=m), config=config)
         for p in units[m].params:
             if st.grads.params[p].reported != st.grads.backward:  # a tied param reports once
-                st, _ = calls.grad_ready(st, p, config=config, dtype="float32")
-        st, _ = calls.post_backward(st, m, config=config)
-    st, _ = calls.end_of_backward(st, config=config)
+                st, _ = calls.grad_ready(st, GradReady(param=p, dtype="float32"), config=config)
+        st, _ = calls.post_backward(st, PostBackwardRan(module=m), config=config)
+    st, _ = calls.end_of_backward(st, BackwardEnded(), config=config)
     box.append(st)
 
 
@@ -102,39 +103,39 @@ def one_pass_update(box, order, config):
     fz3/core/events.py's `update` (each built, then matched)."""
     config = config.replace(gradient_accumulation_steps=1 << 40)
     update = ev.update
-    st, _ = update(box.pop(), ev.Enter(0, True, False), config=config)
+    st, _ = update(box.pop(), ev.Enter(module=0, grad=True, grad_inputs=False), config=config)
     units = st.params.spec.modules
     for m in order:
-        st, _ = update(st, ev.Enter(m, True, True), config=config)
-        st, _ = update(st, ev.Leave(m, True), config=config)
-    st, _ = update(st, ev.Leave(0, True), config=config)
+        st, _ = update(st, ev.Enter(module=m, grad=True, grad_inputs=True), config=config)
+        st, _ = update(st, ev.Leave(module=m, grad_outputs=True), config=config)
+    st, _ = update(st, ev.Leave(module=0, grad_outputs=True), config=config)
     for m in reversed(order):
-        st, _ = update(st, ev.PreBackwardRan(m), config=config)
+        st, _ = update(st, ev.PreBackwardRan(module=m), config=config)
         for p in units[m].params:
             if st.grads.params[p].reported != st.grads.backward:  # a tied param reports once
-                st, _ = update(st, ev.GradReady(p, "float32"), config=config)
-        st, _ = update(st, ev.PostBackwardRan(m), config=config)
+                st, _ = update(st, ev.GradReady(param=p, dtype="float32"), config=config)
+        st, _ = update(st, ev.PostBackwardRan(module=m), config=config)
     st, _ = update(st, ev.BackwardEnded(), config=config)
     box.append(st)
 
 
 def steady_events(spec, order, config) -> list:
-    """A training pass as the engine sends it (the events of `one_pass_update`, then Stepped at
+    """A training pass as the engine sends it (the events of `one_pass_update`, then StepCalled and Stepped at
     its boundary: gradient_accumulation_steps 1), the same every step, listed once."""
     st = initial(spec, "calls")
-    out = [ev.Enter(0, True, False)]
+    out = [ev.Enter(module=0, grad=True, grad_inputs=False)]
     for m in order:
-        out += [ev.Enter(m, True, True), ev.Leave(m, True)]
-    out.append(ev.Leave(0, True))
+        out += [ev.Enter(module=m, grad=True, grad_inputs=True), ev.Leave(module=m, grad_outputs=True)]
+    out.append(ev.Leave(module=0, grad_outputs=True))
     reported = set()
     for m in reversed(order):
-        out.append(ev.PreBackwardRan(m))
+        out.append(ev.PreBackwardRan(module=m))
         for p in spec.modules[m].params:
             if p not in reported:  # a tied param reports once
                 reported.add(p)
-                out.append(ev.GradReady(p, "float32"))
-        out.append(ev.PostBackwardRan(m))
-    return out + [ev.BackwardEnded(), ev.Stepped()]
+                out.append(ev.GradReady(param=p, dtype="float32"))
+        out.append(ev.PostBackwardRan(module=m))
+    return out + [ev.BackwardEnded(), ev.StepCalled(), ev.Stepped()]
 
 
 def one_pass_steady(box, order, config):

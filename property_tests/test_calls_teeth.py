@@ -94,8 +94,8 @@ def test_reads_none_ignoring_the_saved_log_is_caught(monkeypatch, naive):
     PreBackward node to gather them again."""
     real = calls.leave
 
-    def blind(st, m, *, saved=None, **kwargs):
-        return real(st, m, saved=None if saved is None else Log(), **kwargs)
+    def blind(st, ev, *, config):
+        return real(st, ev._replace(saved=None if ev.saved is None else Log()), config=config)
 
     monkeypatch.setattr(calls, "leave", blind)
     caught_by(naive, r"naive model: Leave.*expected \[WrapOutputs",
@@ -107,12 +107,12 @@ def test_leaf_reduced_at_its_first_post_backward_is_caught(monkeypatch):
     of its earlier calls come after the report."""
     real = calls.post_backward
 
-    def eager(st, m, *, config, with_grad=frozenset()):
-        if m not in st.calls.leaves:
-            return real(st, m, config=config, with_grad=with_grad)
+    def eager(st, ev, *, config):
+        if ev.module not in st.calls.leaves:
+            return real(st, ev, config=config)
         c, queued = calls._in_backward(st.calls)
-        c, grads, reduced = calls._reduce_leaf(c, st.grads, m, config, with_grad)
-        st, effects = real(Lifecycle(st.params, grads, c), m, config=config, with_grad=with_grad)
+        c, grads, reduced = calls._reduce_leaf(c, st.grads, ev.module, config, ev.with_grad)
+        st, effects = real(Lifecycle(st.params, grads, c), ev, config=config)
         return st, queued + reduced + effects
 
     monkeypatch.setattr(calls, "post_backward", eager)
@@ -124,8 +124,8 @@ def test_leaf_not_reduced_at_end_of_backward_is_caught(monkeypatch):
     no grad): their grads are never reported."""
     real = calls.end_of_backward
 
-    def forgetful(st, *, config, with_grad=frozenset()):
-        return real(st._replace(calls=st.calls._replace(leaves=frozenset())), config=config, with_grad=with_grad)
+    def forgetful(st, ev, *, config):
+        return real(st._replace(calls=st.calls._replace(leaves=frozenset())), ev, config=config)
 
     monkeypatch.setattr(calls, "end_of_backward", forgetful)
     # the machine's check, or the core's own (calls._check_no_late_leaf_grad) before it
@@ -139,8 +139,8 @@ def test_returned_params_not_registered_is_caught(monkeypatch, naive):
     it, and the caller computes with it."""
     real = calls.leave
 
-    def dropped(st, m, *, returned=(), **kwargs):
-        return real(st, m, returned=(), **kwargs)
+    def dropped(st, ev, *, config):
+        return real(st, ev._replace(returned=()), config=config)
 
     monkeypatch.setattr(calls, "leave", dropped)
     caught_by(naive, r"naive model: after Leave.* has externals",
@@ -151,7 +151,7 @@ def test_returned_params_not_registered_is_caught(monkeypatch, naive):
 def test_borrowed_params_not_registered_is_caught(monkeypatch, naive):
     """(g) a param read off another module's _parameters is not registered on the reader: it
     computes with a param nobody gathered."""
-    monkeypatch.setattr(calls, "read", lambda st, owner, p, *, config, grad=True: (st, ()))
+    monkeypatch.setattr(calls, "read", lambda st, ev, *, config: (st, ()))
     caught_by(naive, r"naive model: after Read.* has externals",
               r"I5 in forward: .* NOT_AVAILABLE")
 
@@ -192,8 +192,7 @@ def test_a_step_that_gives_every_param_a_grad_is_caught(monkeypatch):
 def test_a_step_taken_on_a_grad_norm_not_finite_is_caught(monkeypatch):
     """(k) stepped ignores the norm: a NaN would reach the weights."""
     real = calls.stepped
-    monkeypatch.setattr(calls, "stepped", lambda st, *, config, finite=True, leaf_grads=None:
-                        real(st, config=config, leaf_grads=leaf_grads))
+    monkeypatch.setattr(calls, "stepped", lambda st, ev, *, config: real(st, ev._replace(finite=True), config=config))
     assert_caught(r"naive model: Stepped.*expected \[SkipStep")
 
 

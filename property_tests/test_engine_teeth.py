@@ -48,7 +48,8 @@ def test_dividing_by_the_world_size_alone_is_caught(monkeypatch):
 def test_a_leaf_reduced_before_its_other_calls_is_caught(monkeypatch):
     real = calls._reduce_leaf
 
-    def post_backward(st, m, *, config, with_grad=frozenset()):  # at any post_backward of a pending leaf
+    def post_backward(st, ev, *, config):  # at any post_backward of a pending leaf
+        m, with_grad = ev.module, ev.with_grad
         cs, effects = calls._in_backward(st.calls)
         g = st.grads
         if m in cs.leaves:

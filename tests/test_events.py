@@ -84,8 +84,8 @@ def test_a_machine_failure_prints_a_regression_that_runs_and_fails(monkeypatch):
     and passes once it is out."""
     real = calls.leave
 
-    def blind(st, m, *, config, grad_outputs, **kwargs):
-        return real(st, m, config=config, grad_outputs=False, **kwargs)
+    def blind(st, ev, *, config):
+        return real(st, ev._replace(grad_outputs=False), config=config)
 
     monkeypatch.setattr(calls, "leave", blind)
     with pytest.raises(AssertionError) as info:
@@ -117,8 +117,32 @@ def test_update_refuses_what_is_not_an_event():
 
 def test_every_event_prints_as_the_python_that_builds_it():
     from fz3.core.pvec import Log
-    samples = [Enter(1, True, False, saved=3), Leave(1, True, (2,), Log([4, 5])), Stepped(False, frozenset({3})),
-               StepCalled(True), GradsZeroed(), Resumed(3, 7, 1, micro_step=1)]
+    samples = [Enter(module=1, grad=True, grad_inputs=False, saved=3), Leave(module=1, grad_outputs=True, returned=(2,), saved=Log([4, 5])), Stepped(finite=False, leaf_grads=frozenset({3})),
+               StepCalled(boundary=True), GradsZeroed(), Resumed(window=3, backward=7, skipped=1, micro_step=1)]
     for e in samples:
         assert eval(repr(e), vars(events) | {"Log": Log}) == e
     assert len(EVENTS) == len(set(EVENTS)) == 15
+
+
+def test_events_are_built_and_read_by_keyword_everywhere_in_fz3():
+    """Each event has one field list, its record's: no file of fz3 builds an event or matches one
+    by position, so reordering a record's fields (four adjacent bools in Enter) cannot silently
+    swap what the shell reports or what a step reads."""
+    import ast
+    import pathlib
+
+    import fz3
+    from fz3.core.events import EVENTS
+    names = {e.__name__ for e in EVENTS}
+    positional = []
+    for f in sorted(pathlib.Path(fz3.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call):
+                fn = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+                if fn in names and node.args:
+                    positional.append(f"{f.name}:{node.lineno} {fn}(...) built by position")
+            elif isinstance(node, ast.MatchClass):
+                cls = node.cls.id if isinstance(node.cls, ast.Name) else getattr(node.cls, "attr", None)
+                if cls in names and node.patterns:
+                    positional.append(f"{f.name}:{node.lineno} case {cls}(...) read by position")
+    assert not positional, "\n".join(positional)

@@ -38,7 +38,7 @@ The Notes this file cites are at its end.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from fz3.core.param import backward as core_bwd
 from fz3.config.config import COMM_DTYPES, Config
@@ -56,6 +56,10 @@ from fz3.core.spec import ModelSpec, ModuleSpec
 from fz3.core.stage import policy
 from fz3.core.param.state import ParamState
 from fz3.core.param.step import end_of_step, finish_backward, reset_step
+
+if TYPE_CHECKING:  # each step takes its event's record (events.py imports this file)
+    from fz3.core.events import (BackwardEnded, Enter, GradReady, GradsZeroed, Leave, PostBackwardRan, PreBackwardRan,
+                                 Raised, Read, StepCalled, Stepped, Unhold)
 
 
 class CallTables(NamedTuple):
@@ -164,16 +168,12 @@ def grad_dtype(config: Config) -> str:
 
 # ---- forward -------------------------------------------------------------------------------------
 
-def enter(st: Lifecycle, m: ModuleId, *, config: Config, grad: bool, grad_inputs: bool,
-          recomputing: bool = False, training: bool = True, saved: int = -1
-          ) -> tuple[Lifecycle, tuple]:
-    """Pre-forward of a call of `m`. `grad`: grad mode is on; `grad_inputs`: some input needs
-    grad; `recomputing`: autograd is running a backward (a checkpointed region's recompute);
-    `training`: the module's train mode (read at the root); `saved`: the saved-param log's
-    length now (-1: none is kept)."""
+def enter(st: Lifecycle, ev: Enter, *, config: Config) -> tuple[Lifecycle, tuple]:
+    """Pre-forward of a call of `ev.module` (Enter's fields say what torch showed)."""
+    m, grad, grad_inputs, recomputing, saved = ev.module, ev.grad, ev.grad_inputs, ev.recomputing, ev.saved
     params, grads, calls, effects = st.params, st.grads, st.calls, []
     if m == 0 and not recomputing:
-        params, eff = reset_step(params, config=config, grad_enabled=grad, training=training,
+        params, eff = reset_step(params, config=config, grad_enabled=grad, training=ev.training,
                                  aborted=calls.aborted or bool(calls.stack), grad_inputs=grad_inputs)
         grads = new_pass(grads)  # [Note: a pass forgets] (fz3/core/replay.py)
         # a backward still marked running never reached its end (it raised): it is over now
@@ -196,13 +196,12 @@ def enter(st: Lifecycle, m: ModuleId, *, config: Config, grad: bool, grad_inputs
     return Lifecycle(params, grads, calls._replace(stack=calls.stack + (frame,))), tuple(effects) + eff
 
 
-def hold_ended(st: Lifecycle, pids: tuple[ParamId, ...], *, config: Config, stale: bool = True
-           ) -> tuple[Lifecycle, tuple]:
+def hold_ended(st: Lifecycle, ev: Unhold, *, config: Config) -> tuple[Lifecycle, tuple]:
     """gathered_parameters' exit (hold.unhold). A stale one inside a call frees persistent
     params that the quiet calls still to come in it read without an event: they are gathered
     again at once ([Note: persistent params stay live], fz3/core/param/hold.py)."""
-    params, effects = hold.unhold(st.params, pids, config=config, stale=stale)
-    if stale and st.calls.stack:
+    params, effects = hold.unhold(st.params, ev.params, config=config, stale=ev.stale)
+    if ev.stale and st.calls.stack:
         params, eff = hold.gather_persistent(params)
         effects += eff
     return st._replace(params=params), effects
@@ -216,19 +215,19 @@ def running(st: Lifecycle) -> ModuleId:
     return stack[-1].module if stack else ModuleId(-1)
 
 
-def read(st: Lifecycle, owner: ModuleId, p: ParamId, *, config: Config, grad: bool = True
-         ) -> tuple[Lifecycle, tuple]:
-    """The running call read param `p` off module `owner`'s _parameters (nn.MultiheadAttention
-    reads out_proj.weight without calling out_proj): not its own, so it borrows it (external).
-    `grad`: grad mode is on. A read by the owner's own running call changes nothing (`running`:
+def read(st: Lifecycle, ev: Read, *, config: Config) -> tuple[Lifecycle, tuple]:
+    """The running call read param `ev.param` off module `ev.owner`'s _parameters
+    (nn.MultiheadAttention reads out_proj.weight without calling out_proj): not its own, so it
+    borrows it (external). A read by the owner's own running call changes nothing (`running`:
     the shell sends none)."""
+    owner, p = ev.owner, ev.param
     stack = st.calls.stack
     if not stack or stack[-1].module == owner:
         return st, ()
     m = stack[-1].module
     if p in st.params.spec.modules[m].params:
         return st, ()
-    if grad:  # also when already borrowed (under no_grad, or returned to m without grad): as leave does
+    if ev.grad:  # also when already borrowed (under no_grad, or returned to m without grad): as leave does
         _check_not_leaf_own(st, m, (p,), "reads it")
     if p in st.params.externals(m):
         return st, ()
@@ -236,12 +235,10 @@ def read(st: Lifecycle, owner: ModuleId, p: ParamId, *, config: Config, grad: bo
     return st._replace(params=params), effects
 
 
-def leave(st: Lifecycle, m: ModuleId, *, config: Config, grad_outputs: bool,
-          returned: tuple[ParamId, ...] = (), saved: Log | None = None, recomputing: bool = False
-          ) -> tuple[Lifecycle, tuple]:
-    """Post-forward of the call of `m` on top of the stack. `grad_outputs`: some output needs
-    grad (grad mode on); `returned`: ids of params among its outputs (borrowed by the caller);
-    `saved`: the pass's saved-param log."""
+def leave(st: Lifecycle, ev: Leave, *, config: Config) -> tuple[Lifecycle, tuple]:
+    """Post-forward of the call of `ev.module` on top of the stack (Leave's fields say what
+    torch showed)."""
+    m, grad_outputs, returned, saved = ev.module, ev.grad_outputs, ev.returned, ev.saved
     calls, params, effects = st.calls, st.params, []
     frame, stack = calls.stack[-1], calls.stack[:-1]
     if returned and stack:
@@ -257,7 +254,7 @@ def leave(st: Lifecycle, m: ModuleId, *, config: Config, grad_outputs: bool,
         effects.append(GradDue(t.grad_params[m]))
     # the outermost call always: its backward queues the end ([Note: persistent grads at the end
     # of backward])
-    wrap = grad_outputs and not reads_none and (not t.inert[m] or not (stack or recomputing))
+    wrap = grad_outputs and not reads_none and (not t.inert[m] or not (stack or ev.recomputing))
     if wrap:
         effects.append(WrapOutputs(m))
     params, eff = release(params, m, config=config, grad_outputs=wrap)
@@ -266,20 +263,19 @@ def leave(st: Lifecycle, m: ModuleId, *, config: Config, grad_outputs: bool,
     if reads_none:
         calls, params, eff = _backward_over(calls, params, m, config)
         effects += eff
-    if m == 0 and not recomputing:
+    if m == 0 and not ev.recomputing:
         effects.append(EndPass())
     return Lifecycle(params, st.grads, calls), tuple(effects)
 
 
-def raised(st: Lifecycle, m: ModuleId, *, config: Config, recomputing: bool = False
-           ) -> tuple[Lifecycle, tuple]:
+def raised(st: Lifecycle, ev: Raised, *, config: Config) -> tuple[Lifecycle, tuple]:
     """[Note: a forward that raised] The post-forward hook runs (always_call) while an exception
     leaves the module's forward: a shape error in one block, or torch.utils.checkpoint's
     non-reentrant recompute, which stops early by raising once it has recomputed what backward
     needs. The call is closed and its params released as after a normal forward, so nothing
     stays gathered and the stack stays true. Outside backward the pass itself is cut short: the
     next pass tells the param lifecycle (reset_step(aborted=True)) to forget its partial trace."""
-    calls = st.calls
+    calls, m, recomputing = st.calls, ev.module, ev.recomputing
     if not calls.stack or calls.stack[-1].module != m:
         return st, ()  # raised in a pre-forward hook before ours opened this call
     calls = calls._replace(stack=calls.stack[:-1], aborted=calls.aborted or not recomputing)
@@ -291,34 +287,34 @@ def raised(st: Lifecycle, m: ModuleId, *, config: Config, recomputing: bool = Fa
 
 # ---- backward ------------------------------------------------------------------------------------
 
-def pre_backward(st: Lifecycle, m: ModuleId, *, config: Config) -> tuple[Lifecycle, tuple]:
-    """Grads reached the outputs of a call of `m` (its PreBackward node ran): fetch."""
+def pre_backward(st: Lifecycle, ev: PreBackwardRan, *, config: Config) -> tuple[Lifecycle, tuple]:
+    """Grads reached the outputs of a call of `ev.module` (its PreBackward node ran): fetch."""
     calls, queued = _in_backward(st.calls)
-    params, effects = core_bwd.fetch_for_backward(st.params, m, config=config)
+    params, effects = core_bwd.fetch_for_backward(st.params, ev.module, config=config)
     return Lifecycle(params, st.grads, calls), queued + effects
 
 
-def post_backward(st: Lifecycle, m: ModuleId, *, config: Config, with_grad: frozenset[ParamId] = frozenset()
-                  ) -> tuple[Lifecycle, tuple]:
+def post_backward(st: Lifecycle, ev: PostBackwardRan, *, config: Config) -> tuple[Lifecycle, tuple]:
     """The grads of a call's inputs are done (its PostBackward node ran): release. A leaf
-    module's last open call reduces its params first ([Note: leaf modules]); `with_grad`: its
-    own params (`CallTables.leaf_own_of`) whose .grad is set."""
+    module's last open call reduces its params first ([Note: leaf modules]); `ev.with_grad`:
+    its own params (`CallTables.leaf_own_of`) whose .grad is set."""
+    m = ev.module
     calls, effects = _in_backward(st.calls)
     grads, ps = st.grads, st.params
     if m in calls.leaves and ps.grads_remaining(m) <= 1 and ps.pre_backward(m) == 0:
-        calls, grads, eff = _reduce_leaf(calls, grads, m, config, with_grad)
+        calls, grads, eff = _reduce_leaf(calls, grads, m, config, ev.with_grad)
         effects += eff
     params, eff = core_bwd.release_after_backward(st.params, m, config=config)
     calls, params, eff2 = _end_waiting(calls, params, m, config)
     return Lifecycle(params, grads, calls), effects + eff + eff2
 
 
-def grad_ready(st: Lifecycle, p: ParamId, *, config: Config, dtype: str, graph_task: int = 0
-               ) -> tuple[Lifecycle, tuple]:
-    """p's grad was accumulated (its post-accumulate-grad hook, a `dtype` tensor, in autograd's
-    `graph_task`): into its bucket; the calls that waited on it may end."""
+def grad_ready(st: Lifecycle, ev: GradReady, *, config: Config) -> tuple[Lifecycle, tuple]:
+    """`ev.param`'s grad was accumulated (its post-accumulate-grad hook, an `ev.dtype` tensor, in
+    autograd's `ev.graph_task`): into its bucket; the calls that waited on it may end."""
+    p = ev.param
     calls, effects = _in_backward(st.calls)
-    grads, eff = bucket_add(st.grads, p, config=config, dtype=dtype, graph_task=graph_task)
+    grads, eff = bucket_add(st.grads, p, config=config, dtype=ev.dtype, graph_task=ev.graph_task)
     effects += eff
     params = st.params
     for m in calls.tables.waiters.get(p, ()):
@@ -327,14 +323,13 @@ def grad_ready(st: Lifecycle, p: ParamId, *, config: Config, dtype: str, graph_t
     return Lifecycle(params, grads, calls), effects + (GradIn(p),)
 
 
-def end_of_backward(st: Lifecycle, *, config: Config, with_grad: frozenset[ParamId] = frozenset()
-                    ) -> tuple[Lifecycle, tuple]:
+def end_of_backward(st: Lifecycle, ev: BackwardEnded, *, config: Config) -> tuple[Lifecycle, tuple]:
     """Autograd finished the backward: leaves whose post-backward never ran (no grad input) are
     reduced, the persistent params without a hook that got a grad are reported ([Note:
     persistent grads at the end of backward]), the grad epilogue runs, the params are released
-    (finish_backward). `with_grad`: the params without a hook (`CallTables.leaf_own`, `at_end`)
-    whose .grad is set."""
-    calls, grads = st.calls, st.grads
+    (finish_backward). `ev.with_grad`: the params without a hook (`CallTables.leaf_own`,
+    `at_end`) whose .grad is set."""
+    calls, grads, with_grad = st.calls, st.grads, ev.with_grad
     _check_no_late_leaf_grad(st, with_grad, config)
     effects: tuple = (ClearGradDue(),)
     for m in sorted(calls.leaves):
@@ -350,37 +345,35 @@ def end_of_backward(st: Lifecycle, *, config: Config, with_grad: frozenset[Param
     return Lifecycle(params, grads, calls), effects + eff + eff2 + (EndOfBackward(),)
 
 
-def step_called(st: Lifecycle, *, config: Config, boundary: bool | None = None, loss_scale: float = 1.0
-                ) -> tuple[Lifecycle, tuple]:
+def step_called(st: Lifecycle, ev: StepCalled, *, config: Config) -> tuple[Lifecycle, tuple]:
     """The user called step(): off the accumulation boundary the micro-step joins the window; at
     it the partitions are averaged and `stepped` comes next, once the shell knows the grad norm
-    ([Note: the window closes at step()], fz3/core/grad/epilogue.py). `boundary`:
-    set_gradient_accumulation_boundary's override, or None; `loss_scale`: fp16's
+    ([Note: the window closes at step()], fz3/core/grad/epilogue.py). `ev.boundary`:
+    set_gradient_accumulation_boundary's override, or None; `ev.loss_scale`: fp16's
     (fz3/core/grad/scaler.py)."""
-    grads, effects = micro_step_end(st.grads, config=config, override=boundary, loss_scale=loss_scale)
+    grads, effects = micro_step_end(st.grads, config=config, override=ev.boundary, loss_scale=ev.loss_scale)
     return st._replace(grads=grads), effects
 
 
-def zero_grad(st: Lifecycle, *, config: Config) -> tuple[Lifecycle, tuple]:
+def zero_grad(st: Lifecycle, ev: GradsZeroed, *, config: Config) -> tuple[Lifecycle, tuple]:
     """The user's zero_grad() (the engine's, the model's or the optimizer's): the grads of the
     backwards since the last step() are dropped ([Note: zero_grad in a window], epilogue.py)."""
     grads, effects = zero_grads(st.grads, config=config)
     return st._replace(grads=grads), effects
 
 
-def stepped(st: Lifecycle, *, config: Config, finite: bool = True,
-            leaf_grads: frozenset[ParamId] | None = None) -> tuple[Lifecycle, tuple]:
-    """At the accumulation boundary, the global grad norm known (`finite`: on every rank
+def stepped(st: Lifecycle, ev: Stepped, *, config: Config) -> tuple[Lifecycle, tuple]:
+    """At the accumulation boundary, the global grad norm known (`ev.finite`: on every rank
     alike). Finite: the optimizer steps (StepOptimizer: every trainable param no grad reached
     in the window left without one), the window closes, every full param is stale. Not
     finite: SkipStep, the window closes, the weights stay ([Note: a step skipped]).
-    `leaf_grads`: the leaf params (`CallTables.leaf_own`) that got a real grad in the window on
-    some rank; None: this rank's own (`leaf_grads(st)`), all there is with one rank."""
+    `ev.leaf_grads`: the leaf params (`CallTables.leaf_own`) that got a real grad in the window
+    on some rank; None: this rank's own (`leaf_grads(st)`), all there is with one rank."""
     grads = st.grads
-    if not finite:
+    if not ev.finite:
         grads, eff = optimizer_step(grads, config=config, applied=False)
         return Lifecycle(st.params, grads, st.calls), (SkipStep(st.grads.window + 1),) + eff
-    effects = (StepOptimizer(no_grad_params(st, leaf_grads)),)
+    effects = (StepOptimizer(no_grad_params(st, ev.leaf_grads)),)
     grads, eff = optimizer_step(grads, config=config)
     params, eff2 = end_of_step(st.params, config=config)
     return Lifecycle(params, grads, st.calls), effects + eff + eff2

@@ -33,8 +33,11 @@ test to paste (fz3/testing/calls_machine.py).
                                             a checkpoint was loaded: the grad lifecycle starts
                                             again at its counters, and the shards are new
 
-The functions `update` calls are looked up on their modules when it runs, so a test may replace
-one (property_tests/test_calls_teeth.py does).
+Each event is one record with one field list, built by keyword (`Enter(module=m, grad=True,
+grad_inputs=False)`), and the step that `update` calls for it takes the record and reads its
+fields by name, so no position is bound at either end. The functions `update` calls are looked
+up on their modules when it runs, so a test may replace one (property_tests/test_calls_teeth.py
+does).
 """
 from __future__ import annotations
 
@@ -154,41 +157,40 @@ EVENTS = TORCH_EVENTS + (Hold, Unhold, ShardsReplaced, Resumed)
 def update(st: Lifecycle, event, *, config: Config) -> tuple[Lifecycle, tuple]:
     """The state after `event`, and the effects to run for it, in order."""
     match event:
-        case Enter(m, grad, grad_inputs, recomputing, training, saved):
-            return calls.enter(st, m, config=config, grad=grad, grad_inputs=grad_inputs,
-                               recomputing=recomputing, training=training, saved=saved)
-        case Read(owner, p, grad):
-            return calls.read(st, owner, p, config=config, grad=grad)
-        case Leave(m, grad_outputs, returned, saved, recomputing):
-            return calls.leave(st, m, config=config, grad_outputs=grad_outputs, returned=returned,
-                               saved=saved, recomputing=recomputing)
-        case Raised(m, recomputing):
-            return calls.raised(st, m, config=config, recomputing=recomputing)
-        case PreBackwardRan(m):
-            return calls.pre_backward(st, m, config=config)
-        case PostBackwardRan(m, with_grad):
-            return calls.post_backward(st, m, config=config, with_grad=with_grad)
-        case GradReady(p, dtype, graph_task):
-            return calls.grad_ready(st, p, config=config, dtype=dtype, graph_task=graph_task)
-        case BackwardEnded(with_grad):
-            return calls.end_of_backward(st, config=config, with_grad=with_grad)
-        case StepCalled(boundary, loss_scale):
-            return calls.step_called(st, config=config, boundary=boundary, loss_scale=loss_scale)
+        case Enter():
+            return calls.enter(st, event, config=config)
+        case Read():
+            return calls.read(st, event, config=config)
+        case Leave():
+            return calls.leave(st, event, config=config)
+        case Raised():
+            return calls.raised(st, event, config=config)
+        case PreBackwardRan():
+            return calls.pre_backward(st, event, config=config)
+        case PostBackwardRan():
+            return calls.post_backward(st, event, config=config)
+        case GradReady():
+            return calls.grad_ready(st, event, config=config)
+        case BackwardEnded():
+            return calls.end_of_backward(st, event, config=config)
+        case StepCalled():
+            return calls.step_called(st, event, config=config)
         case GradsZeroed():
-            return calls.zero_grad(st, config=config)
-        case Stepped(finite, leaf_grads):
-            return calls.stepped(st, config=config, finite=finite, leaf_grads=leaf_grads)
-        case Hold(ps):
-            params, effects = hold.hold(st.params, ps, config=config)
+            return calls.zero_grad(st, event, config=config)
+        case Stepped():
+            return calls.stepped(st, event, config=config)
+        case Hold():
+            params, effects = hold.hold(st.params, event.params, config=config)
             return st._replace(params=params), effects
-        case Unhold(ps, stale):
-            return calls.hold_ended(st, ps, config=config, stale=stale)
+        case Unhold():
+            return calls.hold_ended(st, event, config=config)
         case ShardsReplaced():
             params, effects = step.end_of_step(st.params, config=config)
             return st._replace(params=params), effects
-        case Resumed(window, backward, skipped, micro_step):
+        case Resumed():
             params, effects = step.end_of_step(st.params, config=config)
-            return Lifecycle(params, grads.resumed(st.grads, window=window, backward=backward, skipped=skipped,
-                                                   micro_step=micro_step), st.calls), effects
+            return Lifecycle(params, grads.resumed(st.grads, window=event.window, backward=event.backward,
+                                                   skipped=event.skipped, micro_step=event.micro_step),
+                             st.calls), effects
     raise TypeError(f"fz3: update takes one of the events of fz3/core/events.py "
                     f"({', '.join(e.__name__ for e in EVENTS)}), got {event!r}")

@@ -59,7 +59,7 @@ from fz3.core import events
 from fz3.core.calls import Lifecycle
 from fz3.core.effects import record
 from fz3.core.events import Enter, Resumed
-from fz3.core.grad.grads import NEVER, GradState, ParamGrad
+from fz3.core.grad.grads import NEVER, GradState
 from fz3.core.hook_effects import SkipStep
 from fz3.core.ids import TraceMode
 from fz3.core.param.state import copied
@@ -171,10 +171,10 @@ def shifted(st: Lifecycle, d: Shift) -> Lifecycle:
     if d != NO_SHIFT:
         b, w = d.backward, d.window
         rows = [pg if pg.reported == NEVER and pg.written == NEVER and pg.got == NEVER and pg.waits == NEVER else
-                ParamGrad(pg.reported + b if pg.reported != NEVER else NEVER, pg.task, pg.bucket,
-                          pg.written + w if pg.written != NEVER else NEVER,
-                          pg.got + w if pg.got != NEVER else NEVER,
-                          pg.waits + w if pg.waits != NEVER else NEVER, pg.wait_dtype) for pg in rows]
+                pg._replace(reported=pg.reported + b if pg.reported != NEVER else NEVER,
+                            written=pg.written + w if pg.written != NEVER else NEVER,
+                            got=pg.got + w if pg.got != NEVER else NEVER,
+                            waits=pg.waits + w if pg.waits != NEVER else NEVER) for pg in rows]
         g = g._replace(backward=g.backward + b, window=g.window + w)
     return Lifecycle(copied(st.params), g._replace(params=PVec(rows)), st.calls)
 

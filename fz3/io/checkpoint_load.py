@@ -278,7 +278,8 @@ def apply(engine, loaded: dict, parts: dict = ALL_PARTS) -> None:
         (old.window, old.backward, old.skipped)
     # the grad lifecycle afresh, at the engine's own place in its cycle of step() calls (DeepSpeed's
     # micro_steps is not restored); persistent params re-gathered
-    engine.apply(Resumed(window, backward, skipped, engine.micro_steps % engine.config.gradient_accumulation_steps))
+    engine.apply(Resumed(window=window, backward=backward, skipped=skipped,
+                         micro_step=engine.micro_steps % engine.config.gradient_accumulation_steps))
     if parts["counters"]:  # DeepSpeed's: global_samples as saved; micro_steps stays this engine's
         per_step = engine.batch.train_batch_size or 0
         engine.global_samples = meta.get("global_samples", window * per_step)

@@ -95,7 +95,7 @@ def gathered_parameters(params: Union[nn.Module, nn.Parameter, Iterable[nn.Param
         if modifier_rank is not None and not 0 <= modifier_rank < engine.world_size:
             raise ValueError(f"modifier_rank={modifier_rank}: expected None or a rank in "
                              f"[0, {engine.world_size})")
-        engine.apply(Hold(tuple(sorted(set(pids)))))
+        engine.apply(Hold(params=tuple(sorted(set(pids)))))
     try:
         yield
     finally:
@@ -106,4 +106,4 @@ def gathered_parameters(params: Union[nn.Module, nn.Parameter, Iterable[nn.Param
                     full = engine.tables.params[p].data
                     engine.transport.broadcast(full, src=modifier_rank)
                     engine.store.write_full(p, full)
-            engine.apply(Unhold(pids, stale=modifier_rank is not None))
+            engine.apply(Unhold(params=pids, stale=modifier_rank is not None))

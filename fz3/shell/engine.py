@@ -348,8 +348,9 @@ class Engine(DeepSpeedSurface):
         # ([Note: inert modules], fz3/core/calls.py), so they are not walked
         if grad and not self.call_tables.inert[m]:
             flat = flatten(tree)
-        return self._call_event(Enter(m, grad, flat is not None and needs_grad(flat[0]), recomputing,
-                                      module.training, self.saved.position()), tree, flat)
+        return self._call_event(Enter(module=m, grad=grad, grad_inputs=flat is not None and needs_grad(flat[0]),
+                                      recomputing=recomputing, training=module.training,
+                                      saved=self.saved.position()), tree, flat)
 
     def _post_forward(self, module, args, kwargs, output):
         if id(module) in self.quiet_ids and self.quiet_calls.pop():
@@ -357,12 +358,15 @@ class Engine(DeepSpeedSurface):
         if output is None and sys.exc_info()[1] is not None:  # raised: [Note: a forward that raised]
             if self.stopped is not None:
                 return None  # the DivergenceError goes on out; refusing here would only be silenced
-            return self._call_event(Raised(self.module_ids[id(module)], torch._C._current_graph_task_id() != -1))
+            return self._call_event(Raised(module=self.module_ids[id(module)],
+                                           recomputing=torch._C._current_graph_task_id() != -1))
         flat = flatten(output)
         leaves = flat[0]
-        return self._call_event(Leave(self.module_ids[id(module)], torch.is_grad_enabled() and needs_grad(leaves),
-                                      tuple(self.param_ids[id(t)] for t in leaves if id(t) in self.param_ids),
-                                      self.saved.log, torch._C._current_graph_task_id() != -1), output, flat)
+        return self._call_event(Leave(module=self.module_ids[id(module)],
+                                      grad_outputs=torch.is_grad_enabled() and needs_grad(leaves),
+                                      returned=tuple(self.param_ids[id(t)] for t in leaves if id(t) in self.param_ids),
+                                      saved=self.saved.log, recomputing=torch._C._current_graph_task_id() != -1),
+                                output, flat)
 
     def _call_event(self, event, tree=None, flat=None):
         """`apply` for an event that opens or closes a call; the running module its ParamDicts
@@ -377,21 +381,22 @@ class Engine(DeepSpeedSurface):
         return r
 
     def _on_param_read(self, owner: int, param: nn.Parameter) -> None:
-        self.apply(Read(owner, self.param_ids[id(param)], torch.is_grad_enabled()))
+        self.apply(Read(owner=owner, param=self.param_ids[id(param)], grad=torch.is_grad_enabled()))
 
     def _pre_backward(self, m: int) -> None:
-        self.apply(PreBackwardRan(m))
+        self.apply(PreBackwardRan(module=m))
 
     def _post_backward(self, m: int) -> None:
         own = self.call_tables.leaf_own_of[m]  # () unless m is a leaf
-        self.apply(PostBackwardRan(m, self._with_grad(own) if own else frozenset()))
+        self.apply(PostBackwardRan(module=m, with_grad=self._with_grad(own) if own else frozenset()))
 
     def _make_grad_hook(self, p: int):
         engine = weakref.ref(self)
 
         def hook(param: nn.Parameter) -> None:
             e = engine()
-            e.apply(GradReady(p, str(param.grad.dtype).removeprefix("torch."), e._graph_task()))
+            e.apply(GradReady(param=p, dtype=str(param.grad.dtype).removeprefix("torch."),
+                              graph_task=e._graph_task()))
         return hook
 
     def _graph_task(self) -> int:
@@ -407,7 +412,7 @@ class Engine(DeepSpeedSurface):
 
     def _end_of_backward(self) -> None:
         self.ends += 1
-        self.apply(BackwardEnded(self._unhooked_with_grad()))
+        self.apply(BackwardEnded(with_grad=self._unhooked_with_grad()))
 
     def _end_unreported_backward(self) -> None:
         """A backward that met no fz3 node and no hooked param (one from the output of an inert
@@ -420,7 +425,7 @@ class Engine(DeepSpeedSurface):
         hooked, calls.call_tables hook_all)."""
         pending = frozenset(compress(self.at_end, map(operator.is_not, map(_GRAD, self.at_end_params), repeat(None))))
         if pending:
-            self.apply(BackwardEnded(pending))
+            self.apply(BackwardEnded(with_grad=pending))
 
     def _unhooked_with_grad(self) -> frozenset[int]:
         """`_with_grad` of every unhooked param, looked at in C (`map`, `compress`): up to three
@@ -540,7 +545,8 @@ class Engine(DeepSpeedSurface):
         self._end_unreported_backward()  # a bare loss.backward() of that kind counts before the boundary
         self.step_applied, self.in_step = False, True
         try:
-            self.apply(StepCalled(self.boundary_override, scaler.unscale_by(self.loss_scale, config=self.config)))
+            self.apply(StepCalled(boundary=self.boundary_override,
+                                  loss_scale=scaler.unscale_by(self.loss_scale, config=self.config)))
             boundary = at_boundary(replay.view(self.cell).grads, config=self.config)  # a flag: no shift
             if boundary:
                 self._step_at_boundary(lr_kwargs)
@@ -561,9 +567,10 @@ class Engine(DeepSpeedSurface):
         try:
             scale = scaler.update_scale(self.loss_scale, not finite, config=self.config)
         except scaler.LossScaleError:
-            self.apply(Stepped(False, frozenset(p for p, g in zip(leaf_own, got) if g)))  # skipped, as DeepSpeed
+            # skipped, as DeepSpeed
+            self.apply(Stepped(finite=False, leaf_grads=frozenset(p for p, g in zip(leaf_own, got) if g)))
             raise
-        self.apply(Stepped(finite, frozenset(p for p, g in zip(leaf_own, got) if g)))
+        self.apply(Stepped(finite=finite, leaf_grads=frozenset(p for p, g in zip(leaf_own, got) if g)))
         if scaler.dynamic(self.config) and (not finite or scale.scale != self.loss_scale.scale):
             log.loss_scale(self, self.loss_scale, scale, overflow=not finite)
         self.loss_scale = scale

@@ -185,7 +185,7 @@ class AutogradSim:
         except _Raised:
             for node in reversed(self.stack):
                 if not node.quiet:
-                    self.fire(Raised(node.call.module))
+                    self.fire(Raised(module=node.call.module))
             self.stack = []
             return False
         return True
@@ -207,7 +207,7 @@ class AutogradSim:
         if node.quiet:
             covered("call decisions", "inert call inside another: no event")
         else:
-            self.fire(Enter(m, grad, grad and call.grad_inputs == 1, training=grad,
+            self.fire(Enter(module=m, grad=grad, grad_inputs=grad and call.grad_inputs == 1, training=grad,
                             saved=len(self.log) if self.watching else -1), node)
         self.stack.append(node)
         if node.quiet:  # no fetch counts it among its params' users: they must be live anyway
@@ -227,7 +227,8 @@ class AutogradSim:
             self.driver.saved(node.used)
         self._tick()
         if not node.quiet:
-            self.fire(Leave(m, grad and self.outputs_grad(call), call.returns, self.log), node)
+            self.fire(Leave(module=m, grad_outputs=grad and self.outputs_grad(call), returned=call.returns,
+                            saved=self.log), node)
         self.stack.pop()
         return call.returns
 
@@ -240,7 +241,7 @@ class AutogradSim:
                           and not ms.is_leaf), None)
             if owner is not None:
                 if not (self.quiet and self.quiet_modules[owner]):
-                    self.fire(Read(owner, p))
+                    self.fire(Read(owner=owner, param=p))
                 read.append(p)
         return tuple(read)
 
@@ -281,7 +282,7 @@ class AutogradSim:
             covered("call decisions", "a backward without events: the engine ends it")
         else:
             covered("call decisions", "end of backward queued once")
-        self.fire(BackwardEnded(frozenset(self.holding)))
+        self.fire(BackwardEnded(with_grad=frozenset(self.holding)))
         if self.due or self.placeholder:
             raise SimError(f"grad placeholders left after the end of backward: {sorted(self.due)}")
         return True
@@ -307,7 +308,7 @@ class AutogradSim:
     def _backward(self, node: Node) -> None:
         m, hit = node.call.module, self.hit(node)
         if hit and node.outputs_node:
-            self.event(PreBackwardRan(m))
+            self.event(PreBackwardRan(module=m))
         for p in self.order(node):
             self.compute_backward(node)
             self.accumulate(p)
@@ -316,7 +317,7 @@ class AutogradSim:
         if hit and node.call.grad_inputs:
             self.compute_backward(node)
         if hit and node.inputs_node:
-            self.event(PostBackwardRan(m, frozenset(self.holding)))
+            self.event(PostBackwardRan(module=m, with_grad=frozenset(self.holding)))
 
     def event(self, event) -> None:
         self.events += 1
@@ -345,7 +346,7 @@ class AutogradSim:
         self.contributed.add(p)
         self.holding.add(p)
         if self.remaining[p] == 0 and self.hooked[p]:
-            self.event(GradReady(p, "float32"))
+            self.event(GradReady(param=p, dtype="float32"))
 
     # ---- names -----------------------------------------------------------------------------------
     def _m(self, m: int) -> str:

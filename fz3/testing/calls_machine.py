@@ -284,9 +284,9 @@ class CallsMachine(RuleBasedStateMachine):
     def step_now(self, finite: bool = True, boundary: bool | None = None) -> None:
         """The engine's step(): StepCalled, then Stepped once the window closed."""
         self.log.append(f"step() (override {boundary}; grad norm {'finite' if finite else 'not finite'})")
-        self.sim.fire(StepCalled(boundary))
+        self.sim.fire(StepCalled(boundary=boundary))
         if at_boundary(self.state.grads, config=self.config):
-            self.sim.fire(Stepped(finite))
+            self.sim.fire(Stepped(finite=finite))
             covered("call decisions", "window closed at step()" + (f" (override {boundary})" if boundary is not None
                                                                    else ""))
 

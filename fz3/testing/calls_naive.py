@@ -62,22 +62,22 @@ class NaiveCalls:
         """The hook effects (less ZeroGrads) `event` (fz3/core/events.py) must return; updates
         this model."""
         match event:
-            case Enter(m, grad, grad_inputs, _, _, saved):
+            case Enter(module=m, grad=grad, grad_inputs=grad_inputs, saved=saved):
                 return self.enter(m, grad=grad, grad_inputs=grad_inputs, saved=saved)
-            case Read(owner, p, _):
+            case Read(owner=owner, param=p):
                 return self.read(owner, p)
-            case Leave(m, grad_outputs, returned, _, _):
+            case Leave(module=m, grad_outputs=grad_outputs, returned=returned):
                 return self.leave(m, grad_outputs=grad_outputs, returned=returned)
-            case Raised(m, _):
+            case Raised(module=m):
                 return self.raised(m)
             case PreBackwardRan() | PostBackwardRan():
                 return self._backward_event()
-            case GradReady(p, _, _):
+            case GradReady(param=p):
                 return self._backward_event() + [GradIn(p)]
             case BackwardEnded():
                 self.in_backward = False
                 return [ClearGradDue(), EndOfBackward()]
-            case Stepped(finite, _):
+            case Stepped(finite=finite):
                 return self.stepped(finite=finite)
             case StepCalled() | GradsZeroed():
                 return []  # the grad lifecycle's alone (its own machine: fz3/testing/grad_machine.py)

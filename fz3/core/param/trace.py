@@ -78,7 +78,8 @@ def pass_kind(grad_enabled: bool, training: bool, grad_inputs: bool = False) -> 
 
 
 def initial_trace(kind: str = TRAIN) -> TraceState:
-    return TraceState(TraceMode.INVALID, 0, Log(), None, 0, 0, kind)
+    return TraceState(mode=TraceMode.INVALID, step_id=0, recording=Log(), plan=None, cursor=0, invalidations=0,
+                      kind=kind)
 
 
 def on_fetch(tr: TraceState, module: ModuleId) -> tuple[TraceState, bool]:
@@ -86,13 +87,12 @@ def on_fetch(tr: TraceState, module: ModuleId) -> tuple[TraceState, bool]:
     expected another module here (or none). DeepSpeed: trace_prologue + record_module."""
     departed = tr.mode is TraceMode.COMPLETE and (
         tr.step_id >= len(tr.plan.order) or tr.plan.order[tr.step_id] != module)
-    # positional for speed (one per fetch); the fields after `recording` pass through as they are
-    return TraceState(tr.mode, tr.step_id + 1, tr.recording.extend((module,)), *tr[3:]), departed
+    return tr._replace(step_id=tr.step_id + 1, recording=tr.recording.extend((module,))), departed
 
 
 def advanced(tr: TraceState, cursor: int) -> TraceState:
     """The trace with prefetch's queue cursor moved to `cursor` (it only moves forward)."""
-    return TraceState(*tr[:4], cursor, *tr[5:])  # cursor is field 4; the rest pass through
+    return tr._replace(cursor=cursor)
 
 
 def invalidated(tr: TraceState, module: ModuleId = -1, *, externals: bool = False) -> TraceState:
