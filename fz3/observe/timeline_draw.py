@@ -23,7 +23,7 @@ def draw(json_path: str, png_path: str) -> dict:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise DrawError("drawing a timeline needs matplotlib: pip install 'fz3[timeline]' (or matplotlib)") from None
+        raise DrawError("drawing a timeline needs matplotlib: pip install -e '.[timeline]' in your clone of fz3 (or pip install matplotlib)") from None
     try:
         with open(json_path) as f:
             trace = json.load(f)
