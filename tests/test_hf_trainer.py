@@ -31,7 +31,6 @@ another order (two half batches and a reduce); seen: <= 3e-7 relative, losses an
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import logging
@@ -189,20 +188,6 @@ class _Said(logging.Handler):
             self.lines.append(record.getMessage())
 
 
-@contextlib.contextmanager
-def _env(**values):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("hf_trainer"))
@@ -211,7 +196,7 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(root):
     """Rank 0's result of the one 2-rank launch (module doc)."""
-    with _env(FZ3_DEVICE="cpu"):
+    with fz3.launch.spawn_environment({"FZ3_DEVICE": "cpu"}):  # the ranks it spawns pick the CPU
         return fz3.launch.run(_worker, world_size=WORLD, args=(root,), timeout=240)[0]
 
 
