@@ -10,7 +10,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "exa
 
 def pytest_report_header(config):
     import torch
-    profile = os.environ.get("FZ3_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
+    profile = (config.getoption("hypothesis_profile", None) or os.environ.get("HYPOTHESIS_PROFILE")
+               or os.environ.get("FZ3_HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
     return [f"fz3: torch {torch.__version__}, python {platform.python_version()}, "
             f"{os.cpu_count()} cpus; hypothesis profile '{profile}'",
             "fz3: tests/ = unit tests + multi-rank gloo parity (127.0.0.1, 1-3 ranks, timeouts); "

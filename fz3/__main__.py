@@ -27,9 +27,15 @@
         check steps --optimizer, not the config's "optimizer" (SGD shows a wrong grad scale,
         which Adam hides).
     python -m fz3 verify [--examples N] [--steps K] [--machines params,grads,layout,calls,scaler]
+                         [--profile hunt|dev|ci|nightly|mutation] [--seed S]
+                         [--patch MODULE:FUNCTION=MODULE:FUNCTION ...]
         The Hypothesis machines against their naive models, N examples each (up to K rules per
-        example), then what each invariant covered: checks and situations. Exit status 1 with
-        the shrunk counterexample when a property fails (fz3/testing/verify.py).
+        example), then what each invariant covered: checks and situations. --profile runs under
+        a Hypothesis profile of fz3/testing/profiles.py (hunt: find and shrink within a minute);
+        --patch replaces a function of fz3 by yours wherever fz3 binds it, for the run
+        (fz3/testing/patch.py; several allowed). Exit status 1 when a property fails: FAILED and
+        the shrunk case as a pytest function to paste come first (fz3/testing/verify.py,
+        docs/verify.md).
 
 Usage errors (an unknown command, a MODULE:FUNCTION that does not import or returns the wrong
 thing, an invalid config, a world size < 1, for check a model that does not run on the CPU or is
@@ -84,10 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("consolidate", help="a sharded checkpoint -> one fp32 safetensors file")
     c.add_argument("rest", nargs=argparse.REMAINDER)
     v = sub.add_parser("verify", help="run the Hypothesis machines; print what each invariant covered")
-    v.add_argument("--examples", type=int, default=100, help="Hypothesis examples per machine (default 100)")
-    v.add_argument("--steps", type=int, default=20, help="most rules per state-machine example (default 20)")
+    v.add_argument("--examples", type=int, default=None, help="Hypothesis examples per machine (default 100, "
+                   "or the profile's)")
+    v.add_argument("--steps", type=int, default=None, help="most rules per state-machine example (default 20, "
+                   "or the profile's)")
     v.add_argument("--machines", default="params,grads,layout,calls,scaler",
                    help="comma-separated, of params, grads, layout, calls, scaler (default: all)")
+    v.add_argument("--profile", default=None, help="a Hypothesis profile of fz3/testing/profiles.py: hunt (find "
+                   "and shrink a bug within a minute), dev, ci, nightly, mutation")
+    v.add_argument("--seed", type=int, default=None, help="the same seed draws the same examples (default: random)")
+    v.add_argument("--patch", action="append", default=[], metavar="MODULE:FUNCTION=MODULE:FUNCTION",
+                   help="run on your replacement of a function of fz3, bound wherever fz3 binds it, e.g. "
+                   "fz3.core.param.release:release_into=mypkg.bugs:my_release_into (or bugs.py:my_release_into); "
+                   "may be given several times")
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":
@@ -134,13 +149,18 @@ def _verify(args) -> int:
     try:
         from fz3.testing.verify import verify
     except ImportError as e:
-        raise UsageError(f"needs Hypothesis ({e}): pip install 'fz3[test]'") from None
+        raise UsageError(f"needs Hypothesis ({e}): pip install -e '.[test]' in your clone of fz3") from None
+    if args.patch and os.getcwd() not in sys.path:  # a replacement's module, found as `python -m` finds one
+        sys.path.insert(0, os.getcwd())
     try:
-        report = verify(args.examples, args.steps, tuple(m for m in args.machines.split(",") if m))
-    except ValueError as e:
+        report = verify(args.examples, args.steps, tuple(m for m in args.machines.split(",") if m),
+                        profile=args.profile, patches=args.patch, seed=args.seed)
+    except ValueError as e:  # fz3.testing.patch.PatchError among them
         raise UsageError(str(e)) from None
-    if report.failure is not None:
-        print("".join(traceback.format_exception(report.failure[1])), file=sys.stderr)
+    if report.head():  # the patches, FAILED and the shrunk case first
+        print(report.head() + "\n", flush=True)
+    if report.failure is not None:  # Hypothesis' own account: the steps, the machine's notes
+        print("".join(traceback.format_exception(report.failure[1])), file=sys.stderr, flush=True)
     print(report.table())
     return 1 if report.failure is not None else 0
 
@@ -234,7 +254,7 @@ def _fill_auto(path: str, ds: dict, autos: list[str], world_size: int | None, st
     except ImportError as e:
         raise UsageError(f"--config {path!r} has \"auto\" values that Hugging Face's Trainer fills from "
                          f"TrainingArguments ({', '.join(autos)}); fz3 fills them as fz3.hf.Trainer does, "
-                         f"which needs transformers and accelerate ({e}): pip install 'fz3[hf]', or set "
+                         f"which needs transformers and accelerate ({e}): pip install -e '.[hf]' in your clone of fz3, or set "
                          "the values") from None
     ds, filled = fill_auto(ds, model=model, world_size=world_size or 1, steps=steps)
     ranks = f" on {world_size} ranks" if world_size else ""

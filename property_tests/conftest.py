@@ -1,15 +1,14 @@
-"""Hypothesis profiles: dev (default, quick), ci (loaded when CI is set), nightly (deep), mutation (bench/mutation.py:
-the ci profile at a tenth of the examples, run for each mutant, a failure not shrunk)."""
+"""Hypothesis profiles, defined in fz3/testing/profiles.py and registered here: dev (default, quick),
+ci (loaded when CI is set), nightly (deep), mutation (bench/mutation.py: the ci profile at a tenth of
+the examples, run for each mutant, a failure not shrunk), hunt (find a planted bug and shrink it
+within a minute). Pick one with --hypothesis-profile=NAME, or HYPOTHESIS_PROFILE=NAME (or
+FZ3_HYPOTHESIS_PROFILE=NAME) in the environment."""
 import os
 
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import settings
 
-settings.register_profile("dev", max_examples=50, deadline=None)
-settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow], print_blob=True)
-settings.register_profile("mutation", max_examples=10, deadline=None, derandomize=True, database=None,
-                          phases=[Phase.explicit, Phase.generate],  # a failure is a kill: no shrinking
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("nightly", max_examples=2000, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("FZ3_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+from fz3.testing import profiles
+
+profiles.register()
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or os.environ.get("FZ3_HYPOTHESIS_PROFILE")
+                      or ("ci" if os.environ.get("CI") else "dev"))

@@ -22,7 +22,8 @@ import fz3.core.param.backward as backward
 import fz3.core.param.fetch as fetch
 import fz3.core.param.release as release
 import fz3.core.param.step as step
-from fz3.core.param.state import AVAILABLE, INFLIGHT, NOT_AVAILABLE, unit_params
+from fz3.core.param.state import INFLIGHT, NOT_AVAILABLE, unit_params
+from fz3.testing import planted
 from fz3.testing.models import HUGE
 from fz3.testing.param_machine import ParamLifecycleMachine
 
@@ -53,17 +54,7 @@ def test_prefetch_ignoring_live_budget_is_caught(monkeypatch):
 def test_release_ignoring_other_users_is_caught(monkeypatch):
     """(b) release frees its module's params even when another active module (e.g. a parent
     sharing a tied weight with the child it calls) or a gathered_parameters still uses them."""
-    real = release.release_into
-
-    def selfish(tx, module, *, config):
-        was_active, pids = tx.active(module), unit_params(tx, module)
-        real(tx, module, config=config)
-        spec = tx.st.spec.params
-        still_used = tuple(p for p in pids if tx.status(p) == AVAILABLE and tx.users(p)
-                           and not spec[p].persistent and not tx.is_external(p))
-        if was_active and still_used:
-            release.free(tx, still_used)
-
+    selfish = planted.release_ignoring_other_users  # fz3/testing/planted.py: verify --patch's example too
     monkeypatch.setattr(release, "release_into", selfish)
     monkeypatch.setattr(backward, "release_into", selfish)
     assert_caught("used by an active module|held by gathered_parameters")

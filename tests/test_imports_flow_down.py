@@ -11,7 +11,9 @@
                    fz3.func, the launcher, the CLI, fz3.testing
 
 Every import in every file under fz3/ is read, those inside functions too (a lazy import is
-still an arrow), and held against that order. fz3/__init__.py loads the shell's names on first
+still an arrow), and held against that order; an import under `if TYPE_CHECKING:` is not (it
+names a type for annotations and never runs: fz3/core/calls.py names the event records that
+events.py, which imports it, defines). fz3/__init__.py loads the shell's names on first
 use by name (importlib), which no arrow here sees: it is the top.
 """
 from __future__ import annotations
@@ -43,12 +45,26 @@ def modules(root: Path = ROOT) -> dict[str, str]:
     return out
 
 
+def _typing_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:`: names for annotations, never run."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
 def imports(sources: dict[str, str]) -> dict[str, set[str]]:
-    """Module -> the modules of the package it imports (anywhere in the file)."""
+    """Module -> the modules of the package it imports (anywhere in the file, but for the names
+    an `if TYPE_CHECKING:` block imports for annotations: they never run)."""
     out: dict[str, set[str]] = {}
     for name, source in sources.items():
         found = set()
-        for node in ast.walk(ast.parse(source)):
+        tree = ast.parse(source)
+        typing_only = _typing_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
             elif isinstance(node, ast.Import):
