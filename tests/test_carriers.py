@@ -179,7 +179,7 @@ def test_a_freed_param_leaves_no_view_in_the_carrier():
 
 def _route(rank: int, world: int, carrier: str) -> dict:
     """A backward's grads (reverse param order, buckets of 12 elements) through the core with the
-    interpreter's `in_place_reduce_scatter`, run by that interpreter; -> what it did."""
+    interpreter's `capabilities.in_place_reduce_scatter`, run by that interpreter; -> what it did."""
     import fz3
     from fz3.core.grad import epilogue, grads
     torch.manual_seed(0)
@@ -190,7 +190,7 @@ def _route(rank: int, world: int, carrier: str) -> dict:
     it, spec = engine.interp, engine.spec
     ps = tuple(range(len(spec.params)))
     it.run([AllGather(Handle(10**6), ps, False, False), Wait(Handle(10**6))])  # shapes for .grad
-    state = grads.init_grad_state(spec, in_place_reduce_scatter=it.in_place_reduce_scatter)
+    state = grads.init_grad_state(spec, in_place_reduce_scatter=it.capabilities.in_place_reduce_scatter)
     sent = [torch.arange(s.numel, dtype=torch.float32) * (rank + 1) - rank for s in spec.params]
     placed, most = [], 0
     for p in reversed(ps):
@@ -203,7 +203,7 @@ def _route(rank: int, world: int, carrier: str) -> dict:
     it.run(eff)
     state, eff = epilogue.micro_step_end(state, config=config)  # the step(): the average
     it.run(eff)
-    return {"in_place": it.in_place_reduce_scatter, "placed": placed, "bucket_bytes": most,
+    return {"in_place": it.capabilities.in_place_reduce_scatter, "placed": placed, "bucket_bytes": most,
             "parts": [it.store.partitions[p].clone() for p in ps], "sent": sent}
 
 
