@@ -21,7 +21,8 @@ work fails with a DivergenceError naming what happened when a peer leaves mid-co
 
 `reads_grads_in_place`: the reduce sends each grad from where it lies (P2P only), so a bucket
 would only stage a copy. The interpreter reports it in its `capabilities`
-(in_place_reduce_scatter, protocol.py), and the core then holds grads (HoldGrad) instead of copying them (fz3.core.grad.grads.grad_route).
+(in_place_reduce_scatter, protocol.py), and the core then holds grads (HoldGrad) instead of
+copying them (fz3.core.grad.grads.grad_route).
 `hold_budget`: the held grads a reduce gains from batching; the core reduces a bucket of held
 grads at that size, not at reduce_bucket_size (fz3.core.grad.grads.capacity).
 """
