@@ -293,7 +293,7 @@ def test_hugging_face_causal_lms_as_they_come():
 def test_a_7b_wide_layer_plans_without_its_memory():
     """One layer of Llama-7B's shape (hidden 4096, MLP 11008, vocab 32000: 0.46 B params, 1.7 GiB
     in fp32) built on meta, planned at 64 ranks with its default attention: the process's peak
-    RSS grows by far less than the params would take (bench/plan_check.py --llama-7b: all 32)."""
+    RSS grows by far less than the params would take (bench/diagnostics/plan_check.py --llama-7b: all 32)."""
     pytest.importorskip("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
     from fz3.shell.device import CpuDevice

@@ -3,7 +3,7 @@
 
 With overlap_comm every reduce is asynchronous; nothing waited for one before the end of the
 backward, so every bucket's grads (and its receive scratch) stayed alive to the end: 6 bytes
-per param per rank on the GPTs of bench/memory.py. Here, on 2 gloo ranks, a stack of Linear
+per param per rank on the GPTs of bench/diagnostics/memory.py. Here, on 2 gloo ranks, a stack of Linear
 layers with a bucket of about two layers: at every grad the interpreter has at most one reduce
 in flight and holds at most two buckets of grads, on each carrier; the parity suite checks the
 numbers.

@@ -1,6 +1,6 @@
 """The Hypothesis profiles of fz3/testing/profiles.py: property_tests/conftest.py registers them, so
 pytest loads `hunt` by --hypothesis-profile=hunt or HYPOTHESIS_PROFILE=hunt; importing the module
-registers nothing (STYLE.md 15); and bench/hunt.py prints its table (one bug, one run)."""
+registers nothing (STYLE.md 15); and bench/diagnostics/hunt.py prints its table (one bug, one run)."""
 from __future__ import annotations
 
 import os
@@ -44,7 +44,7 @@ def test_importing_the_profiles_registers_none():
 
 
 def test_the_hunt_bench_prints_its_table():
-    got = run(["bench/hunt.py", "--runs", "1", "--bugs", "boundary"])
+    got = run(["bench/diagnostics/hunt.py", "--runs", "1", "--bugs", "boundary"])
     assert got.returncode == 0, got.stdout + got.stderr
     rows = [line for line in got.stdout.splitlines() if line.startswith("| boundary")]
     assert len(rows) == 1, got.stdout

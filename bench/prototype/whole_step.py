@@ -15,7 +15,7 @@ that (a model whose module order changes needs a new Program: see /tmp/whole_ste
 later docs/compile.md). How to run it:
 
     pytest tests/test_whole_step.py                # parity on 2 gloo ranks, tiny GPT, aot_eager
-    python bench/whole_step.py                     # eager vs compiled blocks vs this, small GPT
+    python bench/diagnostics/whole_step.py                     # eager vs compiled blocks vs this, small GPT
 
 [Note: recompute the gathers] Left to itself, AOT's partitioner saves what the backward needs,
 and a Linear's backward needs its full weight: every gathered param stays alive from forward to

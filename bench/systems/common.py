@@ -25,7 +25,7 @@ MODELS = {  # issue #5: same model, data, optimizer and global batch for every s
     "wide": (GPTConfig(vocab=32768, d_model=512, n_head=8, n_layer=4, seq=64), 4),
     # issue #27: deep and narrow, ~130 modules and ~0.2M params: a step is almost all framework
     "deep": (GPTConfig(vocab=128, d_model=32, n_head=2, n_layer=16, seq=8), 2),
-    # bench/memory.py: two sizes for the bytes-per-param fit, then a ladder for fz3.Init's largest
+    # bench/diagnostics/memory.py: two sizes for the bytes-per-param fit, then a ladder for fz3.Init's largest
     # run (d 2048); short sequences and 1 sequence per rank, so activations stay small
     "m100": (GPTConfig(vocab=32768, d_model=768, n_head=12, n_layer=12, seq=64), 2),  # 110,270,976
     "m300": (GPTConfig(vocab=32768, d_model=1024, n_head=16, n_layer=24, seq=64), 2),  # 335,931,392
@@ -33,7 +33,7 @@ MODELS = {  # issue #5: same model, data, optimizer and global batch for every s
     "m800": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=15, seq=64), 2),  # 822,618,112
     "b1": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=19, seq=64), 2),  # 1,024,051,200
     "b12": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=23, seq=64), 2),  # 1,225,484,288
-    # bench/memory.py --smoke: the same pipeline on tiny models
+    # bench/diagnostics/memory.py --smoke: the same pipeline on tiny models
     "s1": (GPTConfig(vocab=512, d_model=64, n_head=4, n_layer=2, seq=64), 2),  # 136,960
     "s2": (GPTConfig(vocab=512, d_model=128, n_head=4, n_layer=4, seq=64), 2),  # 867,072
     "s3": (GPTConfig(vocab=512, d_model=128, n_head=4, n_layer=6, seq=64), 2),  # 1,263,616

@@ -1,4 +1,4 @@
-"""DDP compiled (issue #25, bench/compile.py): torch.compile(DistributedDataParallel(model),
+"""DDP compiled (issue #25, bench/diagnostics/compile.py): torch.compile(DistributedDataParallel(model),
 backend="inductor"), the whole model in one compile, torch._dynamo.config.optimize_ddp left at
 its default (True: DDPOptimizer splits the graph at DDP's bucket boundaries so the all-reduce
 of a bucket can start while backward goes on). Otherwise as ddp.py (gloo, default 25 MiB

@@ -1,4 +1,4 @@
-"""FSDP2 with per-block compile (issue #25, bench/compile.py), torchtitan's recipe: each
+"""FSDP2 with per-block compile (issue #25, bench/diagnostics/compile.py), torchtitan's recipe: each
 transformer block torch.compile(block, backend="inductor", fullgraph=True), put back in
 model.blocks, BEFORE fully_shard(block); then fully_shard(model). FSDP2's hooks sit on the
 OptimizedModule wrapper, outside the compiled graph. Otherwise as fsdp2.py (CPU mesh, SUM

@@ -1,5 +1,5 @@
 """fz3 eager with each transformer block one fetch unit (fz3.set_leaf_modules on the Block class),
-the units fz3-compiled has; otherwise fz3_z3. bench/compile.py runs it beside fz3 eager (every
+the units fz3-compiled has; otherwise fz3_z3. bench/diagnostics/compile.py runs it beside fz3 eager (every
 module its own unit) and fz3 compiled, to say how much of the compiled speed-up is the coarser
 units (fewer, larger gathers and reduces) and how much the compiler."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""fz3 with its transformer blocks compiled by inductor (issue #25, bench/compile.py); otherwise
+"""fz3 with its transformer blocks compiled by inductor (issue #25, bench/diagnostics/compile.py); otherwise
 fz3_z3 (same model, AdamW, Config and Options from options["config"]).
 
 options["compile"]:

@@ -1,5 +1,5 @@
 """No data parallelism at all: each rank steps its own copy of the model on its local batch, no
-communication (bench/compile.py). What a compiler can buy the compute itself on this machine,
+communication (bench/diagnostics/compile.py). What a compiler can buy the compute itself on this machine,
 with no wrapper around it: options["compile"]
     None     eager
     "blocks" each model.blocks[i].compile(backend="inductor"): the units fz3-compiled and

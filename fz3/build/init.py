@@ -161,7 +161,7 @@ class Init:
         not the moment its __init__ returns: a param its parent drops at once (a head's weight
         replaced by the embedding's to tie them) then dies full and is never sharded. A rank
         still holds at most one module full. 1 B GPT: construction peak 2.50 -> 2.38 GiB/rank,
-        the head's 0.13 GiB shard gone (bench/memory.py)."""
+        the head's 0.13 GiB shard gone (bench/diagnostics/memory.py)."""
         due, self.due = self.due, []
         with self.quiet():
             for ref in due:

@@ -436,7 +436,7 @@ def _as_int(key: str, value: object) -> int:
 
 # [Note: "auto"] Hugging Face's DeepSpeed JSONs say "auto" where the Trainer fills in a value
 # from TrainingArguments before DeepSpeed sees the dict. Given to DeepSpeed 0.19.8 itself
-# (bench/deepspeed_facts.py, tests/data/deepspeed_facts_0.19.8.json), an "auto" inside a
+# (bench/deepspeed/deepspeed_facts.py, tests/data/deepspeed_facts_0.19.8.json), an "auto" inside a
 # section DeepSpeed reads through pydantic (zero_optimization, bf16, fp16, ...) is dropped, so
 # the field keeps its default (runtime/config_utils.py DeepSpeedConfigModel: `v != "auto"`):
 # bf16.enabled "auto" is off, zero_optimization.stage "auto" is stage 0. A top-level key read

@@ -10,7 +10,7 @@ gloo_all_gather, gloo_reduce_scatter   what carries an all-gather and a reduce_s
     the fastest here at both benchmark sizes; "all_reduce": an all-reduce (SUM) of the
     zero-padded rows (gather: x + 0 == x, a -0.0 comes back as +0.0) or of the bucket, keeping
     this rank's slices (reduce: the allreduce path's data plane, same partitions, I3);
-    "native": gloo's allgather / reduce_scatter, the slowest (bench/gloo_collectives.py,
+    "native": gloo's allgather / reduce_scatter, the slowest (bench/diagnostics/gloo_collectives.py,
     bench/RESULTS.md). NCCL and HCCL always use their own collectives.
 gloo_coalesce_numel   on the "p2p" carriers, params of at most this many elements travel packed,
     one message per peer for each group of them in one gather or reduce (fz3/interpreters/messages.py);

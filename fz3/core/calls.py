@@ -503,7 +503,7 @@ def _reduce_leaf(calls: CallState, grads: GradState, m: ModuleId, config: Config
 # [Note: inert modules] A module whose own params are all persistent (or that has none: a
 # container) never gathers nor frees, and its externals are pinned to the step's end: its
 # backward would do nothing, so its calls get no autograd nodes. 18 of the small benchmark GPT's
-# 33 calls; ~2.7 ms a step (bench/no_comm_overhead.py, toy). The root and leaf modules always get
+# 33 calls; ~2.7 ms a step (bench/diagnostics/no_comm_overhead.py, toy). The root and leaf modules always get
 # theirs.
 #
 # Where no param is ever freed (every param persistent: `saves_matter` False), a call of an inert

@@ -51,7 +51,7 @@ After a DivergenceError the ranks are out of step for good (the k-th descriptor 
 pairs with the k-th of every other; a rank may have sent ones the others never took), so every
 later collective raises it again and `on_failure` tells the engine, which then refuses every
 call ([Note: an engine stops at a DivergenceError], fz3/shell/engine.py). The check is always on
-(bench/divergence_overhead.py measures it). FZ3_DIVERGENCE_CHECK=0 turns it off, for that
+(bench/diagnostics/divergence_overhead.py measures it). FZ3_DIVERGENCE_CHECK=0 turns it off, for that
 measurement.
 """
 from __future__ import annotations
@@ -134,7 +134,7 @@ class Agreement:
         self.hint: Callable[[Mapping[int, Sequence[int]]], str] = lambda where: ""  # leaf_hint
         self.phase: Callable[[], int] = lambda: 0  # this rank's pass now (pass_hint.phase_reader)
         self.stamping = True  # gathers and reduces carry `phase()` (off: the step's refresh)
-        self.seconds = 0.0  # spent checking (bench/divergence_overhead.py reports it)
+        self.seconds = 0.0  # spent checking (bench/diagnostics/divergence_overhead.py reports it)
 
     @classmethod
     def for_transport(cls, comm: Transport, describe: Callable[[Sequence[int]], str]) -> "Agreement | None":
@@ -185,7 +185,7 @@ class Agreement:
         once the descriptors had arrived, 3.5 % (bench/RESULTS.md, "The divergence check").
         An on-demand 1 MiB gather between 2 gloo ranks took 1.0 ms unchecked, 1.5 ms with its
         descriptors on a gloo side group and 1.2 ms with them on the training group itself, one
-        connection and one transport thread per pair instead of two (bench/agreement_latency.py)."""
+        connection and one transport thread per pair instead of two (bench/diagnostics/agreement_latency.py)."""
         return Guarded(self, posted, work)
 
     def issue(self, posted: "Posted", post: Callable[[], object]):

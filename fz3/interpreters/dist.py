@@ -77,7 +77,7 @@ MAX_REDUCES_IN_FLIGHT = 1
 """A bucket's reduce is issued once the previous one completed (it has had a bucket's worth of
 backward to do so). Without a bound every bucket of a backward stayed in flight until its end,
 holding its grads and receive scratch: 6 bytes per param per rank on 2 ranks (the p2p
-reduce-scatter, which holds the grads rather than a bucket buffer; bench/memory.py fit 14.1
+reduce-scatter, which holds the grads rather than a bucket buffer; bench/diagnostics/memory.py fit 14.1
 B/param against a theory of 8). DeepSpeed: the reduce stream is synchronized before an IPG
 buffer is reused."""
 
@@ -111,7 +111,7 @@ class DistInterpreter:
         # [Note: one size per reduce buffer] Buckets differ in size (the grad that overflows one
         # starts the next), and a pooled buffer is reused only for a take of the same size: a
         # buffer per bucket size stayed in the pool through the backward, 300 MiB per rank on
-        # bench/memory.py's 0.3 B GPT. Every reduce buffer is cut from one of the largest size a
+        # bench/diagnostics/memory.py's 0.3 B GPT. Every reduce buffer is cut from one of the largest size a
         # bucket can need, so one buffer serves every bucket. A bucket's shards total at most
         # capacity / W plus one element per param (each rank span rounds up), and pages a
         # smaller bucket never touches are never resident.

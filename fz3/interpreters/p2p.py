@@ -14,7 +14,7 @@ Direct exchange: every rank posts all its receives and sends at once, the bytes 
 ((W - 1)/W of the params). Padding never travels: partition j of a param of n elements is its
 elements [j*s, (j+1)*s) clipped to n, s = ceil(n / W) (fz3.data.layout). On gloo (torch 2.13,
 2 ranks here) this is faster than gloo's own collectives and than the all-reduce stand-ins, and
-large params need no staging buffers (bench/gloo_collectives.py; bench/RESULTS.md, "point-to-point gloo
+large params need no staging buffers (bench/diagnostics/gloo_collectives.py; bench/RESULTS.md, "point-to-point gloo
 collectives").
 
 Every rank issues the same effects in the same order (SPMD), so one tag per operation, from a

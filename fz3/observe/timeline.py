@@ -20,7 +20,7 @@ at the block's start, on each rank's monotonic clock (one host: the same clock).
 
 Off costs nothing: entering the block puts timing wrappers on this engine's instance (its core
 door `engine.update`, its interpreter's run, its modules' hooks) and leaving removes them, so no
-code path asks whether a timeline is on. On: bench/timeline_overhead.py measures it.
+code path asks whether a timeline is on. On: bench/diagnostics/timeline_overhead.py measures it.
 """
 from __future__ import annotations
 

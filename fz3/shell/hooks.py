@@ -51,7 +51,7 @@ class PreBackward(torch.autograd.Function):
     def apply(cls, *args):
         """torch's Function.apply without its per-call inspect.signature(forward).bind(...):
         forward takes positionals only and has no defaults, so the binding changes nothing, and
-        it cost ~38 us of each call (bench/apply_cost.py: 8.9 against 46.6 us). Under a functorch
+        it cost ~38 us of each call (bench/diagnostics/apply_cost.py: 8.9 against 46.6 us). Under a functorch
         transform torch's own apply runs, which routes through setup_context."""
         if torch._C._are_functorch_transforms_active():
             return super().apply(*args)

@@ -5,7 +5,7 @@ saves `w.t()` for the backward: a view that holds the gathered full value's memo
 param after its forward (`.data = empty`) then frees nothing: every Linear's full weight stayed
 alive from its forward to its backward, and the backward gathered it a second time beside the
 old copy. max_live_parameters bounded the core's count but not the memory (the 0.1 B GPT of
-bench/memory.py held 738 MiB of gathered buffers per rank for a 5e7-param budget, in a probe
+bench/diagnostics/memory.py held 738 MiB of gathered buffers per rank for a 5e7-param budget, in a probe
 that counted the pool's buffers still in use; tests/test_saved_views.py checks it).
 
 So, while a pass that records a graph runs, fz3 installs saved-tensor hooks: a saved tensor

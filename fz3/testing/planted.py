@@ -1,5 +1,5 @@
 """Planted bugs: replacements of fz3 functions that break one rule each, for showing that the
-machines catch them (`python -m fz3 verify --patch`, bench/hunt.py, docs/verify.md).
+machines catch them (`python -m fz3 verify --patch`, bench/diagnostics/hunt.py, docs/verify.md).
 
     name      the function it replaces              the rule it breaks                  caught by
     release   fz3.core.param.release:release_into   a param still in use is freed       params

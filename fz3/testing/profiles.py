@@ -5,7 +5,7 @@ and `python -m fz3 verify --profile NAME` runs the machines under it.
     dev       the default: quick
     ci        loaded when CI is set: derandomized (the same examples every run), the blob printed
     nightly   deep: 2000 examples
-    mutation  bench/mutation.py: the ci profile at a tenth of the examples, run for each mutant,
+    mutation  bench/diagnostics/mutation.py: the ci profile at a tenth of the examples, run for each mutant,
               a failure not shrunk (a failure is a kill)
     hunt      find a bug and shrink it within a minute: no explain phase, short programs
               ([Note: the hunt])
@@ -20,7 +20,7 @@ fz3's machines each rerun is a program of rules, each a pass or more of a model'
 every check on, and the two take minutes: verify's defaults found and shrunk the three bugs of
 fz3/testing/planted.py in 14-146 s (issue #46 saw 290-316 s for a planted bug). Measured, the
 explain phase is most of it: the hunt's settings with it added took 28-58 s a bug, without it
-2-19 s, and programs of 20 rules instead of 8 changed little (2-17 s; bench/hunt.py, 2 cores).
+2-19 s, and programs of 20 rules instead of 8 changed little (2-17 s; bench/diagnostics/hunt.py, 2 cores).
 So the hunt leaves out the explain phase and draws many short programs: 300 examples of up to
 8 rules, about the rules of verify's 100 of 20, each bug found in under a second and shrunk to
 Hypothesis' fixpoint in seconds (bench/RESULTS.md). As a backstop, `python -m fz3 verify

@@ -21,7 +21,7 @@ DeepSpeed's fetch_sub_module instead takes up to min(bucket, max_live_parameters
 what is gathered ahead grows to max_live_parameters: with the defaults (5e7, 1e9) fz3.plan of
 bench's 1.02 B GPT on 2 ranks held 990 M params gathered at the forward's end (3.7 GiB a rank in
 fp32), where this rule holds 504 M; real DeepSpeed 0.19.8 holds 98-99 % of a GPT gathered or in
-flight at the forward's end, with its default budgets scaled to the model (bench/prefetch_depth.py,
+flight at the forward's end, with its default budgets scaled to the model (bench/diagnostics/prefetch_depth.py,
 bench/RESULTS.md "Prefetch reaches a bucket ahead"). On that GPT's plan the same bytes are
 gathered a step, and 116 of its 117 gathers are prefetched, where 34 of 58 were fetched on demand
 before: the old walk ran into max_live_parameters, and the modules past it waited for their own.

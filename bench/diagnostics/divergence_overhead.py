@@ -2,7 +2,7 @@
 benchmark GPT trained by two fz3 engines in the same 2 ranks, one built with the check
 (fz3/interpreters/agreement.py) and one without (FZ3_DIVERGENCE_CHECK=0), stepping in turn.
 
-    python3 bench/divergence_overhead.py [--steps 30] [--model small] [--md FILE]
+    python3 bench/diagnostics/divergence_overhead.py [--steps 30] [--model small] [--md FILE]
 
 2 gloo ranks x 1 thread, fz3 defaults (a tiny model per rank is cheap: both engines fit), 3
 warm-up steps each; step time = the slower rank's; the order alternates every step. Steps on
@@ -20,7 +20,8 @@ import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+sys.path[:0] = [HERE, BENCH]
 if __name__ == "__main__":
     from bench_env import ensure_env
     ensure_env(__file__)
@@ -49,7 +50,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--model", default="small")
-    ap.add_argument("--md", default=os.path.join(HERE, "RESULTS.md"),
+    ap.add_argument("--md", default=os.path.join(BENCH, "RESULTS.md"),
                     help="the markdown file whose divergence_overhead section the run replaces ('': none)")
     args = ap.parse_args()
     import fz3.launch
@@ -57,7 +58,7 @@ def main() -> int:
     on, off = statistics.median(out["on"]), statistics.median(out["off"])
     ratios = [a / b for a, b in zip(out["on"], out["off"])]
     q1, ratio, q3 = statistics.quantiles(ratios, n=4)
-    text = (f"`python3 bench/divergence_overhead.py --steps {args.steps} --model {args.model}`, "
+    text = (f"`python3 bench/diagnostics/divergence_overhead.py --steps {args.steps} --model {args.model}`, "
             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, 2 gloo ranks x 1 thread, fz3 "
             f"defaults, two engines stepping in turn ({args.steps} measured steps each).\n\n"
             f"| divergence check | median step ms | min–max ms |\n|---|---:|---:|\n"

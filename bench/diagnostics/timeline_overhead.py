@@ -1,7 +1,7 @@
 """What fz3.timeline costs when on: step time inside a timeline block against the same ranks'
 steps outside one, on the small benchmark GPT (issue #13: at most 10 %).
 
-    python3 bench/timeline_overhead.py [--rounds 8] [--steps 3]
+    python3 bench/diagnostics/timeline_overhead.py [--rounds 8] [--steps 3]
 
 2 gloo ranks x 1 thread, fz3 defaults, bench/systems/common.py's model, batches and AdamW. Each
 round: `steps` steps outside a block, then `steps` inside `with fz3.timeline(engine, path)`,
@@ -19,7 +19,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+sys.path[:0] = [HERE, BENCH]
 if __name__ == "__main__":
     from bench_env import ensure_env
     ensure_env(__file__)
@@ -61,11 +62,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     import fz3.launch
-    path = os.path.join(HERE, "out", "timeline_overhead.json")
+    path = os.path.join(BENCH, "out", "timeline_overhead.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     out = fz3.launch.run(worker, world_size=2, args=(args.rounds, args.steps, path), timeout=1200, threads=1)[0]
     plain, on = statistics.median(out["plain"]), statistics.median(out["on"])
-    text = (f"`python3 bench/timeline_overhead.py --rounds {args.rounds} --steps {args.steps}`, "
+    text = (f"`python3 bench/diagnostics/timeline_overhead.py --rounds {args.rounds} --steps {args.steps}`, "
             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, small GPT, 2 gloo ranks x 1 "
             f"thread, fz3 defaults; {len(out['plain'])} steps each way, interleaved by round.\n\n"
             f"| | median step ms | min–max ms |\n|---|---:|---:|\n"
@@ -77,7 +78,7 @@ def main() -> int:
     print(text)
     from bench_env import replace_section
     begin, end = "<!-- timeline_overhead:begin -->", "<!-- timeline_overhead:end -->"
-    replace_section(os.path.join(HERE, "RESULTS.md"), f"{begin}\n## fz3.timeline: what it costs when on\n\n{text}\n{end}", begin, end)
+    replace_section(os.path.join(BENCH, "RESULTS.md"), f"{begin}\n## fz3.timeline: what it costs when on\n\n{text}\n{end}", begin, end)
     return 0
 
 

@@ -1,10 +1,11 @@
 """fz3.plan beside real runs and beside DeepSpeed's estimator, on the benchmark GPTs.
 
-    python3 bench/plan_check.py        # sets up bench/.env if missing; prints the tables and
-                                       # writes its section of bench/RESULTS.md; exit 1 on a mismatch
-    python bench/plan_check.py --llama-7b [--steps K] [--seq T]
-                                       # Llama-7B's shape planned at 64 ranks in this process
-                                       # (needs transformers, not bench/.env): time and memory
+    python3 bench/diagnostics/plan_check.py    # sets up bench/.env if missing; prints the tables
+                                               # and writes its section of bench/RESULTS.md;
+                                               # exit 1 on a mismatch
+    python bench/diagnostics/plan_check.py --llama-7b [--steps K] [--seq T]
+                                               # Llama-7B's shape planned at 64 ranks in this process
+                                               # (needs transformers, not bench/.env): time and memory
 
 --llama-7b: LlamaForCausalLM(hidden 4096, 32 layers, 32 heads, MLP 11008, vocab 32000: 6.74 B
 params, 25 GiB in fp32) built on the meta device, its default attention, input_ids and labels of
@@ -30,14 +31,15 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+sys.path[:0] = [HERE, BENCH]
 if __name__ == "__main__" and "--llama-7b" not in sys.argv:
     from bench_env import ensure_env
     ensure_env(__file__)
 
 STEPS = 2
 MEMORY = {"reduce_bucket_size": 50_000_000, "prefetch_bucket_size": 50_000_000,
-          "max_live_parameters": 50_000_000, "max_reuse_distance": 50_000_000}  # bench/memory.py's
+          "max_live_parameters": 50_000_000, "max_reuse_distance": 50_000_000}  # bench/diagnostics/memory.py's
 CASES = [("small", 2, {}), ("wide", 2, {}), ("small", 3, {"reduce_bucket_size": 1_000_000, "max_reuse_distance": 0}),
          ("wide", 2, {"compute_dtype": "bf16", "max_live_parameters": 10_000_000}), ("m100", 2, MEMORY)]
 PLAN_ONLY = [("small", 64, {}), ("m300", 2, MEMORY), ("b1", 2, MEMORY), ("b1", 64, MEMORY),
@@ -97,7 +99,7 @@ def main() -> int:
         print(f"{name} W={world} {options}: {len(planned.stats)} keys, {verdict}", flush=True)
     for name, world, options in PLAN_ONLY:
         rows.append((name, world, options, plan_of(name, world, options), "(plan only)", 0))
-    lines = [f"`python3 bench/plan_check.py`, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+    lines = [f"`python3 bench/diagnostics/plan_check.py`, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
              f"{STEPS} steps, AdamW fp32 masters, backend gloo.", "",
              "| model | W | config | params | vs a real run | all-gathers (steps 1, 2) | gathered MiB (1, 2) "
              "| reduced MiB / step | peak live params | model states at the peak, GiB/rank | DeepSpeed estimate, GiB/GPU |",
@@ -114,7 +116,7 @@ def main() -> int:
     print(text)
     from bench_env import replace_section
     begin, end = "<!-- plan_check:begin -->", "<!-- plan_check:end -->"
-    replace_section(os.path.join(HERE, "RESULTS.md"), f"{begin}\n## fz3.plan against real runs and DeepSpeed's estimator\n\n{text}\n{end}", begin, end)
+    replace_section(os.path.join(BENCH, "RESULTS.md"), f"{begin}\n## fz3.plan against real runs and DeepSpeed's estimator\n\n{text}\n{end}", begin, end)
     for b in bad:
         print(b, file=sys.stderr)
     return 1 if bad else 0

@@ -1,7 +1,8 @@
 """Real DeepSpeed 0.19.8's JSON "scheduler" and "optimizer" sections, recorded for fz3's tests.
 
-    python3 bench/deepspeed_schedules.py     # re-runs itself under bench/.env (DS_ACCELERATOR=cpu);
-                                             # writes tests/data/deepspeed_schedules_0.19.8.json
+    python3 bench/deepspeed/deepspeed_schedules.py   # re-runs itself under bench/.env
+                                                     # (DS_ACCELERATOR=cpu); writes
+                                                     # tests/data/deepspeed_schedules_0.19.8.json
 
 Three tables (and optimizer_setup, the params and grads the optimizer rows share), each row the
 JSON section it was built from:
@@ -30,10 +31,11 @@ import sys
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(os.path.dirname(HERE), "tests", "data", "deepspeed_schedules_0.19.8.json")
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env)
+OUT = os.path.join(os.path.dirname(BENCH), "tests", "data", "deepspeed_schedules_0.19.8.json")
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
+    sys.path[:0] = [HERE, BENCH]
     from bench_env import ensure_env
     ensure_env(__file__)
 
@@ -299,7 +301,7 @@ def main() -> None:
     grads = fixed_grads()
     out = {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
            "accelerator": os.environ["DS_ACCELERATOR"], "zero_stage": 3,
-           "written": datetime.date.today().isoformat(), "by": "bench/deepspeed_schedules.py",
+           "written": datetime.date.today().isoformat(), "by": "bench/deepspeed/deepspeed_schedules.py",
            "schedules": [record_schedule(*row) for row in SCHEDULES],
            "optimizer_setup": {"initial": INITIAL, "group_options": GROUP_OPTIONS, "grads": grads},
            "optimizers": [record_optimizer(row[0], row[1], grads, *row[2:]) for row in OPTIMIZERS],

@@ -1,9 +1,10 @@
 """Mutation score of fz3's core and data plane: mutmut, in a throwaway clone, against fast tests.
 
-    python3 bench/mutation.py                               # every file of fz3/core and fz3/data
-    python3 bench/mutation.py --paths fz3/data/layout.py --tests tests/test_layout.py ...
-    python3 bench/mutation.py ... --md bench/RESULTS.md     # also write the section there
-    python3 bench/mutation.py --rerun --md bench/RESULTS.md # after adding tests: only the mutants not killed
+    python3 bench/diagnostics/mutation.py                    # every file of fz3/core and fz3/data
+    python3 bench/diagnostics/mutation.py --paths fz3/data/layout.py --tests tests/test_layout.py ...
+    python3 bench/diagnostics/mutation.py ... --md bench/RESULTS.md      # also write the section there
+    python3 bench/diagnostics/mutation.py --rerun --md bench/RESULTS.md  # after adding tests: only the
+                                                                         # mutants not killed
 
 mutmut (installed into bench/.env with hypothesis, pytest and pytest-timeout, as the peers are:
 never a dependency of fz3) copies the code into mutants/, makes every mutant of `--paths`
@@ -37,8 +38,9 @@ import time
 from collections import Counter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-ENV = os.path.join(HERE, ".env", "bin")
+BENCH = os.path.dirname(HERE)  # bench/: its .env
+ROOT = os.path.dirname(BENCH)
+ENV = os.path.join(BENCH, ".env", "bin")
 FAST_TESTS = ["tests/test_layout.py", "tests/test_collectives.py", "tests/test_partition.py", "tests/test_spec.py",
               "tests/test_pvec.py", "tests/test_fetch.py", "tests/test_release.py", "tests/test_backward.py",
               "tests/test_step.py", "tests/test_trace.py", "tests/test_hold.py", "tests/test_grads.py",
@@ -213,7 +215,7 @@ def main() -> None:
                else run(args.paths, args.tests, args.workdir, args.max_children))
     if not results:
         sys.exit("mutmut produced no results (run it by hand in the workdir with debug=true in setup.cfg)")
-    text = report(results, args.workdir, "python3 bench/mutation.py " + " ".join(sys.argv[1:]), started,
+    text = report(results, args.workdir, "python3 bench/diagnostics/mutation.py " + " ".join(sys.argv[1:]), started,
                   (time.time() - t0) / 60)
     print(text)
     if args.md:

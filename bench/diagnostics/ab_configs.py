@@ -3,7 +3,7 @@
 Finer than compare.py for a single switch: the engines share the processes, the data and every
 slow spell of the machine; the order alternates each step.
 
-    python bench/ab_configs.py --model small --steps 27 \
+    python bench/diagnostics/ab_configs.py --model small --steps 27 \
         'p2p={}' 'native={"gloo_all_gather": "native", "gloo_reduce_scatter": "native"}'
 
 Prints median and min step time per config (slower rank; the first 3 steps dropped).
@@ -18,7 +18,9 @@ import time
 
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+sys.path[:0] = [HERE, BENCH]
 
 from fz3.launch import run  # noqa: E402
 

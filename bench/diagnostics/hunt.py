@@ -3,9 +3,9 @@ lifecycle, one in the grad lifecycle, one in the module calls) found and shrunk 
 `python -m fz3 verify --profile hunt --patch ...` within a minute ([Note: the hunt] in
 fz3/testing/profiles.py).
 
-    python bench/hunt.py                     # 3 runs of each bug, seeds 0, 1, 2
-    python bench/hunt.py --runs 1 --bugs release --show
-    python bench/hunt.py --baseline          # also verify's defaults on the same bugs and seeds
+    python bench/diagnostics/hunt.py                # 3 runs of each bug, seeds 0, 1, 2
+    python bench/diagnostics/hunt.py --runs 1 --bugs release --show
+    python bench/diagnostics/hunt.py --baseline     # also verify's defaults on the same bugs and seeds
 
 Per bug and run (seed s):
     found    the generate phase alone under the hunt profile, the same seed (so the same examples)
@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import hypothesis  # noqa: E402
@@ -95,7 +95,7 @@ def main() -> None:
                         "examples of up to 20 rules, the explain phase on), found and shrunk, for comparison")
     args = parser.parse_args()
     hunt = PROFILES["hunt"]
-    print(f"{datetime.date.today()}: python bench/hunt.py {' '.join(sys.argv[1:])}; "
+    print(f"{datetime.date.today()}: python bench/diagnostics/hunt.py {' '.join(sys.argv[1:])}; "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}, "
           f"hypothesis {hypothesis.__version__}; "
           f"hunt profile: {hunt.max_examples} examples, {hunt.stateful_step_count} rules\n")

@@ -1,8 +1,8 @@
 """Bytes per parameter per rank that fz3 holds at ZeRO stages 0-3, by kind, beside the ZeRO paper's
 theory and what real DeepSpeed 0.19.8 held on the same model (tests/data/deepspeed_stage_memory_0.19.8.json,
-bench/deepspeed_stage_memory.py). fz3 runs on 2 gloo ranks (fz3.launch.run):
+bench/deepspeed/deepspeed_stage_memory.py). fz3 runs on 2 gloo ranks (fz3.launch.run):
 
-    python bench/stage_memory.py [--json out.json]
+    python bench/diagnostics/stage_memory.py [--json out.json]
 
 The model and the points are DeepSpeed's record's: 4 Linear(1024, 1024) (4,198,400 params),
 gradient_accumulation_steps 2, AdamW, fp32 / bf16 / fp16; counted in the second window (AdamW's
@@ -33,19 +33,19 @@ import sys
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 from fz3 import launch  # noqa: E402
 
 WIDTH, LAYERS, WORLD = 1024, 4, 2
 POINTS = ("mid_window_after_backward", "boundary_after_backward", "after_step")
 KINDS = ("params", "grads", "masters", "states")
-RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data",
-                      "deepspeed_stage_memory_0.19.8.json")
+RECORD = os.path.join(ROOT, "tests", "data", "deepspeed_stage_memory_0.19.8.json")
 
 
 def _count(engine) -> dict[str, int]:
     """Bytes by kind, each storage counted once, under the first kind that reaches it (as
-    bench/deepspeed_stage_memory.py counts DeepSpeed's): at stage 0 in fp32 a param's full value
+    bench/deepspeed/deepspeed_stage_memory.py counts DeepSpeed's): at stage 0 in fp32 a param's full value
     is its master, counted as params."""
     store, seen = engine.store, set()
 

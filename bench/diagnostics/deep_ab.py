@@ -1,10 +1,10 @@
 """One launch of fz3 or DDP on the deep narrow GPT of issue #27 (bench/systems/common.py "deep"):
 median and min step ms (the slower rank's), peak RSS per rank with a 4th argument.
 
-    PYTHONPATH=<checkout> python bench/deep_ab.py bench fz3|ddp STEPS [stats]
+    PYTHONPATH=<checkout> python bench/diagnostics/deep_ab.py bench fz3|ddp STEPS [stats]
 
 For A/B runs of two checkouts' fz3 on the same bench code (PYTHONPATH picks the fz3), until
-bench/overhead.py (issue #27) gives the full table against DDP, FSDP2 and DeepSpeed."""
+bench/diagnostics/overhead.py (issue #27) gives the full table against DDP, FSDP2 and DeepSpeed."""
 import json
 import os
 import statistics

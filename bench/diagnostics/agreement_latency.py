@@ -1,7 +1,7 @@
 """What one divergence check adds to a collective waited at once (an on-demand gather), by where
 its descriptors travel (fz3/interpreters/agreement.py, [Note: descriptors beside the data]).
 
-    python3 bench/agreement_latency.py [--reps 300] [--mib 1]
+    python3 bench/diagnostics/agreement_latency.py [--reps 300] [--mib 1]
 
 2 gloo ranks x 1 thread. Each repetition: a barrier, then a point-to-point all-gather of `mib`
 MiB (fz3/interpreters/p2p.py) posted and waited at once, timed on each rank; the median over
@@ -24,7 +24,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+sys.path[:0] = [HERE, BENCH]
 if __name__ == "__main__":
     from bench_env import ensure_env
     ensure_env(__file__)
@@ -78,14 +79,14 @@ def main() -> int:
     outs = fz3.launch.run(worker, world_size=2, args=(args.reps, args.mib), timeout=900, threads=1)
     rows = "\n".join(f"| {name} | " + " | ".join(f"**{1e3 * out[name][1]:.2f}** ({1e3 * out[name][0]:.2f}–"
                                                   f"{1e3 * out[name][2]:.2f})" for out in outs) + " |" for name in outs[0])
-    text = (f"`python3 bench/agreement_latency.py --reps {args.reps} --mib {args.mib:g}`, "
+    text = (f"`python3 bench/diagnostics/agreement_latency.py --reps {args.reps} --mib {args.mib:g}`, "
             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, 2 gloo ranks x 1 thread; "
             f"median ms (quartiles) over {args.reps} repetitions, each after a barrier, the ways taking turns.\n\n"
             f"| on-demand gather of {args.mib:g} MiB | rank 0 ms | rank 1 ms |\n|---|---:|---:|\n{rows}")
     print(text)
     from bench_env import replace_section
     begin, end = "<!-- agreement_latency:begin -->", "<!-- agreement_latency:end -->"
-    replace_section(os.path.join(HERE, "RESULTS.md"),
+    replace_section(os.path.join(BENCH, "RESULTS.md"),
                     f"{begin}\n### Where the descriptors travel: one collective's latency\n\n{text}\n{end}", begin, end)
     return 0
 

@@ -1,9 +1,10 @@
 """What the replay's schedules hold (fz3/core/replay.py): the Python heap's growth over 30 steps
 of the deep narrow GPT on one thread rank, Options(replay=True) against False, the engine alive.
 
-    python bench/replay_memory.py
-    python bench/replay_memory.py --synthetic    # bench/core_overhead.py's models, 100 to 10 000
-                                                  # modules, the core alone: one schedule's heap
+    python bench/diagnostics/replay_memory.py
+    python bench/diagnostics/replay_memory.py --synthetic  # bench/core_overhead.py's models, 100 to
+                                                           # 10 000 modules, the core alone: one
+                                                           # schedule's heap
 
 tracemalloc counts Python's allocations (the schedules' states, events and effects), not tensors.
 """
@@ -15,7 +16,8 @@ import sys
 import tracemalloc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)  # systems.*
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+sys.path[:0] = [HERE, BENCH]  # systems.*
 
 CONFIGS = {"defaults": {}, "sharded, gas 2": {"param_persistence_threshold": 0, "gradient_accumulation_steps": 2}}
 

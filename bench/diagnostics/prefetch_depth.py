@@ -2,7 +2,7 @@
 DeepSpeed 0.19.8 ZeRO-3 against fz3, same GPT, same stage-3 budgets ([Note: prefetch bounds] in
 fz3/core/param/fetch.py says why they differ).
 
-    python3 bench/prefetch_depth.py [--models s3,small] [--steps 4] [--md FILE]
+    python3 bench/diagnostics/prefetch_depth.py [--models s3,small] [--steps 4] [--md FILE]
 
 Budgets: DeepSpeed's defaults scaled to each model as they stand to the 1.02 B GPT (bench's b1):
 prefetch_bucket_size 5e7, max_live_parameters and max_reuse_distance 1e9, each times numel /
@@ -25,7 +25,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+sys.path[:0] = [HERE, BENCH]
 if __name__ == "__main__":
     from bench_env import ensure_env
     ensure_env(__file__)
@@ -93,7 +94,7 @@ def main() -> int:
     import deepspeed
     import torch
     from fz3.launch import run
-    lines = [f"`python3 bench/prefetch_depth.py --models {args.models} --steps {args.steps}`, "
+    lines = [f"`python3 bench/diagnostics/prefetch_depth.py --models {args.models} --steps {args.steps}`, "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
              f"deepspeed {deepspeed.__version__}, fz3 at {_commit()}.", "",
              "| model | params | prefetch bucket / max live / reuse distance | system | gathered or in flight at the forward's end | largest at a forward boundary | share of the model at the end |",
@@ -112,8 +113,8 @@ def main() -> int:
                          f"{' / '.join(f'{e:,}' for e in ends)} | {' / '.join(f'{p:,}' for p in peaks)} | "
                          f"{max(ends) / res['numel']:.0%} |")
     text = "\n".join(lines) + "\n"
-    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-    with open(os.path.join(HERE, "out", "prefetch_depth.json"), "w") as f:
+    os.makedirs(os.path.join(BENCH, "out"), exist_ok=True)
+    with open(os.path.join(BENCH, "out", "prefetch_depth.json"), "w") as f:
         json.dump(raw, f, indent=1)
     if args.md:
         with open(args.md, "w") as f:
@@ -125,7 +126,7 @@ def main() -> int:
 def _commit() -> str:
     import subprocess
     try:
-        return subprocess.run(["git", "-C", os.path.dirname(HERE), "rev-parse", "--short", "HEAD"],
+        return subprocess.run(["git", "-C", os.path.dirname(BENCH), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "?"

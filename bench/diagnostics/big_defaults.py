@@ -2,18 +2,20 @@
 ranks under fz3.Init with the default Config (DeepSpeed's defaults) -- predicted first, and run
 only when the prediction is within 20 GiB for both ranks.
 
-    python3 bench/big_defaults.py            # sets up bench/.env if missing; writes its section of
-                                             # bench/RESULTS.md and bench/out/big_defaults.json
-    python3 bench/big_defaults.py --smoke    # the same pipeline on tiny models (s2, then s3)
+    python3 bench/diagnostics/big_defaults.py          # sets up bench/.env if missing; writes its
+                                                       # section of bench/RESULTS.md and
+                                                       # bench/out/big_defaults.json
+    python3 bench/diagnostics/big_defaults.py --smoke  # the same pipeline on tiny models (s2, then s3)
 
-1. Plan: fz3.plan of both models with fz3.Config() (bench/plan_check.py's plan_of): the model
-   states at their peak, per rank (shards, AdamW moments, and the peak of gathered params, grad
-   partitions and held grads together).
+1. Plan: fz3.plan of both models with fz3.Config() (bench/diagnostics/plan_check.py's plan_of):
+   the model states at their peak, per rank (shards, AdamW moments, and the peak of gathered
+   params, grad partitions and held grads together).
 2. Calibrate: the largest model below the target with the same width (m800: d 2048, 15 layers)
-   trains the same 3 steps under the same Config (bench/memory.py's worker and launch: fz3.Init,
-   AdamW, one batch again and again, MALLOC_MMAP_THRESHOLD_=131072). Its peak RSS above its own
-   plan is what the plan does not count: the runtime, the activations, autograd's buffer of the
-   tied embedding's first grad, the allocator. Guarded: its plan + 1 GiB per rank.
+   trains the same 3 steps under the same Config (bench/diagnostics/memory.py's worker and
+   launch: fz3.Init, AdamW, one batch again and again, MALLOC_MMAP_THRESHOLD_=131072). Its peak
+   RSS above its own plan is what the plan does not count: the runtime, the activations,
+   autograd's buffer of the tied embedding's first grad, the allocator. Guarded: its plan + 1 GiB
+   per rank.
 3. Predict the target: 2 ranks x (its plan + the calibration's excess). Run it only at or under
    20 GiB, and with that much (+1 GiB) available; else record why not.
 """
@@ -27,7 +29,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+sys.path[:0] = [HERE, BENCH]
 if __name__ == "__main__":
     from bench_env import ensure_env
     ensure_env(__file__)
@@ -57,10 +60,10 @@ def main() -> int:
     import memory
     from compare import machine_info, versions
     calibration, target = (SMOKE_CALIBRATION, SMOKE_TARGET) if args.smoke else (CALIBRATION, TARGET)
-    out_path = args.out or os.path.join(HERE, "out", "big_defaults_smoke.json" if args.smoke else "big_defaults.json")
+    out_path = args.out or os.path.join(BENCH, "out", "big_defaults_smoke.json" if args.smoke else "big_defaults.json")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     t0 = time.time()
-    res: dict = {"command": "python3 bench/big_defaults.py " + " ".join(sys.argv[1:]),
+    res: dict = {"command": "python3 bench/diagnostics/big_defaults.py " + " ".join(sys.argv[1:]),
                  "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  "machine": machine_info(), "versions": versions(), "calibration": calibration, "target": target,
                  "out_path": out_path}
@@ -89,7 +92,7 @@ def main() -> int:
     print(section)
     if not args.smoke:
         from bench_env import replace_section
-        replace_section(os.path.join(HERE, "RESULTS.md"), section, BEGIN, END)
+        replace_section(os.path.join(BENCH, "RESULTS.md"), section, BEGIN, END)
     runs = [res.get("calibration_run"), res.get("target_run")]
     return 1 if any(r is not None and r["status"] == "error" for r in runs) else 0
 
@@ -124,7 +127,7 @@ def render(res: dict) -> str:
                          f"{', '.join(f'{t:.1f}' for t in r['step_s'])} |")
     if res.get("why"):
         lines += ["", res["why"]]
-    lines += ["", f"Raw records: {os.path.relpath(res['out_path'], os.path.dirname(HERE))} (not in git).",
+    lines += ["", f"Raw records: {os.path.relpath(res['out_path'], os.path.dirname(BENCH))} (not in git).",
               END]
     return "\n".join(lines)
 

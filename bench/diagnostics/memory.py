@@ -1,11 +1,13 @@
 """Memory as the headline: peak RSS per rank of DDP, FSDP2, DeepSpeed ZeRO-3 and fz3 on 2 local
 gloo ranks, the bytes per parameter it implies, and the largest GPT each fits in 20 GiB.
 
-    python3 bench/memory.py              # sets up bench/.env if missing, runs everything, writes
-                                         # its section of bench/RESULTS.md + bench/out/memory.json
-    python3 bench/memory.py --smoke      # the whole pipeline on tiny models (about 2 minutes);
-                                         # bench/out/memory_smoke.json, RESULTS.md only with --md
-    python3 bench/memory.py --only ddp,fz3 --sizes m100,m300 --no-big
+    python3 bench/diagnostics/memory.py          # sets up bench/.env if missing, runs everything,
+                                                 # writes its section of bench/RESULTS.md
+                                                 # + bench/out/memory.json
+    python3 bench/diagnostics/memory.py --smoke  # the whole pipeline on tiny models (about 2 min);
+                                                 # bench/out/memory_smoke.json, RESULTS.md only
+                                                 # with --md
+    python3 bench/diagnostics/memory.py --only ddp,fz3 --sizes m100,m300 --no-big
 
 1. Each system trains the same GPT (bench/systems/common.py MODELS: m100, 0.11 B params, and
    m300, 0.34 B; seq 64, one sequence per rank) for 3 steps with torch AdamW, fp32, 2 ranks x 1
@@ -53,7 +55,8 @@ import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+ROOT = os.path.dirname(BENCH)
 GiB = 2**30
 LIMIT = 20 * GiB  # both ranks together
 WORLD, STEPS = 2, 3
@@ -66,11 +69,10 @@ BIG_FACTOR, BIG_MIN_SLOPE = 1.05, 8.0  # big run: measured line x 1.05 (~1 GiB a
 AVAILABLE_SPARE = 1 * GiB  # a launch also needs this much more than predicted to be available
 
 
+sys.path[:0] = [HERE, BENCH]  # systems.*, compare (spawned ranks inherit sys.path)
 if __name__ == "__main__":
     from bench_env import ensure_env
     ensure_env(__file__)
-
-sys.path.insert(0, HERE)  # systems.*, compare (spawned ranks inherit sys.path)
 
 
 def zero_dict() -> dict:
@@ -377,12 +379,12 @@ def main() -> int:
     for name in sizes:
         if name not in MODELS:
             ap.error(f"--sizes: unknown model {name!r} (known: {', '.join(MODELS)})")
-    md = None if args.no_md else args.md or (None if args.smoke else os.path.join(HERE, "RESULTS.md"))
-    out_path = args.out or os.path.join(HERE, "out", "memory_smoke.json" if args.smoke else "memory.json")
+    md = None if args.no_md else args.md or (None if args.smoke else os.path.join(BENCH, "RESULTS.md"))
+    out_path = args.out or os.path.join(BENCH, "out", "memory_smoke.json" if args.smoke else "memory.json")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     params = {m: count_params(m) for m in dict.fromkeys(sizes + ladder)}
     sizes.sort(key=params.get)  # smallest first: a larger size's guard extrapolates from it
-    res: dict = {"command": "python3 bench/memory.py " + " ".join(sys.argv[1:]), "out_path": out_path,
+    res: dict = {"command": "python3 bench/diagnostics/memory.py " + " ".join(sys.argv[1:]), "out_path": out_path,
                  "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%a %b %d %H:%M:%S UTC %Y"),
                  "machine": machine_info(), "versions": versions(), "fz3_has_init": fz3_has_init(),
                  "settings": {"world": WORLD, "steps": STEPS, "threads_per_rank": 1, "env": MMAP_ENV,

@@ -1,9 +1,9 @@
 """Models for `python -m fz3 check`'s timings in bench/RESULTS.md ("python -m fz3 check"): each
 function is a build() for fz3.check, returning (model, example_batches, loss_fn).
 
-    python -m fz3 check bench/check_models.py:gpt_1m        # ~1M params, the default run
-    python -m fz3 check bench/check_models.py:small_gpt     # the benchmark GPT ("small", 4.2M)
-    python -m fz3 check bench/check_models.py:tiny_llama    # transformers, built from a config
+    python -m fz3 check bench/diagnostics/check_models.py:gpt_1m      # ~1M params, the default run
+    python -m fz3 check bench/diagnostics/check_models.py:small_gpt   # the benchmark GPT ("small", 4.2M)
+    python -m fz3 check bench/diagnostics/check_models.py:tiny_llama  # transformers, built from a config
 
 Every batch has 6 sequences: 6 divides among 1, 2 and 3 ranks, the default world sizes.
 """
@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
 from gpt import GPT, GPTConfig, loss_fn, markov_batch  # noqa: E402 - examples/gpt.py
 
 ROWS = 6  # sequences per global micro-batch

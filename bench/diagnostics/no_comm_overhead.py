@@ -1,6 +1,6 @@
 """fz3's cost over the plain model when there is nothing to communicate: one rank (W=1).
 
-    python bench/no_comm_overhead.py [--steps 40]
+    python bench/diagnostics/no_comm_overhead.py [--steps 40]
 
 One process runs the plain model (AdamW, no hooks) and fz3 (defaults) in turn on the same
 batches and reports the median CPU time per step of each, first step 4 on. Models:
@@ -18,7 +18,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+sys.path[:0] = [HERE, BENCH]
 
 from fz3.launch import run  # noqa: E402
 

@@ -2,7 +2,7 @@
 fz3.Options(broadcast_buffers=True), the default; fz3/shell/buffers.py): two fz3 engines in the
 same 2 ranks, one with the broadcast and one without, stepping in turn.
 
-    python3 bench/buffer_broadcast.py [--steps 30]
+    python3 bench/diagnostics/buffer_broadcast.py [--steps 30]
 
 Two models: the small benchmark GPT (no buffers: the broadcast does nothing at all) and an MLP
 with a BatchNorm1d after each of its 8 Linear(512, 512) layers (running mean, variance and batch
@@ -23,7 +23,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+sys.path[:0] = [HERE, BENCH]
 if __name__ == "__main__":
     from bench_env import ensure_env
     ensure_env(__file__)
@@ -95,7 +96,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     rows = [measure(m, args.steps) for m in ("small", "batchnorm")]
-    text = (f"`python3 bench/buffer_broadcast.py --steps {args.steps}`, "
+    text = (f"`python3 bench/diagnostics/buffer_broadcast.py --steps {args.steps}`, "
             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, 2 gloo ranks x 1 thread, fz3 "
             f"defaults, AdamW, two engines (broadcast_buffers on / off) stepping in turn, {args.steps} measured "
             "steps each. Both engines live in the same ranks, so the peak RSS is the pair's.\n\n"
@@ -105,7 +106,7 @@ def main() -> int:
     print(text)
     from bench_env import replace_section
     begin, end = "<!-- buffer_broadcast:begin -->", "<!-- buffer_broadcast:end -->"
-    replace_section(os.path.join(HERE, "RESULTS.md"), f"{begin}\n## Buffers broadcast: what it costs\n\n{text}\n{end}",
+    replace_section(os.path.join(BENCH, "RESULTS.md"), f"{begin}\n## Buffers broadcast: what it costs\n\n{text}\n{end}",
                     begin, end)
     return 0
 

@@ -9,7 +9,7 @@ GPT's 29,420,544 parameters), times the issue call and the wait of:
     all_gather p2p  / reduce_scatter p2p: fz3/interpreters/p2p.py (isend/irecv between ranks;
                     the reduce's sum into the own partition is inside the wait)
 
-    python bench/gloo_collectives.py [--numel N] [--repeats 5]
+    python bench/diagnostics/gloo_collectives.py [--numel N] [--repeats 5]
 
 Why: fz3's interpreter picks, per backend, which collective carries a reduce
 (fz3.Options.gloo_all_gather, gloo_reduce_scatter); these figures are the reason. CPU is the

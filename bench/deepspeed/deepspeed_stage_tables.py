@@ -1,13 +1,13 @@
 """fz3 beside DeepSpeed 0.19.8 on examples/deepspeed_stages.py: the tables bench/RESULTS.md keeps.
 
-    python bench/deepspeed_stage_tables.py [--out fz3.json]      # ~4 min on 2 cores
+    python bench/deepspeed/deepspeed_stage_tables.py [--out fz3.json]    # ~4 min on 2 cores
 
 Runs the script under fz3 (its import line swapped, as tests/test_deepspeed_stages.py does) on 2
 gloo ranks, and prints, beside DeepSpeed's record (tests/data/deepspeed_stages_0.19.8.json,
-bench/deepspeed_stages.sh): the loss and loss-scale sequence of each fp16 case at stage 3 (a
-dynamic scale whose first steps overflow, a static one, hysteresis), the largest loss difference
-at every stage in fp32, bf16 and fp16, and which plain-PyTorch outcome two backwards before one
-step() give. The CI test holds the same numbers to their tolerances; this prints them.
+bench/deepspeed/deepspeed_stages.sh): the loss and loss-scale sequence of each fp16 case at
+stage 3 (a dynamic scale whose first steps overflow, a static one, hysteresis), the largest loss
+difference at every stage in fp32, bf16 and fp16, and which plain-PyTorch outcome two backwards
+before one step() give. The CI test holds the same numbers to their tolerances; this prints them.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from fz3.launch import free_port  # noqa: E402

@@ -1,8 +1,8 @@
 """The whole-step compile prototype (bench/prototype/whole_step.py, issue #25 point 5) against fz3
 eager and fz3 with compiled blocks, on 2 local gloo ranks x 1 intra-op thread.
 
-    python bench/whole_step.py               # small GPT: 3 warm-up + 10 measured steps each
-    python bench/whole_step.py --quick       # smoke run: a tiny GPT, 1 warm-up + 3 steps
+    python bench/diagnostics/whole_step.py          # small GPT: 3 warm-up + 10 measured steps each
+    python bench/diagnostics/whole_step.py --quick  # smoke run: a tiny GPT, 1 warm-up + 3 steps
 
 The systems (same GPT, seed, data and torch AdamW as bench/systems/common.py; fp32; every param
 sharded: Config(param_persistence_threshold=0), the layout the prototype gathers):
@@ -55,8 +55,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [HERE, ROOT, os.path.join(ROOT, "examples")]  # systems, fz3, gpt (spawned ranks inherit it)
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+ROOT = os.path.dirname(BENCH)
+sys.path[:0] = [HERE, BENCH, ROOT, os.path.join(ROOT, "examples")]  # systems, prototype, fz3, gpt (ranks inherit it)
 
 LABELS = ["fz3 eager", "fz3 + compiled blocks", "whole step", "whole step, recompute", "whole step, bucketed"]
 QUICK = {"vocab": 64, "d_model": 32, "n_head": 2, "n_layer": 2, "seq": 16, "batch": 4}
@@ -296,7 +297,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--out", default=os.path.join(HERE, "out", "whole_step.json"))
+    ap.add_argument("--out", default=os.path.join(BENCH, "out", "whole_step.json"))
     args = ap.parse_args()
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # the ranks inherit it
     os.environ.setdefault("FZ3_DEVICE", "cpu")

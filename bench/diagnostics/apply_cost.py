@@ -1,6 +1,6 @@
 """What one autograd Function node around a module call costs in forward, in CPU time.
 
-    python bench/apply_cost.py [--calls 20000]
+    python bench/diagnostics/apply_cost.py [--calls 20000]
 
 fz3 wraps each module call's inputs and outputs in PreBackward / PostBackward
 (fz3/shell/hooks.py), written in the forward + setup_context form. torch's Function.apply binds

@@ -1,9 +1,9 @@
 """fz3 eager vs fz3 compiled (inductor, per block), beside FSDP2 and DDP eager and compiled, on 2
 local gloo ranks (issue #25).
 
-    python bench/compile.py                  # small and wide, 3 rounds x (3 warm-up + 8 measured steps)
-    python bench/compile.py --quick          # smoke run: small only, 1 round, 3 measured steps
-    python bench/compile.py --fz3-compile blocks   # fz3 compiled by block.compile() before fz3.initialize
+    python bench/diagnostics/compile.py            # small and wide, 3 rounds x (3 warm-up + 8 measured steps)
+    python bench/diagnostics/compile.py --quick    # smoke run: small only, 1 round, 3 measured steps
+    python bench/diagnostics/compile.py --fz3-compile blocks   # fz3 compiled by block.compile() before fz3.initialize
 
 Runs in the current interpreter (the project's .venv does: FSDP2 and DDP are plain torch; no
 DeepSpeed needed). Every system trains the same GPT from the same seed on the same data with
@@ -64,8 +64,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)  # systems.* (spawned ranks inherit sys.path)
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+ROOT = os.path.dirname(BENCH)
+sys.path[:0] = [HERE, BENCH]  # systems.* (spawned ranks inherit sys.path)
 
 import compare  # noqa: E402  (machine_info)
 
@@ -335,7 +336,7 @@ def main() -> int:
                          "time), later rounds reuse them; cold: every launch compiles cold (slow)")
     ap.add_argument("--quick", action="store_true", help="smoke run: small only, 1 round, 3 measured steps")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per launch")
-    ap.add_argument("--out", default=os.path.join(HERE, "out", "compile.json"))
+    ap.add_argument("--out", default=os.path.join(BENCH, "out", "compile.json"))
     ap.add_argument("--md", default=None, help="also put the table in this Markdown file (e.g. bench/RESULTS.md), "
                                                "between compile:begin / compile:end markers; default: stdout only")
     args = ap.parse_args()
@@ -355,7 +356,7 @@ def main() -> int:
     table = systems_table(args.fz3_compile)
     t_start = time.time()
     res: dict = {"started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                 "command": "python bench/compile.py " + " ".join(sys.argv[1:]),
+                 "command": "python bench/diagnostics/compile.py " + " ".join(sys.argv[1:]),
                  "machine": compare.machine_info(), "versions": versions(), "load_start": os.getloadavg(),
                  "settings": {"rounds": args.rounds, "warmup": args.warmup, "steps": args.steps, "world": 2,
                               "threads_per_rank": 1, "fz3_compile": args.fz3_compile, "cache": args.cache, "models": models,

@@ -1,6 +1,6 @@
 """Where a step's time goes by phase, fz3 against DDP: forward, backward, optimizer step.
 
-    python bench/phases.py [--model small] [--steps 15] [--launches 2] [--md FILE]
+    python bench/diagnostics/phases.py [--model small] [--steps 15] [--launches 2] [--md FILE]
 
 Launches alternate (DDP, fz3, DDP, fz3, ...); each runs 2 gloo ranks x 1 intra-op thread on
 the benchmark model's local batches (bench/systems/common.py, as compare.py) and times every
@@ -24,7 +24,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.dirname(HERE)  # bench/: the harness (bench_env, compare, systems) and RESULTS.md, out/
+sys.path[:0] = [HERE, BENCH]
 
 from fz3.launch import run  # noqa: E402
 
@@ -82,7 +84,7 @@ def launch(system: str, model: str, steps: int) -> dict[str, tuple[float, float,
 
 
 def table(results: dict[str, list[dict]], model: str, steps: int, launches: int) -> str:
-    lines = [f"`python bench/phases.py --model {model} --steps {steps} --launches {launches}` "
+    lines = [f"`python bench/diagnostics/phases.py --model {model} --steps {steps} --launches {launches}` "
              f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}): per phase, the median over "
              f"{steps} steps, mean over 2 ranks, median over {launches} launches; each launch's wall ms in brackets",
              "",

@@ -1,6 +1,6 @@
 """How much state and policy the shell and the interpreter hold, at a git revision.
 
-    python3 bench/shell_metrics.py [REV ...]      (default: HEAD and the work tree)
+    python3 bench/diagnostics/shell_metrics.py [REV ...]      (default: HEAD and the work tree)
 
 For the engine (fz3/shell/engine.py: Engine) and the real interpreter (fz3/interpreters/dist.py:
 DistInterpreter), read off the source with `ast`:
