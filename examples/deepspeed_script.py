@@ -12,7 +12,7 @@ counters and `is_gradient_accumulation_boundary()` before forward, after backwar
 step. After 8 micro-steps (4 optimizer steps) the engine saves a checkpoint with client
 state, loads it back and trains one more window. `--out` writes the rows as JSON from rank
 0; DeepSpeed's own run is recorded in tests/data/deepspeed_script_0.19.8.json
-(bench/deepspeed/deepspeed_script.sh).
+(bench/deepspeed_records/deepspeed_script.sh).
 """
 import deepspeed
 import argparse

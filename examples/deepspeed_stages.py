@@ -6,7 +6,7 @@ DeepSpeed 0.19.8 and by fz3 (change its one import line, `import deepspeed`, to
         --case fp32_stage2 --out /tmp/stages.json
     ... --case all --two-backwards --errors --out /tmp/stages.json    # what bench/ records
 
-DeepSpeed's own run is tests/data/deepspeed_stages_0.19.8.json (bench/deepspeed/deepspeed_stages.sh, which
+DeepSpeed's own run is tests/data/deepspeed_stages_0.19.8.json (bench/deepspeed_records/deepspeed_stages.sh, which
 also skips DeepSpeed's 75 s shared-memory op build, and lets DeepSpeed's CPU accelerator run fp16:
 it refuses fp16 on CPUs without AVX512-FP16). The script has three parts:
 

@@ -3,7 +3,7 @@ recorded JSON "optimizer" section, the torch class fz3 builds for what DeepSpeed
 defaults, and the params after each of 5 steps on the recorded grads (two param groups, the
 second with its own lr and weight_decay); then the refusals, each naming the key and value.
 
-The table is tests/data/deepspeed_schedules_0.19.8.json, written by bench/deepspeed/deepspeed_schedules.py
+The table is tests/data/deepspeed_schedules_0.19.8.json, written by bench/deepspeed_records/deepspeed_schedules.py
 under bench/.env (a real deepspeed.initialize per row; fz3 never imports DeepSpeed).
 
 [Note: float32 scalars] DeepSpeed's CPU FusedAdam op takes lr, betas and eps as C++ floats and

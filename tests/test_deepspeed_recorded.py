@@ -1,5 +1,5 @@
 """fz3.deepspeed against what real DeepSpeed 0.19.8 did, as recorded in
-tests/data/deepspeed_facts_0.19.8.json by bench/deepspeed/deepspeed_facts.py (2 gloo ranks, DeepSpeed in
+tests/data/deepspeed_facts_0.19.8.json by bench/deepspeed_records/deepspeed_facts.py (2 gloo ranks, DeepSpeed in
 the benchmark environment only; DeepSpeed is not a dependency, so CI reads the recording).
 
 The same model, config and batches as the recording: every "auto" key, every batch-size case,
@@ -33,7 +33,7 @@ BASE = FACTS["auto"]["base_config"]
 
 
 class Net(torch.nn.Module):
-    """bench/deepspeed/deepspeed_facts.py's model: tokens (B,) -> logits (B, 16), a persistent and a
+    """bench/deepspeed_records/deepspeed_facts.py's model: tokens (B,) -> logits (B, 16), a persistent and a
     non-persistent buffer, the head tied to the embedding when `tied`."""
 
     def __init__(self, tied: bool = False) -> None:

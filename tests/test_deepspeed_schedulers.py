@@ -2,7 +2,7 @@
 OneCycle's betas / SGD's momentum) after construction and after every step, a state_dict round
 trip mid-schedule, and the refusals, each naming the key and value.
 
-The table is tests/data/deepspeed_schedules_0.19.8.json, written by bench/deepspeed/deepspeed_schedules.py
+The table is tests/data/deepspeed_schedules_0.19.8.json, written by bench/deepspeed_records/deepspeed_schedules.py
 (run under bench/.env, where DeepSpeed is installed; fz3 never imports it).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 examples/deepspeed_script.py is DeepSpeed's getting-started shape (argparse with
 --deepspeed_config, the JSON optimizer and scheduler, save_checkpoint with client_state, resume).
-Real DeepSpeed 0.19.8 ran it on 2 gloo ranks (bench/deepspeed/deepspeed_script.sh ->
+Real DeepSpeed 0.19.8 ran it on 2 gloo ranks (bench/deepspeed_records/deepspeed_script.sh ->
 tests/data/deepspeed_script_0.19.8.json); here the same file, with `import deepspeed` replaced
 by `import fz3.deepspeed as deepspeed` and nothing else, runs under torchrun on 2 gloo ranks,
 and every micro-step's loss (rtol 1e-5), learning rate, counters and boundary answers equal

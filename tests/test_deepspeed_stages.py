@@ -3,7 +3,7 @@ stages 0-3 in fp32, bf16 and fp16 (dynamic and static loss scales, overflows, hy
 loss, and several backwards before one step() (plain, coalesce_grad_reduction,
 managed_gradient_accumulation false).
 
-DeepSpeed's run: tests/data/deepspeed_stages_0.19.8.json (bench/deepspeed/deepspeed_stages.sh, 2 gloo
+DeepSpeed's run: tests/data/deepspeed_stages_0.19.8.json (bench/deepspeed_records/deepspeed_stages.sh, 2 gloo
 ranks). Here the same file, its import line swapped to `import fz3.deepspeed as deepspeed`, runs
 every case once under torchrun on 2 gloo ranks. At every micro-step: the loss scale and overflow
 flag where scripts read them (the names DeepSpeed's optimizer has at that stage), was_step_applied,

@@ -1,7 +1,7 @@
 """[Note: heap thresholds] (fz3/data/heap.py): fz3.launch.run(malloc_thresholds=True) starts its
 ranks with glibc's mmap threshold at 32 MiB and its trim threshold at 64 MiB, through glibc's
 MALLOC_* variables, unless the environment sets glibc's heap policy; by default, and in
-fz3.initialize always, the process's allocator is left alone (STYLE.md rule 15).
+fz3.initialize always, the process's allocator is left alone (a library leaves the process as it found it).
 
 What glibc decided is read back from the chunk header in front of a buffer: the size word's
 IS_MMAPPED bit (0x2) is set where malloc gave the buffer a mapping of its own. Each case runs in

@@ -1,6 +1,6 @@
 """fp16's loss scale (fz3/core/grad/scaler.py) against what real DeepSpeed 0.19.8 did.
 
-DeepSpeed ran examples/deepspeed_stages.py on 2 gloo ranks (bench/deepspeed/deepspeed_stages.sh ->
+DeepSpeed ran examples/deepspeed_stages.py on 2 gloo ranks (bench/deepspeed_records/deepspeed_stages.sh ->
 tests/data/deepspeed_stages_0.19.8.json): dynamic scales whose first steps overflow and grow back,
 hysteresis 1 and 2 with and without consecutive_hysteresis, static scales, a NaN at a static
 scale, and the minimum scale reached.

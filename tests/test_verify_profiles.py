@@ -1,6 +1,6 @@
 """The Hypothesis profiles of fz3/testing/profiles.py: property_tests/conftest.py registers them, so
 pytest loads `hunt` by --hypothesis-profile=hunt or HYPOTHESIS_PROFILE=hunt; importing the module
-registers nothing (STYLE.md 15); and bench/diagnostics/hunt.py prints its table (one bug, one run)."""
+registers nothing (no process-wide side effect); and bench/diagnostics/hunt.py prints its table (one bug, one run)."""
 from __future__ import annotations
 
 import os

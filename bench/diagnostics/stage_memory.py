@@ -1,6 +1,6 @@
 """Bytes per parameter per rank that fz3 holds at ZeRO stages 0-3, by kind, beside the ZeRO paper's
 theory and what real DeepSpeed 0.19.8 held on the same model (tests/data/deepspeed_stage_memory_0.19.8.json,
-bench/deepspeed/deepspeed_stage_memory.py). fz3 runs on 2 gloo ranks (fz3.launch.run):
+bench/deepspeed_records/deepspeed_stage_memory.py). fz3 runs on 2 gloo ranks (fz3.launch.run):
 
     python bench/diagnostics/stage_memory.py [--json out.json]
 
@@ -45,7 +45,7 @@ RECORD = os.path.join(ROOT, "tests", "data", "deepspeed_stage_memory_0.19.8.json
 
 def _count(engine) -> dict[str, int]:
     """Bytes by kind, each storage counted once, under the first kind that reaches it (as
-    bench/deepspeed/deepspeed_stage_memory.py counts DeepSpeed's): at stage 0 in fp32 a param's full value
+    bench/deepspeed_records/deepspeed_stage_memory.py counts DeepSpeed's): at stage 0 in fp32 a param's full value
     is its master, counted as params."""
     store, seen = engine.store, set()
 

@@ -55,7 +55,7 @@ class Options:
     broadcast_buffers: bool = True
     replay: bool = True
     huge_pages: bool = True
-    # files in the host's /dev/shm: asked for by name only (STYLE.md rule 15: a library leaves the
+    # files in the host's /dev/shm: asked for by name only (the house rule: a library leaves the
     # process as it found it)
     shared_memory: bool = False
 

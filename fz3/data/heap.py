@@ -24,7 +24,7 @@ what is live at once, as before; between peaks the process holds that much more,
 Under torchrun, set the same two variables in the rank's environment.
 
 The allocator is the whole process's, so fz3 never changes it in a running process (no mallopt
-from fz3.initialize: STYLE.md rule 15), and leaves the ranks' environment as it is where the
+from fz3.initialize: a library leaves the process as it found it), and leaves the ranks' environment as it is where the
 user chose: any of glibc's MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_ or
 MALLOC_MMAP_MAX_ in the environment, or a glibc.malloc tunable in GLIBC_TUNABLES (the
 benchmarks' memory launches set MALLOC_MMAP_THRESHOLD_=131072 to see what sharding saves:

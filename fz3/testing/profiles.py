@@ -11,7 +11,7 @@ and `python -m fz3 verify --profile NAME` runs the machines under it.
               ([Note: the hunt])
 
 Registering is left to the caller (`register()`): importing this module changes no Hypothesis
-setting, as importing fz3 changes nothing (STYLE.md 15).
+setting, as importing fz3 changes nothing (a library leaves the process as it found it).
 
 [Note: the hunt] Hypothesis' shrinker stops at a fixpoint, after 500 successful shrinks, or after
 five minutes (engine.MAX_SHRINKING_SECONDS; no setting says otherwise), and then its explain

@@ -1,4 +1,4 @@
-"""A shrunk Hypothesis failure as a pytest function to paste: STYLE.md 9, "a shrunk failure
+"""A shrunk Hypothesis failure as a pytest function to paste: the house rule "a shrunk failure
 becomes a permanent regression test".
 
 Hypothesis prints a failing state machine as the program that broke it: `state = Machine()`,

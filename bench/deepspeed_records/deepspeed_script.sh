@@ -2,7 +2,7 @@
 # Record real DeepSpeed 0.19.8 running examples/deepspeed_script.py on 2 CPU ranks (gloo) into
 # tests/data/deepspeed_script_0.19.8.json, the rows fz3's CI compares its own run against.
 #
-#     bash bench/deepspeed/deepspeed_script.sh          # needs bench/.env (bash bench/setup_env.sh)
+#     bash bench/deepspeed_records/deepspeed_script.sh          # needs bench/.env (bash bench/setup_env.sh)
 #
 # The first run JIT-compiles DeepSpeed's shm comm op (~75 s, cached in ~/.cache/torch_extensions);
 # later runs take ~15 s. fz3 runs the same script with its first import line changed to

@@ -1,10 +1,10 @@
 """fz3 beside DeepSpeed 0.19.8 on examples/deepspeed_stages.py: the tables bench/RESULTS.md keeps.
 
-    python bench/deepspeed/deepspeed_stage_tables.py [--out fz3.json]    # ~4 min on 2 cores
+    python bench/deepspeed_records/deepspeed_stage_tables.py [--out fz3.json]    # ~4 min on 2 cores
 
 Runs the script under fz3 (its import line swapped, as tests/test_deepspeed_stages.py does) on 2
 gloo ranks, and prints, beside DeepSpeed's record (tests/data/deepspeed_stages_0.19.8.json,
-bench/deepspeed/deepspeed_stages.sh): the loss and loss-scale sequence of each fp16 case at
+bench/deepspeed_records/deepspeed_stages.sh): the loss and loss-scale sequence of each fp16 case at
 stage 3 (a dynamic scale whose first steps overflow, a static one, hysteresis), the largest loss
 difference at every stage in fp32, bf16 and fp16, and which plain-PyTorch outcome two backwards
 before one step() give. The CI test holds the same numbers to their tolerances; this prints them.

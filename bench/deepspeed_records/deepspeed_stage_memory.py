@@ -3,7 +3,7 @@ bf16 and fp16, by kind (params as held, grads, fp32 masters, optimizer states, b
 from tensor storages rather than RSS. Runs on 2 CPU ranks (gloo) with bench/.env's DeepSpeed:
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 bench/.env/bin/torchrun --nproc_per_node 2 \
-        bench/deepspeed/deepspeed_stage_memory.py --out tests/data/deepspeed_stage_memory_0.19.8.json
+        bench/deepspeed_records/deepspeed_stage_memory.py --out tests/data/deepspeed_stage_memory_0.19.8.json
 
 The model is 4 Linear(1024, 1024) layers (4,198,400 parameters; the weights are above the
 default stage3_param_persistence_threshold, the biases below it). Each configuration trains one
@@ -24,8 +24,8 @@ plus two moments K (bytes per param), divided by the world size N where the stag
 
 fp16 needs DeepSpeed's CPU accelerator to say it supports fp16 (it asks mkldnn, which says no on
 CPUs without AVX512-FP16): this script patches is_fp16_supported to True, as
-bench/deepspeed/deepspeed_stages.sh does. build_shm_op is stubbed as in
-bench/deepspeed/deepspeed_facts.py.
+bench/deepspeed_records/deepspeed_stages.sh does. build_shm_op is stubbed as in
+bench/deepspeed_records/deepspeed_facts.py.
 """
 import argparse
 import importlib
@@ -188,7 +188,7 @@ def main() -> None:
     record = {"deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__, "world_size": world,
               "model": f"{LAYERS} x Linear({WIDTH}, {WIDTH})", "numel": numel,
               "command": "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 bench/.env/bin/torchrun --nproc_per_node 2 "
-                         "bench/deepspeed/deepspeed_stage_memory.py --out tests/data/deepspeed_stage_memory_0.19.8.json",
+                         "bench/deepspeed_records/deepspeed_stage_memory.py --out tests/data/deepspeed_stage_memory_0.19.8.json",
               "runs": {}, "table": []}
     for precision in ("fp32", "bf16", "fp16"):
         for stage in (0, 1, 2, 3):

@@ -4,12 +4,12 @@
 # fp16 with dynamic and static loss scaling), two backwards before one step, bad configs and
 # fp16 "auto". fz3's CI runs the same script with its import line changed and compares.
 #
-#     bash bench/deepspeed/deepspeed_stages.sh [OUT]     # needs bench/.env (bash bench/setup_env.sh); ~1 min
+#     bash bench/deepspeed_records/deepspeed_stages.sh [OUT]     # needs bench/.env (bash bench/setup_env.sh); ~1 min
 #
 # The script runs under a small wrapper that changes two things in DeepSpeed, neither of which
 # touches training numerics; the script itself stays a plain DeepSpeed script:
 #   - build_shm_op -> `lambda: None` (DeepSpeed's own "op unavailable" path): skips a ~75 s JIT
-#     build of a shared-memory all-reduce that only inference uses (bench/deepspeed/deepspeed_facts.py);
+#     build of a shared-memory all-reduce that only inference uses (bench/deepspeed_records/deepspeed_facts.py);
 #   - CPU_Accelerator.is_fp16_supported -> True: DeepSpeed asks mkldnn whether the CPU has fast
 #     fp16 (AVX512-FP16/AMX) and refuses fp16 at initialize without it ("Type fp16 is not
 #     supported on your device.", runtime/engine.py _do_sanity_check), though torch computes
@@ -39,7 +39,7 @@ DS_ACCELERATOR=cpu bench/.env/bin/python - "$TMP/record.json" "$TMP/unpatched.js
 import json, sys, torch
 record, unpatched = (json.load(open(p)) for p in sys.argv[1:3])
 record["harness"] = {
-    "command": "bash bench/deepspeed/deepspeed_stages.sh",
+    "command": "bash bench/deepspeed_records/deepspeed_stages.sh",
     "torch_version": torch.__version__,
     "patches": ["deepspeed.comm.torch.build_shm_op = lambda: None",
                 "type(get_accelerator()).is_fp16_supported = lambda self: True"],

@@ -1,6 +1,6 @@
 """Real DeepSpeed 0.19.8's JSON "scheduler" and "optimizer" sections, recorded for fz3's tests.
 
-    python3 bench/deepspeed/deepspeed_schedules.py   # re-runs itself under bench/.env
+    python3 bench/deepspeed_records/deepspeed_schedules.py   # re-runs itself under bench/.env
                                                      # (DS_ACCELERATOR=cpu); writes
                                                      # tests/data/deepspeed_schedules_0.19.8.json
 
@@ -301,7 +301,7 @@ def main() -> None:
     grads = fixed_grads()
     out = {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
            "accelerator": os.environ["DS_ACCELERATOR"], "zero_stage": 3,
-           "written": datetime.date.today().isoformat(), "by": "bench/deepspeed/deepspeed_schedules.py",
+           "written": datetime.date.today().isoformat(), "by": "bench/deepspeed_records/deepspeed_schedules.py",
            "schedules": [record_schedule(*row) for row in SCHEDULES],
            "optimizer_setup": {"initial": INITIAL, "group_options": GROUP_OPTIONS, "grads": grads},
            "optimizers": [record_optimizer(row[0], row[1], grads, *row[2:]) for row in OPTIMIZERS],

@@ -2,7 +2,7 @@
 (DeepSpeed is not installed in CI). Runs on 2 CPU ranks (gloo) with bench/.env's DeepSpeed:
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 bench/.env/bin/torchrun --nproc_per_node 2 \
-        bench/deepspeed/deepspeed_facts.py --out tests/data/deepspeed_facts_0.19.8.json
+        bench/deepspeed_records/deepspeed_facts.py --out tests/data/deepspeed_facts_0.19.8.json
 
 Sections of the JSON (docs/deepspeed_map.md §9 reads them out, one row per fact):
   auto          each key Hugging Face's ZeRO-3 JSON sets to "auto", set alone: the value the
@@ -694,7 +694,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     record = {"deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__,
               "accelerator": os.environ["DS_ACCELERATOR"], "world_size": dist.get_world_size(),
-              "command": "DS_ACCELERATOR=cpu bench/.env/bin/torchrun --nproc_per_node 2 bench/deepspeed/deepspeed_facts.py"}
+              "command": "DS_ACCELERATOR=cpu bench/.env/bin/torchrun --nproc_per_node 2 bench/deepspeed_records/deepspeed_facts.py"}
     names = args.only.split(",") if args.only else list(SECTIONS)
     for name in names:
         t = time.time()
