@@ -138,14 +138,15 @@ def test_known_unused_keys_warn_once_naming_them():
         got = Config.from_deepspeed(config)
     assert got == Config(gradient_clipping=1.0) and len(record) == 1
     message = str(record[0].message)
-    for key in ("train_micro_batch_size_per_gpu", "steps_per_print", "fp16",
-                "zero_optimization.sub_group_size", "zero_optimization.offload_param"):
+    for key in ("train_micro_batch_size_per_gpu", "steps_per_print", "fp16"):
         assert key in message
+    assert "sub_group_size" not in message and "offload_param" not in message  # Config fields now
 
 
 @pytest.mark.parametrize("config,key", [
-    (ds({"offload_param": {"device": "cpu"}}), "offload_param"),
+    (ds({"offload_param": {"device": "gpu"}}), "offload_param"),
     (ds({"offload_optimizer": {"device": "nvme"}}), "offload_optimizer"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param"),
     (ds({"zero_quantized_weights": True}), "zero_quantized_weights"),
     (ds({"zero_hpz_partition_size": 8}), "zero_hpz_partition_size"),
     (ds(amp={"enabled": True}), "amp"),
@@ -288,8 +289,6 @@ REJECTED = [  # DeepSpeed dict, the key the message must name, the value it must
     (ds(gradient_predivide_factor=0.0), "gradient_predivide_factor", "0.0"),
     (ds(prescale_gradients="yes"), "prescale_gradients", "'yes'"),
     (ds({"stage3_model_persistence_threshold": -1}), "model_persistence_threshold", "-1"),
-    (ds({"cpu_offload": True}), "zero_optimization.cpu_offload", "True"),
-    (ds({"cpu_offload_param": True}), "zero_optimization.cpu_offload_param", "True"),
     (ds({"load_from_fp32_weights": False}), "zero_optimization.load_from_fp32_weights", "False"),
     (ds({"pipeline_loading_checkpoint": True}), "zero_optimization.pipeline_loading_checkpoint", "True"),
     (ds({"stage3_module_granularity_threshold": 100}),
@@ -327,9 +326,9 @@ ACCEPTED = [  # keys that change nothing in fz3 (or are switched off): accepted 
 ]
 ZERO_ACCEPTED = [
     ("stage3_gather_16bit_weights_on_model_save", True), ("gather_16bit_weights_on_model_save", True),
-    ("stage3_gather_fp16_weights_on_model_save", True), ("sub_group_size", 1e9),
+    ("stage3_gather_fp16_weights_on_model_save", True), 
     ("memory_efficient_linear", False), ("stage3_use_all_reduce_for_fetch_params", True),
-    ("allgather_sequential", True), ("cpu_offload", False), ("cpu_offload_use_pin_memory", True),
+    ("allgather_sequential", True), ("cpu_offload_use_pin_memory", True),
     ("load_from_fp32_weights", True), ("module_granularity_threshold", 0),
 ]
 
@@ -431,14 +430,19 @@ def test_any_true_predicate():
 @pytest.mark.parametrize("key", ["offload_param", "offload_optimizer"])
 def test_offload_section_without_device_is_off(key):
     """DeepSpeed's offload device defaults to "none"."""
-    with pytest.warns(UserWarning, match=f"zero_optimization.{key}"):
-        got = Config.from_deepspeed(ds({key: {"pin_memory": True}}))
-    assert got == Config(gradient_clipping=1.0)
+    got = Config.from_deepspeed(ds({key: {"pin_memory": True}}))
+    assert got == Config(gradient_clipping=1.0) and not getattr(got, key).on
 
 
-def test_offload_given_as_a_non_dict_is_on():
-    with pytest.raises(ValueError, match="'zero_optimization.offload_param' = True turns on"):
+def test_offload_given_as_a_non_dict_is_refused_naming_it():
+    with pytest.raises(TypeError, match="offload_param must be a dict of DeepSpeed's keys"):
         Config.from_deepspeed(ds({"offload_param": True}))
+
+
+def test_the_old_offload_booleans_turn_on_cpu_offload():
+    """DeepSpeed's deprecated cpu_offload / cpu_offload_param: {"device": "cpu"} when true."""
+    got = Config.from_deepspeed(ds({"cpu_offload": True, "cpu_offload_param": True}))
+    assert got.offload_optimizer.device == "cpu" and got.offload_param.device == "cpu"
 
 
 @pytest.mark.parametrize("names", [{"h.0"}, ["h.0", 1]], ids=["set", "non-string entry"])
@@ -463,9 +467,9 @@ def test_both_batch_sizes_with_accumulation_steps_are_accepted():
 
 def test_unused_keys_warning_lists_them_comma_separated():
     with pytest.warns(UserWarning) as record:
-        Config.from_deepspeed(ds({"sub_group_size": 1e9}, steps_per_print=10, wandb={"enabled": True}))
+        Config.from_deepspeed(ds({"memory_efficient_linear": False}, steps_per_print=10, wandb={"enabled": True}))
     listed = str(record[0].message).split(": ", 1)[1]
-    assert listed.split(", ") == ["zero_optimization.sub_group_size", "steps_per_print", "wandb"]
+    assert listed.split(", ") == ["zero_optimization.memory_efficient_linear", "steps_per_print", "wandb"]
 
 
 def test_unused_keys_warning_points_at_the_caller(monkeypatch):

@@ -31,6 +31,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from fz3.config.offload import Aio, OffloadOptimizer, OffloadParam, section
+
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 # communication_data_type (DeepSpeed's names, runtime/config.py get_communication_data_type)
 # -> the torch dtype name the core's effects carry
@@ -98,6 +100,15 @@ class Config:
     leaf_module_classes: tuple[str, ...] = DEFAULT_LEAF_MODULE_CLASSES
     leaf_module_names: tuple[str, ...] = ()
     leaf_module_name_suffixes: tuple[str, ...] = ()
+    # DeepSpeed's offload sections (fz3/config/offload.py; each also as its JSON dict): "nvme" puts
+    # the fp32 masters and the optimizer state of the offloaded sub-groups on disk, stepped one
+    # sub-group at a time (fz3/core/offload.py); "cpu" on CPU ranks is where the data lives
+    offload_optimizer: OffloadOptimizer = OffloadOptimizer()
+    offload_param: OffloadParam = OffloadParam()
+    aio: Aio = Aio()
+    # numel of the optimizer's sub-groups: its unit of stepping, and of the disk's reads and
+    # writes under offload (a sub-group closes once it reaches this size, as in DeepSpeed)
+    sub_group_size: int = 1_000_000_000
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -129,6 +140,35 @@ class Config:
         for name in LEAF_FIELDS:
             object.__setattr__(self, name, _str_tuple(name, getattr(self, name)))
         self._check_loss_scale()
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        """The sections as values, and offload only where DeepSpeed 0.19.8 offloads: it ignores
+        offload_param below stage 3 and offload_optimizer at stage 0, and keeps an "nvme" optimizer
+        in host memory at stages 1 and 2, all silently (tests/data/deepspeed_offload_0.19.8.json);
+        fz3 says so instead."""
+        for name, cls in (("offload_optimizer", OffloadOptimizer), ("offload_param", OffloadParam), ("aio", Aio)):
+            object.__setattr__(self, name, section(cls, f"Config.{name}", getattr(self, name)))
+        if isinstance(self.sub_group_size, float) and self.sub_group_size.is_integer():
+            object.__setattr__(self, "sub_group_size", int(self.sub_group_size))  # JSON's 1e9
+        _check_int("sub_group_size", self.sub_group_size, low=1)
+        opt, par = self.offload_optimizer, self.offload_param
+        if par.on and self.stage != 3:
+            raise ValueError(f"zero_optimization.offload_param.device = {par.device!r} at stage {self.stage}: DeepSpeed "
+                             "offloads params at stage 3 only (DeepSpeed 0.19.8 ignores the key below it, silently); "
+                             "use stage 3, or remove offload_param")
+        if opt.on and self.stage == 0:
+            raise ValueError(f"zero_optimization.offload_optimizer.device = {opt.device!r} at stage 0: DeepSpeed "
+                             "offloads the optimizer at stages 1, 2 and 3 (DeepSpeed 0.19.8 ignores the key at stage "
+                             "0, silently); use stage 1 or more, or remove offload_optimizer")
+        if opt.device == "nvme" and self.stage in (1, 2):
+            raise ValueError(f"zero_optimization.offload_optimizer.device = 'nvme' at stage {self.stage}: DeepSpeed "
+                             "0.19.8 writes the optimizer to NVMe at stage 3 only (at stages 1 and 2 it keeps it in "
+                             "host memory, as 'cpu'); use 'cpu', or stage 3")
+        if opt.on and opt.ratio < 1 and self.stage != 3:
+            raise ValueError(f"zero_optimization.offload_optimizer.ratio = {opt.ratio} at stage {self.stage}: DeepSpeed "
+                             "offloads part of the optimizer at stage 3 only (DeepSpeed 0.19.8: 'Partial offloading "
+                             "only supported for ZeRO Stage 3'); use stage 3, or ratio 1")
 
     def _check_loss_scale(self) -> None:
         """The fp16 section's values, as DeepSpeed 0.19.8 checks them (precision_config.py), and

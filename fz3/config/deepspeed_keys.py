@@ -36,7 +36,12 @@ ZERO_FIELDS = {
     "contiguous_gradients": "contiguous_gradients",
     "reduce_scatter": "reduce_scatter",
     "overlap_comm": "overlap_comm",
+    "sub_group_size": "sub_group_size",
 }
+# zero_optimization sections -> the Config field that takes them as dicts (fz3/config/offload.py);
+# and the old boolean spellings -> the section they turn on
+ZERO_SECTIONS = ("offload_optimizer", "offload_param")
+ZERO_OLD_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 # DeepSpeed's other spellings (pydantic field name vs `alias=`, deprecated names) -> the key
 # the tables below use
 ZERO_ALIASES = {
@@ -54,7 +59,7 @@ ZERO_ALIASES = {
 DEEPSPEED_GRADIENT_CLIPPING = 1.0  # DeepSpeed 0.19's default when the key is absent
 INT_FIELDS = {"prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
               "param_persistence_threshold", "model_persistence_threshold", "reduce_bucket_size",
-              "gradient_accumulation_steps"}
+              "gradient_accumulation_steps", "sub_group_size"}
 # zero_optimization.leaf_module sub-key -> Config field (DeepSpeedZeroLeafModuleConfig)
 LEAF_KEYS = {"classes": "leaf_module_classes", "names": "leaf_module_names",
              "name_suffixes": "leaf_module_name_suffixes"}
@@ -68,21 +73,11 @@ def _enabled(section: object) -> bool:
     return bool(section)
 
 
-def _offload_on(section: object) -> bool:
-    if section is None:
-        return False
-    if isinstance(section, Mapping):  # "auto": DeepSpeed's default, none ([Note: "auto"])
-        device = section.get("device", "none")
-        return not is_auto(device) and device not in ("none", None)
-    return True
-
-
 def _any_true(*keys: str) -> Callable[[object], bool]:
     return lambda section: isinstance(section, Mapping) and any(bool(section.get(k)) for k in keys)
 
 
 _FP32_ONLY = "fz3 keeps fp32 master weights, grad partitions and optimizer states"
-_NO_OFFLOAD = "fz3 keeps params and optimizer states on the device (no offload)"
 
 # top-level features fz3 lacks: key -> (predicate "switched on", what to do instead)
 TOP_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
@@ -126,10 +121,6 @@ DTYPE_NAMES = {"fp32": ("fp32", "float32", "float", "torch.float32"),
 
 # zero_optimization features fz3 lacks: key -> (predicate "switched on", what to do instead)
 ZERO_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
-    "offload_param": (_offload_on, _NO_OFFLOAD + ": remove it or set device: none"),
-    "offload_optimizer": (_offload_on, _NO_OFFLOAD + ": remove it or set device: none"),
-    "cpu_offload": (bool, "the old spelling of offload_optimizer; " + _NO_OFFLOAD + ": remove it"),
-    "cpu_offload_param": (bool, "the old spelling of offload_param; " + _NO_OFFLOAD + ": remove it"),
     "zero_hpz_partition_size": (lambda v: v not in (None, 1), "fz3 has no hierarchical (hpZ) "
                                 "partitioning; use 1"),
     "zero_quantized_weights": (bool, "fz3 gathers weights unquantized: set false"),
@@ -190,8 +181,8 @@ TOP_UNUSED = {
     "tensorboard": "monitoring", "wandb": "monitoring", "csv_monitor": "monitoring",
     "comet": "monitoring", "comms_logger": "logging",
     "zero_allow_untested_optimizer": "fz3 takes any torch optimizer",
-    "zero_force_ds_cpu_optimizer": "only with offload, which fz3 rejects",
-    "aio": "NVMe offload I/O, which fz3 rejects",
+    "zero_force_ds_cpu_optimizer": "whether DeepSpeed insists on its CPU Adam under offload: fz3 steps the user's "
+                                   "optimizer on the offloaded shards, whatever it is",
     "activation_checkpointing": "configures deepspeed.checkpointing, which only user code calls",
     "pipeline": "PipelineModule only",
     "seq_parallel_communication_data_type": "sequence parallelism only",
@@ -201,7 +192,6 @@ TOP_UNUSED = {
 ZERO_UNUSED = {
     "stage3_gather_16bit_weights_on_model_save": "only engine.save_16bit_model: fz3.deepspeed.initialize "
                                                  "reads it (fz3/deepspeed/settings.py)",
-    "sub_group_size": "tiles the optimizer step; elementwise optimizers give the same numbers",
     "memory_efficient_linear": "a memory-saving F.linear with the same numbers",
     "override_module_apply": "deepspeed.zero.Init only",
     "stage3_use_all_reduce_for_fetch_params": "how a gather is carried; same values",
@@ -217,7 +207,8 @@ ZERO_UNUSED = {
     "elastic_checkpoint": "DeepSpeed's stage-1/2 checkpoint layout: fz3 writes its own, loadable at any stage and "
                           "world size",
     "legacy_stage1": "DeepSpeed's old stage-1 code path; same values",
-    "cpu_offload_use_pin_memory": "offload only",
+    "cpu_offload_use_pin_memory": "the old spelling of offload_*.pin_memory: fz3's host buffers are pinned where "
+                                  "the device can use it (fz3/core/offload.py)",
     "save_muon_momentum_buffer_in_memory": "NVMe offload only",
 }
 
@@ -244,6 +235,8 @@ def translate(ds: Mapping[str, object]) -> tuple[dict[str, object], list[str]]:
             fields[TOP_FIELDS[key]] = _value(key, TOP_FIELDS[key], value)
         elif key == "data_types":
             ignored.append(key)  # checked below, once bf16 is known
+        elif key == "aio":
+            fields["aio"] = _section(key, value, ignored)
         elif key in TOP_LACKING:
             _lacking(key, value, TOP_LACKING[key])
             ignored.append(key)
@@ -296,6 +289,12 @@ def _zero(zero: object, fields: dict[str, object], ignored: list[str]) -> None:
             fields[field] = _as_int(key, value) if field in INT_FIELDS else value
         elif key == "leaf_module":
             fields.update(_leaf_module(value))
+        elif key in ZERO_SECTIONS:
+            if value is not None:
+                fields[key] = _section(f"zero_optimization.{key}", value, ignored)
+        elif key in ZERO_OLD_OFFLOAD:  # DeepSpeed's deprecated booleans: {"device": "cpu"} when true
+            if value:
+                fields.setdefault(ZERO_OLD_OFFLOAD[key], {"device": "cpu"})
         elif canonical in ZERO_LACKING:
             _lacking(f"zero_optimization.{key}", value, ZERO_LACKING[canonical])
             ignored.append(f"zero_optimization.{key}")
@@ -304,6 +303,18 @@ def _zero(zero: object, fields: dict[str, object], ignored: list[str]) -> None:
         else:
             raise ValueError(f"unknown zero_optimization key {key!r} (misspelt?); fz3 uses "
                              f"{sorted(ZERO_FIELDS)}, leaf_module and stage")
+
+
+def _section(name: str, value: object, ignored: list[str]) -> object:
+    """An offload or aio section for Config (fz3/config/offload.py checks its keys and values):
+    "auto" values keep DeepSpeed's defaults ([Note: "auto"]); the keys that change nothing in
+    fz3 are reported."""
+    from fz3.config.offload import IGNORED
+    if not isinstance(value, Mapping):
+        return value  # Config says what it takes
+    unused = {k for table in IGNORED.values() for k in table}
+    ignored.extend(f"{name}.{k}" for k in value if k in unused)
+    return {k: v for k, v in value.items() if not is_auto(v)}
 
 
 def _value(key: str, field: str, value: object) -> object:
@@ -436,7 +447,7 @@ def _as_int(key: str, value: object) -> int:
 
 # [Note: "auto"] Hugging Face's DeepSpeed JSONs say "auto" where the Trainer fills in a value
 # from TrainingArguments before DeepSpeed sees the dict. Given to DeepSpeed 0.19.8 itself
-# (bench/deepspeed/deepspeed_facts.py, tests/data/deepspeed_facts_0.19.8.json), an "auto" inside a
+# (bench/deepspeed_records/deepspeed_facts.py, tests/data/deepspeed_facts_0.19.8.json), an "auto" inside a
 # section DeepSpeed reads through pydantic (zero_optimization, bf16, fp16, ...) is dropped, so
 # the field keeps its default (runtime/config_utils.py DeepSpeedConfigModel: `v != "auto"`):
 # bf16.enabled "auto" is off, zero_optimization.stage "auto" is stage 0. A top-level key read

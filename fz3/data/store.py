@@ -4,8 +4,8 @@
                    tensor otherwise (autograd keeps the same Parameter object throughout)
     full[p]        that full value, flat (numel,), while AVAILABLE; None otherwise
     masters[p]     fp32 shard (s,), an nn.Parameter the user's optimizer steps on; a view of
-                   its run's flat buffer (master_runs: a run is one optimizer param group's
-                   trainable params, [Note: flat steps], fz3/shell/flat_step.py)
+                   its segment's flat masters (a run is one optimizer param group's trainable
+                   params, cut into segments: [Note: flat steps], fz3/shell/flat_step.py)
     shards[p]      compute-dtype shard (s,) the gathers read; *is* masters[p] in fp32 mode
     partitions[p]  fp32 grad partition (s,): a view of its segment's flat grads (segments:
                    a run cut into whole params, each segment its own storage), also
@@ -36,16 +36,22 @@ class TensorStore:
 
     def __init__(self, params: list[nn.Parameter], names: tuple[str, ...], shards: list[torch.Tensor], *,
                  rank: int, world_size: int, compute_dtype: str, device: torch.device,
-                 runs: Sequence[Sequence[int]] = (), huge_pages: bool = False) -> None:
-        """`runs`: trainable ParamIds whose masters lie side by side, each run in its order, in
-        one flat tensor (the optimizer's param groups: [Note: flat steps],
-        fz3/shell/flat_step.py), cut into segments whose grad partitions are flat too. The
+                 runs: Sequence[Sequence[int]] = (), huge_pages: bool = False, separate_shards: bool = False,
+                 segment_numel: int | None = None) -> None:
+        """`runs`: trainable ParamIds of one optimizer param group each, in its order, cut into
+        segments whose masters and grad partitions are flat ([Note: flat steps],
+        fz3/shell/flat_step.py). The
         trainable params in no run follow as one more run, in id order. `huge_pages`: a
         segment's memory, each time it comes back, is advised for huge pages ([Note: huge pages
-        for fresh buffers], fz3/data/pages.py)."""
+        for fresh buffers], fz3/data/pages.py). `separate_shards`: the compute shards are copies of
+        the masters even in fp32, so the masters can leave memory (optimizer offload:
+        fz3/core/offload.py). `segment_numel`: segments closed at this many elements (whole
+        params, a larger one alone) instead of MIN_SEGMENT or the largest shard: under offload, the
+        sub_group_size, so that the sub-groups cut from the segments are DeepSpeed's."""
         self.huge_pages = huge_pages
         self.rank, self.world_size = rank, world_size
         self.dtype = DTYPES[compute_dtype]
+        self.separate = separate_shards or self.dtype != torch.float32  # the shards are not the masters
         self.device = device
         self.params, self.names = params, names
         self.spec: ModelSpec | None = None  # the fetch units' spec, and their modules' names
@@ -54,40 +60,36 @@ class TensorStore:
         self.trainable = [p.requires_grad for p in self.params]
         self.runs = _complete_runs(runs, self.trainable)
         self.masters: list[nn.Parameter] = [None] * len(params)  # type: ignore[list-item]
-        self.master_runs: list[torch.Tensor] = []  # by run: its masters' flat buffer
-        for run in self.runs:
-            flat = torch.empty(sum(shards[p].numel() for p in run), dtype=torch.float32, device=device)
-            offset = 0
-            for p in run:
-                n = shards[p].numel()
-                flat[offset:offset + n].copy_(shards[p].reshape(-1))
-                self.masters[p] = nn.Parameter(flat[offset:offset + n])
-                offset += n
-            self.master_runs.append(flat)
+        # each run cut into segments of whole params: a segment's fp32 masters are one tensor with
+        # a storage of its own, and so are its grad partitions, there only from the window's
+        # first write into them to the optimizer step; the offloaded sub-groups' masters are on
+        # disk between steps (fz3/core/offload.py)
+        self.partitions: list[torch.Tensor | None] = [None] * len(params)
+        self.segments: list[Segment] = []
+        self.segment_of: list[int] = [-1] * len(params)  # by param: its segment (-1: frozen)
+        for r, run in enumerate(self.runs):
+            start = 0
+            for ps in _cut(run, [shards[p].numel() for p in run], segment_numel):
+                numel = sum(shards[p].numel() for p in ps)
+                masters = torch.empty(numel, dtype=torch.float32, device=device)
+                grads = torch.empty(numel, dtype=torch.float32, device=device)
+                offset = 0
+                for p in ps:
+                    n = shards[p].numel()
+                    masters[offset:offset + n].copy_(shards[p].reshape(-1))
+                    self.masters[p] = nn.Parameter(masters[offset:offset + n])
+                    self.partitions[p] = grads[offset:offset + n]
+                    self.segment_of[p] = len(self.segments)
+                    offset += n
+                grads.untyped_storage().resize_(0)  # the views made, the memory waits for a write
+                self.segments.append(Segment(r, start, ps, grads, masters))
+                start += offset
         for p, (param, shard) in enumerate(zip(params, shards)):
             if self.masters[p] is None:  # frozen: in no run, stepped by nobody
                 self.masters[p] = nn.Parameter(shard.to(device=device, dtype=torch.float32, copy=True),
                                                requires_grad=False)
         self.shards: list[torch.Tensor] = []
         self.refresh_shards()
-        # grad partitions: each run cut into segments of whole params, each segment its own
-        # storage, there only from the window's first write into it to its optimizer step
-        self.partitions: list[torch.Tensor | None] = [None] * len(params)
-        self.segments: list[Segment] = []
-        self.segment_of: list[int] = [-1] * len(params)  # by param: its segment (-1: frozen)
-        for r, run in enumerate(self.runs):
-            start = 0
-            for ps in _cut(run, [self.masters[p].numel() for p in run]):
-                grads = torch.empty(sum(self.masters[p].numel() for p in ps), dtype=torch.float32, device=device)
-                offset = 0
-                for p in ps:
-                    n = self.masters[p].numel()
-                    self.partitions[p] = grads[offset:offset + n]
-                    self.segment_of[p] = len(self.segments)
-                    offset += n
-                grads.untyped_storage().resize_(0)  # the views made, the memory waits for a write
-                self.segments.append(Segment(r, start, ps, grads))
-                start += offset
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         # the one element a freed param whose grad is due keeps its shape over: NaN, so a read
         # that went past fz3's hooks (a weight reached through a list, a closure) gives NaN, not
@@ -104,16 +106,17 @@ class TensorStore:
         engine.compile() makes compiled blocks units."""
         self.spec, self.module_names = spec, tuple(module_names)
 
-    def refresh_shards(self) -> None:
-        """Compute-dtype shards from the fp32 masters (after each optimizer step), written into the
-        shards there are: a full value that is its shard (a layout of one rank, stage 0:
-        carriers.Local) keeps reading it, and no second copy is made."""
-        if self.dtype == torch.float32:
+    def refresh_shards(self, params: Sequence[int] | None = None) -> None:
+        """Compute-dtype shards from the fp32 masters of `params` (None: all; after each optimizer
+        step), written into the shards there are: a full value that is its shard (a layout of one
+        rank, stage 0: carriers.Local) keeps reading it, and no second copy is made."""
+        if not self.separate:
             self.shards = [m.data for m in self.masters]
         elif self.shards:
-            torch._foreach_copy_(self.shards, [m.detach() for m in self.masters])
+            ps = range(len(self.masters)) if params is None else params
+            torch._foreach_copy_([self.shards[p] for p in ps], [self.masters[p].detach() for p in ps])
         else:
-            self.shards = [m.detach().to(self.dtype) for m in self.masters]
+            self.shards = [m.detach().to(self.dtype, copy=True) for m in self.masters]
 
     def set_full(self, p: int, flat: torch.Tensor) -> None:
         """Param p becomes AVAILABLE: its .data is the gathered full value (numel,). A persistent
@@ -124,7 +127,7 @@ class TensorStore:
         self.full[p] = flat
         self.full_spans.setdefault(_storage(flat), []).append((flat.storage_offset(), flat.numel(), p))
         kept = self.spec is not None and self.spec.params[p].persistent
-        if kept and self.dtype != torch.float32 and padding(flat.numel(), self.world_size) == 0:
+        if kept and self.separate and padding(flat.numel(), self.world_size) == 0:
             n = self.shards[p].numel()
             self.shards[p] = flat[self.rank * n:(self.rank + 1) * n]
 
@@ -243,14 +246,14 @@ class TensorStore:
         """Take a new full value of param p (gathered_parameters with a modifier rank)."""
         shard = layout.shard_of(full.detach().to(torch.float32).reshape(-1), self.rank, self.world_size)
         self.masters[p].data.copy_(shard)
-        if self.dtype != torch.float32:
+        if self.separate:
             self.shards[p].copy_(self.masters[p].detach())
 
     def shard_bytes(self) -> dict[str, int]:
         """Bytes this rank holds: fp32 masters, compute shards (if separate), grad partitions
         (0 between an optimizer step and the next window's first write)."""
         master = sum(m.numel() for m in self.masters) * 4
-        compute = 0 if self.dtype == torch.float32 else sum(
+        compute = 0 if not self.separate else sum(
             s.numel() * s.element_size() for s in self.shards if self.full_of(s) is None)  # not in a full value
         return {"param_shards": master + compute, "grad_partitions": self.grad_bytes()}
 
@@ -261,19 +264,21 @@ class Segment(NamedTuple):
     the optimizer steps their masters as one flat chunk ([Note: flat steps])."""
 
     run: int
-    start: int  # where its first master lies in the run's flat masters (master_runs[run])
+    start: int  # where its first master lies in its run, counting the run's masters in order
     params: tuple[int, ...]
     grads: torch.Tensor  # their partitions, flat
+    masters: torch.Tensor  # their fp32 masters, flat (what the optimizer steps as one chunk)
 
 
 MIN_SEGMENT = 1 << 16  # a segment holds whole shards up to max(this, its run's largest shard) elements
 
 
-def _cut(run: tuple[int, ...], sizes: list[int]) -> list[tuple[int, ...]]:
-    """A run's params in segments of whole params, each up to max(MIN_SEGMENT, the run's largest
-    shard) elements: the flat step's temporaries stay the size they were stepping shard by shard
-    (give or take 512 KiB), and a backward allocates its grads a segment at a time."""
-    limit = max([MIN_SEGMENT] + sizes)
+def _cut(run: tuple[int, ...], sizes: list[int], limit: int | None = None) -> list[tuple[int, ...]]:
+    """A run's params in segments of whole params, each up to `limit`, by default max(MIN_SEGMENT,
+    the run's largest shard) elements: the flat step's temporaries stay the size they were
+    stepping shard by shard (give or take 512 KiB), and a backward allocates its grads a segment
+    at a time."""
+    limit = max([MIN_SEGMENT] + sizes) if limit is None else limit
     out, seg, total = [], [], 0
     for p, n in zip(run, sizes):
         if seg and total + n > limit:

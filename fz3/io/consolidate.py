@@ -102,8 +102,9 @@ def gathered_parameters(params: Union[nn.Module, nn.Parameter, Iterable[nn.Param
         for engine, pids in by_engine.values():
             pids = tuple(sorted(set(pids)))
             if modifier_rank is not None:
-                for p in pids:
-                    full = engine.tables.params[p].data
-                    engine.transport.broadcast(full, src=modifier_rank)
-                    engine.store.write_full(p, full)
+                with engine.resident():  # the masters are written (optimizer offload: on disk until now)
+                    for p in pids:
+                        full = engine.tables.params[p].data
+                        engine.transport.broadcast(full, src=modifier_rank)
+                        engine.store.write_full(p, full)
             engine.apply(Unhold(params=pids, stale=modifier_rank is not None))

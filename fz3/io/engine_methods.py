@@ -33,7 +33,8 @@ class ValueMovers:
         """Consolidated fp32 params (and buffers), keys as the model's state_dict."""
         self._refuse_if_stopped()
         every_rank(self, agreement.FULL_STATE)
-        return full_state_dict(self)
+        with self.resident():
+            return full_state_dict(self)
 
     def full_optimizer_state_dict(self) -> dict:
         """Every rank (it gathers): the optimizer's state_dict() as the same torch optimizer over the
@@ -41,14 +42,16 @@ class ValueMovers:
         (fz3/io/optimizer_state.py). optimizer.load_state_dict takes it back on every rank.
         FSDP2: get_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True))."""
         self._refuse_if_stopped()
-        return full_optimizer_state_dict(self)
+        with self.resident():
+            return full_optimizer_state_dict(self)
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> bool:
         """Sharded, atomic checkpoint under save_dir/<tag> (fz3/io/checkpoint.py).
         DeepSpeed: save_checkpoint."""
         self._refuse_if_stopped()
         every_rank(self, agreement.SAVE)
-        return save_checkpoint(self, save_dir, tag, client_state)
+        with self.resident():
+            return save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **options) -> tuple[str, dict]:
         """-> (path, client_state); any saved world size; DeepSpeed's load_optimizer_states,
@@ -56,7 +59,8 @@ class ValueMovers:
         DeepSpeed: load_checkpoint."""
         self._refuse_if_stopped()
         every_rank(self, agreement.LOAD)
-        return load_checkpoint(self, load_dir, tag, **options)
+        with self.resident():
+            return load_checkpoint(self, load_dir, tag, **options)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """Rank 0: the whole model's state dict in the compute dtype on the CPU (what

@@ -79,7 +79,8 @@ def load_weights(engine, path: str | os.PathLike) -> None:
     if failed:
         raise RuntimeError(f"load_weights: rank(s) {failed} could not load {os.fspath(path)!r} (see their "
                            "errors); nothing was loaded on any rank")
-    _write(engine, targets, slices)
+    with engine.resident():  # the masters are written (optimizer offload: on disk until now)
+        _write(engine, targets, slices)
 
 
 # ---- where the tensors are -------------------------------------------------------------------------

@@ -46,6 +46,8 @@ lr scheduler when the core says the step was applied.
 """
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import operator
 import sys
@@ -81,6 +83,7 @@ from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, needs
 from fz3.shell.memory import memory_stats
 from fz3.shell.saved import SavedParams
 from fz3.shell.flat_step import FlatSteps, group_runs
+from fz3.shell.offload import OptimizerOffload
 from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, first_nonfinite, global_grad_norm
 from fz3.config.options import Options
 from fz3.data.store import DTYPES, TensorStore
@@ -125,7 +128,9 @@ class Engine(DeepSpeedSurface):
                                                      world_size=self.shard_world, device=device.torch_device),
                                  rank=self.shard_rank, world_size=self.shard_world,
                                  compute_dtype=config.compute_dtype, device=device.torch_device, runs=runs,
-                                 huge_pages=options.huge_pages)
+                                 huge_pages=options.huge_pages,
+                                 separate_shards=config.offload_optimizer.device == "nvme",
+                                 segment_numel=config.sub_group_size if config.offload_optimizer.device == "nvme" else None)
         self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
         self.make_interpreter = interpreter
         self.hook_handles: list = []
@@ -150,7 +155,8 @@ class Engine(DeepSpeedSurface):
         self.buffers = BufferSync(model, lambda t: self.interp.broadcast(t), enabled=options.broadcast_buffers,
                                   world_size=world_size)  # the interpreter of the units of the time
         bind_optimizer(optimizer, self.tables.params, self.store.masters)
-        self.flat_steps = FlatSteps(optimizer, self.store, runs)
+        self.flat_steps = FlatSteps(optimizer, self.store, runs, flat=config.offload_optimizer.device != "nvme")
+        self.offload = OptimizerOffload.build(self)  # None without "nvme" (fz3/shell/offload.py)
         self.zero_grad_undo = zero_grad.install(self, (model, optimizer))  # [Note: zero_grad in a window]
         # fp16's loss scale (fz3/core/grad/scaler.py): a cell of its own, beside the core's
         # ([Note: the scaler's count]); DeepSpeed's names for it on the optimizer
@@ -496,6 +502,9 @@ class Engine(DeepSpeedSurface):
         self.store.bind_grads(no_grad)
         if self.config.gradient_clipping > 0:
             clip_grad_norm(self.store, self.config.gradient_clipping, self.grad_norm)
+        if self.offload is not None:  # a sub-group at a time, the offloaded ones from disk and back
+            self.offload.step(no_grad)
+            return
         self.flat_steps.step(no_grad)  # the optimizer's own step(), its groups flat ([Note: flat steps])
         self.store.refresh_shards()
 
@@ -602,6 +611,12 @@ class Engine(DeepSpeedSurface):
         """Each param group's current learning rate. DeepSpeed: get_lr."""
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    def resident(self):
+        """A block with every offloaded optimizer sub-group in memory, written back after it
+        (fz3/shell/offload.py): what reads or writes the masters or the optimizer state outside
+        a step runs in it."""
+        return self.offload.resident() if self.offload is not None else contextlib.nullcontext()
+
     def stats(self) -> dict[str, object]:
         st = self.params_state
         out: dict[str, object] = {k: self.interp.counts[k] for k in COUNTERS}  # 0 if none yet
@@ -612,7 +627,8 @@ class Engine(DeepSpeedSurface):
                    skipped_steps=self.skipped, loss_scale=self.loss_scale.scale, replayed_events=self.cell.replayed,
                    replay_schedules=len(self.cell.schedules),
                    replay_events_kept=sum(len(s.events) for s in self.cell.schedules),
-                   **memory_stats(self), **compile_stats(self))
+                   **memory_stats(self), **compile_stats(self),
+                   **(self.offload.stats() if self.offload is not None else {}))
         return out
 
     def param_status(self, param: nn.Parameter) -> str:

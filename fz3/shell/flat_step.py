@@ -9,9 +9,9 @@ masters, and every element comes out bit-identical to the per-shard step (tests/
 checks it). DeepSpeed does the same: its optimizer only ever sees one flat fp32 partition per
 group (fp32_partitioned_groups_flat).
 
-    layout     the store lays each group's trainable masters side by side (master_runs) and
-               cuts them into segments, whose grad partitions are one tensor each: a chunk is
-               a segment's masters (a view) with its grads, no copy
+    layout     the store cuts each group's trainable params into segments, whose masters are
+               one tensor each and whose grad partitions are one tensor each: a chunk is a
+               segment's masters with its grads, no copy
     chunks     whole shards, up to the group's largest shard (or MIN_SEGMENT, 256 KiB, if larger)
                in elements (fz3/data/store.py `_cut`): the step's temporaries (Adam's two of its
                denominator) stay the size they were stepping shard by shard, give or take
@@ -75,17 +75,19 @@ class _Group:
         self.bound = group["params"]  # the list bind_optimizer made: put back after each flat step
         self.bound_len = len(self.bound)
         self.masters = [store.masters[p] for p in pids]  # the trainable ones, in the run's order
-        flat, index = store.master_runs[run], {p: i for i, p in enumerate(pids)}
-        self.chunks: list[nn.Parameter] = []  # by segment of the run: its masters, one view
+        index = {p: i for i, p in enumerate(pids)}
+        self.segments: list[int] = []  # by chunk: its store segment
+        self.chunks: list[nn.Parameter] = []  # by segment of the run: its masters, one tensor
         self.grads: list[torch.Tensor] = []  # by chunk: the segment's grad partitions
         self.spans: list[list[tuple[int, int, int]]] = []  # by chunk: (master index, start, end)
-        for seg in store.segments:
+        for k, seg in enumerate(store.segments):
             if seg.run == run:
+                self.segments.append(k)
                 span, offset = [], 0
                 for p in seg.params:
                     span.append((index[p], offset, offset + store.masters[p].numel()))
                     offset += store.masters[p].numel()
-                self.chunks.append(nn.Parameter(flat[seg.start:seg.start + offset]))
+                self.chunks.append(nn.Parameter(seg.masters))
                 self.grads.append(seg.grads)
                 self.spans.append(span)
         # [Note: pieces on CPU] each chunk in pieces of at most CPU_PIECE elements (one piece
@@ -111,48 +113,103 @@ class _Group:
 class FlatSteps:
     """Steps `optimizer` (its groups already bound to the store's masters) flat where it can."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, store: TensorStore, runs: list[tuple[int, ...]]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, store: TensorStore, runs: list[tuple[int, ...]], *,
+                 flat: bool = True) -> None:
+        """`flat` False: every group steps by shard (optimizer offload: fz3/shell/offload.py)."""
         self.optimizer = optimizer
-        flat_type = type(optimizer) in FLAT_TYPES
+        self.master_segment = [(store.masters[p], store.segment_of[p]) for p in range(len(store.masters))
+                               if store.segment_of[p] >= 0]  # the trainable masters and their segments
+        self.segment_of = {id(m): seg for m, seg in self.master_segment}
+        flat_type = flat and type(optimizer) in FLAT_TYPES
         self.groups = [_Group(g, run, store, i) if flat_type and run else None
                        for i, (g, run) in enumerate(zip(optimizer.param_groups, runs))]
 
     def step(self, no_grad: frozenset[int] | set[int] | tuple[int, ...]) -> None:
         """optimizer.step(): each group that can steps flat (the masters' grads already bound)."""
-        opt = self.optimizer
-        hooks = _has_step_hooks(opt)
+        flat = self.begin(no_grad)
+        self.part(flat, None)
+        self.end(flat)
+
+    # [Note: a step in parts] Under offload the optimizer steps one sub-group at a time
+    # (fz3/core/offload.py): `begin` decides once which groups step flat, `part` runs the
+    # optimizer's own step() over the masters of some segments (a flat group's chunks in them;
+    # in a group stepped by shard, the other masters' grads are held back for the call, so the
+    # optimizer skips them as it skips a param without a grad), and `end` shows the state per
+    # master once every part has stepped. The optimizer's step() and its hooks run once per part;
+    # its numbers are the same, each param's step depending on its own grad and state alone.
+
+    def begin(self, no_grad: frozenset[int] | set[int] | tuple[int, ...]) -> list[_Group]:
+        """The groups that step flat this optimizer step."""
+        hooks = _has_step_hooks(self.optimizer)
         flat = [g for g in self.groups if g is not None and not hooks and self._ready(g, no_grad)]
         for g in self.groups:
             if g is not None and g not in flat:
                 g.stepped_by_shard = True
+        return flat
+
+    def part(self, flat: list[_Group], segments: set[int] | frozenset[int] | None) -> None:
+        """optimizer.step() over the masters of `segments` (store segment indices; None: all)."""
+        opt = self.optimizer
         groups = opt.param_groups
         units = {}  # by group: what its "params" are for this step, with their state
+        chunks = {}  # by group: the chunks stepped
+        piecewise = {}  # by group: whether it steps in pieces ([Note: pieces on CPU])
         for g in flat:
-            if g.piece_state and all(g.chunk_state):  # [Note: pieces on CPU]
-                units[g.index] = [(piece, grad[a:b], state)  # the grads' memory exists now: views
-                                  for pieces, states, grad in zip(g.pieces, g.piece_state, g.grads)
-                                  for (piece, a, b), state in zip(pieces, states)]
+            chunks[g.index] = [c for c, seg in enumerate(g.segments) if segments is None or seg in segments]
+            piecewise[g.index] = bool(g.piece_state and all(g.chunk_state))
+            if piecewise[g.index]:
+                units[g.index] = [(piece, g.grads[c][a:b], state)  # the grads' memory exists now: views
+                                  for c in chunks[g.index]
+                                  for (piece, a, b), state in zip(g.pieces[c], g.piece_state[c])]
             else:  # the first step makes the chunks' state (or there is none to make)
-                units[g.index] = list(zip(g.chunks, g.grads, g.chunk_state))
+                units[g.index] = [(g.chunks[c], g.grads[c], g.chunk_state[c]) for c in chunks[g.index]]
             groups[g.index]["params"] = [u for u, _, _ in units[g.index]]
             for unit, grad, state in units[g.index]:
                 unit.grad = grad
                 opt.state[unit] = state
+        held = []  # masters of groups stepped by shard outside `segments`: their grads, held back
+        if segments is not None:
+            flat_index = {g.index for g in flat}
+            held = [(m, m.grad) for i, group in enumerate(groups) if i not in flat_index for m in group["params"]
+                    if m.grad is not None and self.segment_of.get(id(m), -1) not in segments]
+            for m, _ in held:
+                m.grad = None
         try:
             opt.step()
         finally:
+            for m, grad in held:
+                m.grad = grad
             for g in flat:
                 groups[g.index]["params"] = g.bound
                 stepped = [opt.state.pop(unit) for unit, _, _ in units[g.index]]
                 for unit, _, _ in units[g.index]:
                     unit.grad = None
-                if not g.piece_state or not all(g.chunk_state):
-                    g.chunk_state = stepped
+                if not piecewise[g.index]:
+                    for c, state in zip(chunks[g.index], stepped):
+                        g.chunk_state[c] = state
+
+    def end(self, flat: list[_Group]) -> None:
+        """After the last part: each master's state as torch keeps it."""
         for g in flat:
             if g.piece_state and all(g.chunk_state) and not self._pieces_kept(g):
-                raise RuntimeError(f"fz3 flat step: {type(opt).__name__} replaced a state tensor of a piece "
-                                   "instead of stepping it in place; the chunks' state would not hold the step")
+                raise RuntimeError(f"fz3 flat step: {type(self.optimizer).__name__} replaced a state tensor of a "
+                                   "piece instead of stepping it in place; the chunks' state would not hold the step")
             self._expose(g)
+
+    def state_tensors(self, segments: set[int] | frozenset[int]) -> list[torch.Tensor]:
+        """The optimizer's elementwise state of the masters of `segments` (the tensors that hold
+        it: a flat group's chunk state, else each master's own): what offload moves with them."""
+        out = []
+        for g in self.groups:
+            if g is not None:
+                for c, seg in enumerate(g.segments):
+                    if seg in segments and c < len(g.chunk_state):
+                        out += [v for k, v in g.chunk_state[c].items() if k != "step" and isinstance(v, torch.Tensor)]
+        for m, seg in self.master_segment:
+            if seg in segments:
+                out += [v for k, v in self.optimizer.state.get(m, {}).items()
+                        if k != "step" and isinstance(v, torch.Tensor) and v.shape == m.shape and v.ndim == 1]
+        return out
 
     # ---- whether a group steps flat ------------------------------------------------------------
 

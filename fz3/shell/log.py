@@ -4,7 +4,7 @@
              gathers and reduces (and whether their large messages go through shared memory:
              fz3/interpreters/shared_memory.py), params sharded and persistent, bytes per rank, whether the
              environment sets glibc's heap policy (fz3/data/heap.py), and the config's differences from
-             DeepSpeed's defaults
+             DeepSpeed's defaults; and what offload does, if the config asks for it
     INFO     at engine.compile(), rank 0: the backend and the modules compiled
     DEBUG    after each optimizer step, every rank: gathers (on demand / prefetched), bytes
              gathered and reduced, reduces, the trace's state and invalidations, peak live params,
@@ -32,6 +32,7 @@ from fz3.core.ids import TraceMode
 from fz3.core.param.trace import UNIT_GREW
 from fz3.data import heap
 from fz3.interpreters import accounting
+from fz3.shell import offload
 from fz3.shell.memory import human_bytes
 
 LOG = logging.getLogger("fz3")
@@ -59,6 +60,8 @@ def initialized(engine) -> None:
              len(spec.params) - len(persistent), f"{sum(p.numel for p in spec.params if not p.persistent):,}",
              len(persistent), f"{sum(p.numel for p in persistent):,}", human_bytes(shards), human_bytes(grads),
              f"{chosen} set" if (chosen := heap.user_choice(os.environ)) else "its own (dynamic)", changed)
+    if said := offload.describe(engine.config):
+        LOG.info("fz3: offload: %s", said)
 
 
 class StepLog:

@@ -18,6 +18,8 @@ which situations:
                           grad reported once after its last contribution, purity
     loss scale            fz3/testing/scaler_machine.py  fp16's scale, step by step, against
                           DeepSpeed's DynamicLossScaler transcribed (scaler_machine.NaiveScaler)
+    optimizer offload     fz3/testing/offload_machine.py the sub-groups and the read / step / write
+                          schedule of fz3/core/offload.py against a model of the tiers
 
 I7 (equivalence to unsharded training) needs real ranks and torch autograd: the parity tests
 (tests/test_parity.py) prove it, not these machines, and the report says so.
@@ -58,7 +60,7 @@ from fz3.testing.regression import regression_test
 
 __all__ = ["verify", "patched", "Report", "MACHINES"]
 
-MACHINES = ("params", "grads", "layout", "calls", "scaler")
+MACHINES = ("params", "grads", "layout", "calls", "scaler", "offload")
 
 INVARIANTS = {
     "I1": "live budget: prefetch never takes live full params past max_live_parameters",
@@ -74,6 +76,8 @@ INVARIANTS = {
     "call decisions": "autograd nodes, releases, leaf reductions, externals as fz3/core/calls.py decides",
     "reported once": "every grad autograd produces is reported once, after its last contribution",
     "loss scale": "fp16's scale grows, halves and spends its hysteresis where DeepSpeed's does",
+    "offload": "offloaded sub-groups: one tier at a time, stepped once after their read, within the budget, "
+               "the values of a step without offload",
 }
 NOT_HERE = {"I7": "equivalence to unsharded training: real ranks, proven by tests/test_parity.py"}
 
@@ -139,13 +143,14 @@ class Report:
 
 
 NAMES = {"params": "parameter lifecycle", "grads": "gradient lifecycle", "layout": "layout",
-         "calls": "module calls", "scaler": "loss scale"}
+         "calls": "module calls", "scaler": "loss scale", "offload": "optimizer offload"}
 
 
 MACHINE_CLASSES = {"params": ("fz3.testing.param_machine", "ParamLifecycleMachine"),
                    "grads": ("fz3.testing.grad_machine", "GradMachine"),
                    "calls": ("fz3.testing.calls_machine", "CallsMachine"),
-                   "scaler": ("fz3.testing.scaler_machine", "ScalerMachine")}
+                   "scaler": ("fz3.testing.scaler_machine", "ScalerMachine"),
+                   "offload": ("fz3.testing.offload_machine", "OffloadMachine")}
 LAYOUT_CHECKS = ("round_trip", "gather_round_trip", "reduce_slices")  # of fz3/testing/layout_check.py
 DEFAULT = settings(settings.get_profile("default"), max_examples=100, stateful_step_count=20, deadline=None,
                    suppress_health_check=list(HealthCheck))

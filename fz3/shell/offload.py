@@ -1,0 +1,159 @@
+"""Runs fz3/core/offload.py's schedule: the optimizer stepped a sub-group at a time, the offloaded
+sub-groups' fp32 masters and optimizer state read from and written to the disk tier
+(fz3/data/swap.py) around their step.
+
+    OptimizerOffload.build(engine)   None unless offload_optimizer.device is "nvme"; at build the
+                                     offloaded masters go to disk (their state does not exist
+                                     until the first step makes it)
+    offload.step(no_grad)            the optimizer step: the schedule's effects, in order; each
+                                     Step is optimizer.step() over that sub-group's masters
+                                     ([Note: a step in parts], flat_step.py), then its compute
+                                     shards are refreshed from the masters. The groups step by
+                                     shard (torch's own state per master, a storage each), not
+                                     flat: a flat group's per-master state is views of its chunks',
+                                     which cannot be made while a chunk is on disk
+    with offload.resident(): ...     every sub-group in memory for the block (checkpoints, full
+                                     state dicts, the user's optimizer.state_dict()), written
+                                     back after it, state made or replaced inside it included
+    offload.stats()                  bytes read and written and seconds waited on the disk, the
+                                     last step's and in all
+
+"cpu" on CPU ranks: the masters, the state and the params already live in host memory, so
+nothing moves, and the log says so once (`describe`). On an accelerator's ranks the host-stepped
+optimizer is not built yet, nor params on NVMe: both are refused at initialize, by name.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+from fz3.core import offload
+from fz3.core.offload import AwaitRead, AwaitWrite, Read, Step, Write
+from fz3.data.swap import DiskTier
+
+# optimizer states per element, fp32, for the free-space check (an optimizer not named here is
+# counted as Adam's two and the message says it is an estimate)
+STATES = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.Adamax: 2, torch.optim.NAdam: 2,
+          torch.optim.RAdam: 2, torch.optim.Adagrad: 1, torch.optim.RMSprop: 1}
+
+
+class OptimizerOffload:
+    def __init__(self, engine, groups: tuple[offload.SubGroup, ...], disk: DiskTier) -> None:
+        self.engine, self.store, self.flat_steps = engine, engine.store, engine.flat_steps
+        cfg = engine.config.offload_optimizer
+        self.groups = groups
+        self.effects = offload.schedule(groups, read_ahead=cfg.pipeline_read, write_behind=cfg.pipeline_write)
+        self.disk = disk
+        # by sub-group: its params (each a master, a compute shard to refresh) and their segments
+        self.segments = [frozenset(g.segments) for g in groups]
+        self.params = [tuple(p for s in g.segments for p in self.store.segments[s].params) for g in groups]
+        self.last: dict[str, float] = {}
+        for i, g in enumerate(groups):  # nothing to step yet: the masters alone go to disk
+            if g.offloaded:
+                self._write(i)
+                self.disk.await_write(i)
+
+    @classmethod
+    def build(cls, engine) -> "OptimizerOffload | None":
+        cfg, store = engine.config.offload_optimizer, engine.store
+        if engine.store.device.type == "meta":  # fz3.plan's engine: nothing to move, nothing on disk
+            return None
+        on_cpu = engine.store.device.type == "cpu"
+        for name, section in (("offload_optimizer", cfg), ("offload_param", engine.config.offload_param)):
+            if section.device == "cpu" and not on_cpu:
+                raise ValueError(f"zero_optimization.{name}.device = 'cpu' on {engine.store.device}: fz3 does not yet "
+                                 "step the optimizer on the host for accelerator ranks (issue #47); use 'none', or "
+                                 "'nvme' for the optimizer")
+        if engine.config.offload_param.device == "nvme":
+            raise ValueError("zero_optimization.offload_param.device = 'nvme': fz3 does not yet keep param shards on "
+                             "NVMe (issue #47); offload the optimizer instead (offload_optimizer.device 'nvme', which "
+                             "moves the fp32 masters and the optimizer state, 12 of the 16 bytes a param costs with "
+                             "Adam), or use 'none'")
+        if cfg.device != "nvme":
+            return None
+        runs: list[list[tuple[int, int]]] = [[] for _ in store.runs]
+        for k, seg in enumerate(store.segments):
+            runs[seg.run].append((k, seg.masters.numel()))
+        groups = offload.sub_groups(runs, sub_group_size=engine.config.sub_group_size, ratio=cfg.ratio)
+        numel = sum(g.numel for g in groups if g.offloaded)
+        states = STATES.get(type(engine.optimizer))
+        if states is None and isinstance(engine.optimizer, torch.optim.SGD):
+            states = int(any(g.get("momentum", 0) for g in engine.optimizer.param_groups))
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks of this host write to the same drive
+        needed = numel * 4 * (1 + (2 if states is None else states)) * ranks
+        disk = DiskTier(cfg.nvme_path, rank=engine.rank, block_size=engine.config.aio.block_size,
+                        threads=engine.config.aio.intra_op_parallelism, needed=needed)
+        return cls(engine, groups, disk)
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self, no_grad: tuple[int, ...]) -> None:
+        before = self.disk.stats()
+        flat = self.flat_steps.begin(no_grad)
+        for e in self.effects:
+            match e:
+                case Read(i):
+                    self.disk.read(i)
+                case AwaitRead(i):
+                    self.disk.await_read(i)
+                case Step(i):
+                    self.flat_steps.part(flat, self.segments[i])
+                    self.store.refresh_shards(self.params[i])
+                case Write(i):
+                    self._write(i)
+                case AwaitWrite(i):
+                    self.disk.await_write(i)
+        self.flat_steps.end(flat)
+        after = self.disk.stats()
+        self.last = {k: after[k] - before[k] for k in after}
+
+    def _write(self, i: int) -> None:
+        """Start writing sub-group i: its masters and the optimizer's state of them, as they are now."""
+        segs = self.segments[i]
+        tensors = [self.store.segments[s].masters for s in sorted(segs)] + self.flat_steps.state_tensors(segs)
+        self.disk.write(i, tensors)
+
+    # ---- everything in memory for a while -------------------------------------------------------
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Every offloaded sub-group in memory for the block, written back after it (with the
+        state the block made or replaced)."""
+        ins = [i for i, g in enumerate(self.groups) if g.offloaded and self.disk.on_disk(i)]
+        for i in ins:
+            self.disk.read(i)
+        for i in ins:
+            self.disk.await_read(i)
+        try:
+            yield
+        finally:
+            for i in ins:
+                self._write(i)
+                self.disk.await_write(i)
+
+    def stats(self) -> dict[str, float]:
+        total = self.disk.stats()
+        return {**total, **{f"step_{k}": v for k, v in self.last.items()},
+                "offloaded_subgroups": sum(g.offloaded for g in self.groups), "subgroups": len(self.groups)}
+
+    def close(self) -> None:
+        self.disk.close()
+
+
+def describe(config) -> str:
+    """The log's word on offload (fz3/shell/log.py), "" without it."""
+    parts = []
+    for name, section in (("offload_optimizer", config.offload_optimizer), ("offload_param", config.offload_param)):
+        if section.device == "cpu":
+            parts.append(f"{name} 'cpu': the ranks compute on the CPU, where these already live; nothing moves")
+        elif section.device == "nvme":
+            o = config.offload_optimizer
+            parts.append(f"{name} 'nvme' under {section.nvme_path}: the fp32 masters and optimizer state of "
+                         f"{'all' if o.ratio == 1 else f'a share {o.ratio} of'} the optimizer's sub-groups "
+                         f"(sub_group_size {config.sub_group_size:,}) on disk between steps, read and written "
+                         f"around each sub-group's step (pipeline_read {o.pipeline_read}, pipeline_write "
+                         f"{o.pipeline_write})")
+    return "; ".join(parts)

@@ -1,0 +1,143 @@
+"""Optimizer offload as a Hypothesis state machine: fz3/core/offload.py's sub-groups and step
+schedule, run against a model of the tiers.
+
+    initialize   a layout: optimizer param groups of segments (numels 1-9), sub_group_size,
+                 ratio, and whether the schedule reads ahead and writes behind
+    rules        step(): one optimizer step's schedule, executed on the model; pipeline(): new
+                 read_ahead / write_behind, as a config change between runs
+    checks       every sub-group is in one tier at a time: on disk, being read, in memory or
+                 being written (a Read only from disk, an AwaitRead only of a read, a Write only
+                 of what is in memory, an AwaitWrite only of a write); nothing steps before its
+                 read has landed, nor while it is written; the offloaded sub-groups in memory
+                 never exceed `budget`; every sub-group steps once a step and every offloaded
+                 one ends on disk; the values equal a step without offload; the cut and the
+                 offloaded share are DeepSpeed's (NaiveCut, transcribed)
+
+The values: each segment holds an integer, a step maps v -> 3v + 1 in memory (exact), a Write
+copies memory to the disk when it is issued (a write in flight reads the buffer: nothing may
+change it until AwaitWrite) and a Read copies the disk to memory when it lands.
+Reuse: `TestOffload = OffloadMachine.TestCase`.
+"""
+from __future__ import annotations
+
+import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from fz3.core import offload
+from fz3.core.offload import AwaitRead, AwaitWrite, Read, Step, Write
+from fz3.testing.coverage import covered
+
+DISK, READING, MEMORY, WRITING = "disk", "reading", "memory", "writing"
+
+
+def naive_cut(runs, sub_group_size: int, ratio: float) -> list[tuple[tuple[int, ...], bool]]:
+    """DeepSpeed 0.19.8's `_create_fp16_sub_groups` and `subgroup_to_device` (stage3.py),
+    transcribed over segments: append, close when the size reaches sub_group_size or the
+    group's last element is taken; sub-group i is on the CPU when i >= int((1 - ratio) * n)."""
+    sub_groups = []
+    for run in runs:
+        numel = sum(n for _, n in run)
+        if sub_group_size >= numel:
+            if run:
+                sub_groups.append([s for s, _ in run])
+            continue
+        group, size = [], 0
+        for k, (seg, n) in enumerate(run):
+            group.append(seg)
+            size += n
+            if size >= sub_group_size or k == len(run) - 1:
+                sub_groups.append(group)
+                group, size = [], 0
+    n = len(sub_groups)
+    return [(tuple(g), i >= int((1 - ratio) * n)) for i, g in enumerate(sub_groups)]
+
+
+class OffloadMachine(RuleBasedStateMachine):
+    @initialize(runs=st.lists(st.lists(st.integers(1, 9), min_size=0, max_size=5), min_size=1, max_size=3),
+                sub_group_size=st.integers(1, 20), ratio=st.sampled_from([1.0, 1.0, 0.0, 0.25, 0.5, 0.75]),
+                read_ahead=st.booleans(), write_behind=st.booleans())
+    def setup(self, runs, sub_group_size: int, ratio: float, read_ahead: bool, write_behind: bool) -> None:
+        seg = iter(range(100))
+        self.runs = [[(next(seg), n) for n in run] for run in runs]
+        self.groups = offload.sub_groups(self.runs, sub_group_size=sub_group_size, ratio=ratio)
+        note(f"runs {self.runs}, sub_group_size {sub_group_size}, ratio {ratio}: {self.groups}")
+        naive = naive_cut(self.runs, sub_group_size, ratio)
+        got = [(g.segments, g.offloaded) for g in self.groups]
+        assert got == naive, f"sub-groups {got} != DeepSpeed's cut {naive}"
+        numel = {s: n for run in self.runs for s, n in run}
+        assert all(g.numel == sum(numel[s] for s in g.segments) for g in self.groups), self.groups
+        self.read_ahead, self.write_behind = read_ahead, write_behind
+        self.tier = [DISK if g.offloaded else MEMORY for g in self.groups]
+        start = {s: s + 1 for run in self.runs for s, _ in run}
+        self.memory = {i: ({s: start[s] for s in g.segments} if not g.offloaded else None)
+                       for i, g in enumerate(self.groups)}
+        self.disk = {i: {s: start[s] for s in g.segments} for i, g in enumerate(self.groups) if g.offloaded}
+        self.expected = dict(start)  # the same steps without offload
+        covered("examples", "optimizer offload")
+        if any(g.offloaded for g in self.groups) and not all(g.offloaded for g in self.groups):
+            covered("offload", "part of the sub-groups offloaded (ratio)")
+
+    @precondition(lambda self: hasattr(self, "groups"))
+    @rule(read_ahead=st.booleans(), write_behind=st.booleans())
+    def pipeline(self, read_ahead: bool, write_behind: bool) -> None:
+        self.read_ahead, self.write_behind = read_ahead, write_behind
+
+    @precondition(lambda self: hasattr(self, "groups"))
+    @rule()
+    def step(self) -> None:
+        effects = offload.schedule(self.groups, read_ahead=self.read_ahead, write_behind=self.write_behind)
+        note(f"step (read_ahead {self.read_ahead}, write_behind {self.write_behind}): {effects}")
+        limit = offload.budget(self.read_ahead, self.write_behind)
+        stepped: list[int] = []
+        written: dict[int, dict[int, int]] = {}  # what a write in flight carries
+        peak = 0
+        for e in effects:
+            i = e.group
+            g = self.groups[i]
+            match e:
+                case Read():
+                    assert g.offloaded and self.tier[i] == DISK, f"{e}: sub-group {i} is {self.tier[i]}, not on disk"
+                    self.tier[i] = READING
+                case AwaitRead():
+                    assert self.tier[i] == READING, f"{e}: sub-group {i} is {self.tier[i]}, no read in flight"
+                    self.tier[i], self.memory[i] = MEMORY, dict(self.disk[i])
+                case Step():
+                    assert self.tier[i] == MEMORY, f"{e}: sub-group {i} steps while {self.tier[i]}"
+                    assert i not in stepped, f"{e}: sub-group {i} steps twice in one step"
+                    stepped.append(i)
+                    self.memory[i] = {s: 3 * v + 1 for s, v in self.memory[i].items()}
+                case Write():
+                    assert g.offloaded and self.tier[i] == MEMORY and i in stepped, (
+                        f"{e}: sub-group {i} is {self.tier[i]}{'' if i in stepped else ', not stepped yet'}")
+                    self.tier[i], written[i] = WRITING, dict(self.memory[i])
+                case AwaitWrite():
+                    assert self.tier[i] == WRITING, f"{e}: sub-group {i} is {self.tier[i]}, no write in flight"
+                    self.tier[i], self.disk[i], self.memory[i] = DISK, written.pop(i), None
+            held = sum(1 for j, t in enumerate(self.tier) if self.groups[j].offloaded and t != DISK)
+            peak = max(peak, held)
+            assert held <= limit, f"after {e}: {held} offloaded sub-groups in memory, over the budget {limit}"
+        assert sorted(stepped) == list(range(len(self.groups))), f"stepped {stepped} of {len(self.groups)} sub-groups"
+        for s in self.expected:
+            self.expected[s] = 3 * self.expected[s] + 1
+        if peak > 1:
+            covered("offload", f"{peak} offloaded sub-groups in memory at once (pipelined)")
+        elif peak == 1:
+            covered("offload", "one sub-group at a time")
+
+    @invariant()
+    def tiers_and_values(self) -> None:
+        if not hasattr(self, "groups"):
+            return
+        for i, g in enumerate(self.groups):
+            if g.offloaded:
+                assert self.tier[i] == DISK, f"after a step sub-group {i} is {self.tier[i]}, not back on disk"
+                assert self.memory[i] is None, f"sub-group {i} is on disk and still holds memory"
+                values = self.disk[i]
+            else:
+                assert self.tier[i] == MEMORY, f"sub-group {i} is not offloaded and moved to {self.tier[i]}"
+                values = self.memory[i]
+            for s, v in values.items():
+                assert v == self.expected[s], f"segment {s}: {v} after the steps, without offload {self.expected[s]}"
+        covered("offload", "values equal a step without offload")

@@ -1,0 +1,77 @@
+"""Optimizer offload's decisions (fz3/testing/offload_machine.py) under the active profile, and its
+teeth: each planted bug in fz3/core/offload.py is caught by the machine (fixed settings,
+derandomized)."""
+import pytest
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from fz3.core import offload
+from fz3.core.offload import AwaitRead, AwaitWrite, Read, SubGroup
+from fz3.testing.offload_machine import OffloadMachine
+from fz3.testing.patch import patched
+
+TestOffload = OffloadMachine.TestCase
+
+STRICT = settings(max_examples=300, deadline=None, database=None, derandomize=True,
+                  phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False)
+_schedule, _cut = offload.schedule, offload.sub_groups
+
+
+def stepping_before_the_read_lands(groups, **flags):
+    """Planted: the step does not wait for its sub-group's read."""
+    return tuple(e for e in _schedule(groups, **flags) if not isinstance(e, AwaitRead))
+
+
+def reading_two_ahead(groups, *, read_ahead=False, write_behind=False):
+    """Planted: reading ahead reads every offloaded sub-group at once, past the budget."""
+    effects = _schedule(groups, read_ahead=read_ahead, write_behind=write_behind)
+    if not read_ahead:
+        return effects
+    reads = [e for e in effects if isinstance(e, Read)]
+    rest = [e for e in effects if not isinstance(e, Read)]
+    return tuple(reads + rest)
+
+
+def last_write_not_awaited(groups, **flags):
+    """Planted: the step returns with the last write still in flight."""
+    effects = _schedule(groups, **flags)
+    return effects[:-1] if effects and isinstance(effects[-1], AwaitWrite) else effects
+
+
+def ratio_off_by_one(runs, *, sub_group_size, ratio=1.0, offload=True):
+    """Planted: one sub-group fewer offloaded than DeepSpeed's int((1 - ratio) * n) rule."""
+    groups = _cut(runs, sub_group_size=sub_group_size, ratio=ratio, offload=offload)
+    first = next((i for i, g in enumerate(groups) if g.offloaded), None)
+    if first is None or ratio == 1.0:
+        return groups
+    return tuple(g._replace(offloaded=False) if i == first else g for i, g in enumerate(groups))
+
+
+def cut_after_the_size(runs, *, sub_group_size, ratio=1.0, offload=True):
+    """Planted: a sub-group closes only once it is past sub_group_size, not when it reaches it."""
+    return _cut(runs, sub_group_size=sub_group_size + 1, ratio=ratio, offload=offload)
+
+
+@pytest.mark.parametrize("target, bug, message", [
+    ("fz3.core.offload:schedule", stepping_before_the_read_lands, "steps while reading"),
+    ("fz3.core.offload:schedule", reading_two_ahead, "over the budget"),
+    ("fz3.core.offload:schedule", last_write_not_awaited, "not back on disk"),
+    ("fz3.core.offload:sub_groups", ratio_off_by_one, "DeepSpeed's cut"),
+    ("fz3.core.offload:sub_groups", cut_after_the_size, "DeepSpeed's cut"),
+])
+def test_the_machine_catches(target, bug, message):
+    with patched(target, bug):
+        with pytest.raises(AssertionError, match=message):
+            run_state_machine_as_test(OffloadMachine, settings=STRICT)
+
+
+def test_the_budget_holds_each_pipelining():
+    """budget: 1 sub-group in memory without pipelining, 2 with one of read-ahead / write-behind, 3 with both."""
+    assert [offload.budget(r, w) for r in (False, True) for w in (False, True)] == [1, 2, 2, 3]
+
+
+def test_deepspeed_picks_the_last_subgroups():
+    """ratio 0.5 over 4 sub-groups offloads the last two (DeepSpeed's subgroup_to_device)."""
+    groups = offload.sub_groups([[(0, 4), (1, 4), (2, 4), (3, 4)]], sub_group_size=4, ratio=0.5)
+    assert [g.offloaded for g in groups] == [False, False, True, True]
+    assert isinstance(groups[0], SubGroup)
