@@ -1,7 +1,7 @@
 """fz3's command line.
 
     python -m fz3 plan MODULE:FUNCTION --world-size N [--config ds.json] [--steps K]
-                       [--optimizer adamw|adam|sgd] [--backend gloo|nccl|hccl]
+                       [--optimizer adamw|adam|sgd] [--backend gloo|nccl|hccl] [--device-memory 80GB]
         FUNCTION() returns (model, example_inputs); MODULE is an importable module or a .py file.
         Prints fz3.plan's table: per step and per rank, gathers, bytes moved, buckets, peak live
         params and resident bytes, without a process group (any world size on one machine).
@@ -49,6 +49,7 @@ import errno
 import importlib
 import importlib.util
 import os
+import re
 import sys
 
 
@@ -68,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizer", default=None, help="adamw | adam | sgd (default: the config's \"optimizer\", "
                    "else adamw)")
     p.add_argument("--backend", default=None, help="gloo | nccl | hccl (default: this machine's)")
+    p.add_argument("--device-memory", default=None, metavar="BYTES", help="the memory a rank has, e.g. 80GB "
+                   "(GB = 10**9, GiB = 2**30): says whether the plan fits, and if not chooses the share of the "
+                   "optimizer to offload to NVMe that makes it fit")
     k = sub.add_parser("check", help="does this model train the same on N thread ranks as in one process?")
     k.add_argument("target", metavar="MODULE:FUNCTION",
                    help="FUNCTION() -> (model, example_batches, loss_fn) or (model, example_inputs)")
@@ -135,13 +139,33 @@ def _plan(args) -> int:
                          "\"optimizer\" section; pass one (fz3.deepspeed.initialize refuses the pair too)")
     try:
         plan = fz3.plan(model, config, world_size=args.world_size, example_inputs=inputs,
-                        optimizer=optimizer or args.optimizer or "adamw", steps=args.steps, backend=args.backend)
+                        optimizer=optimizer or args.optimizer or "adamw", steps=args.steps, backend=args.backend,
+                        device_memory=_bytes(args.device_memory))
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     for note in notes:
         print(note)
     print(plan.table())
     return 0
+
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _bytes(text: str | None) -> int | None:
+    """--device-memory: a number of bytes, with a unit or none ("80GB", "79.6GiB", "8e10")."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    try:
+        value = float(m.group(1)) * UNITS[m.group(2).upper()]
+    except (AttributeError, ValueError, KeyError):
+        raise UsageError(f"--device-memory {text!r}: give bytes, as 80GB, 79.5GiB or 8e10 (units: B, KB, MB, GB, "
+                         "TB, KiB, MiB, GiB, TiB)") from None
+    if value <= 0:
+        raise UsageError(f"--device-memory {text!r}: must be more than 0 bytes")
+    return int(value)
 
 
 def _verify(args) -> int:

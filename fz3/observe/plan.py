@@ -28,6 +28,7 @@ param), so any torch optimizer, or a factory for one, is planned exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
@@ -41,6 +42,7 @@ from fz3.config.config import Config, differences
 from fz3.config.options import given
 from fz3.shell import registry
 from fz3.shell.compiled import PROCESS_WIDE
+from fz3.observe import offload_plan
 from fz3.observe.fake import Fakes, Guess
 from fz3.shell.memory import human_bytes
 from fz3.shell.hooks import flatten
@@ -63,6 +65,14 @@ class Plan:
     steps: list[dict[str, int]] = field(default_factory=list)  # per optimizer step, per rank
     stats: dict[str, Any] = field(default_factory=dict)  # engine.stats() keys, after the steps
     guesses: list[Guess] = field(default_factory=list)  # data-dependent values the model read, guessed
+    # optimizer offload (fz3/observe/offload_plan.py): the last step's figures, the memory a rank
+    # was given (device_memory) and whether the plan fits it; `chosen` the config the planner
+    # chose to fit it (offload_optimizer's ratio), or None where it chose nothing
+    offload: Any = None
+    device_memory: int | None = None
+    fits: bool | None = None
+    chosen: Config | None = None
+    searched: bool = False  # device_memory did not fit and the planner looked for a ratio that does
 
     def table(self) -> str:
         """The plan as a text table, per rank, one column per step."""
@@ -74,16 +84,38 @@ class Plan:
 
 def plan(model: nn.Module, config: Config | None = None, *, world_size: int, example_inputs,
          optimizer: Union[str, Callable[..., torch.optim.Optimizer]] = "adamw", steps: int = 1,
-         backend: str | None = None, options=None) -> Plan:
+         backend: str | None = None, options=None, device_memory: int | None = None) -> Plan:
     """Plan `steps` optimizer steps of `model` under `config` on `world_size` ranks, each of
     config.gradient_accumulation_steps forward and backward passes on `example_inputs`.
     `optimizer`: "adamw", "adam", "sgd" or a callable that builds a torch optimizer from params;
     `backend`: the one to plan for (gloo, nccl, hccl; None: what fz3.initialize would pick here);
-    `options`: the fz3.Options the run will use (its gloo carriers change what moves)."""
+    `options`: the fz3.Options the run will use (its gloo carriers change what moves).
+    `device_memory`: the bytes a rank has for its model states: the plan says whether it fits,
+    and, the config offloading nothing, chooses the share of the optimizer to offload to NVMe
+    (offload_optimizer's ratio, as DeepSpeed picks the sub-groups) that makes it fit (`chosen`;
+    a config that offloads already is planned as it is: its ratio is honoured)."""
     config = Config() if config is None else config
     options = given(options, "fz3.plan")
     _check(model, config, world_size, optimizer, steps, backend)
-    backend = backend or _default_backend()
+    if device_memory is not None and (isinstance(device_memory, bool) or not isinstance(device_memory, int)
+                                      or device_memory <= 0):
+        raise ValueError(f"fz3.plan: device_memory must be a number of bytes > 0, got {device_memory!r}")
+    out = _plan(model, config, world_size, example_inputs, optimizer, steps, backend or _default_backend(),
+                options, device_memory)
+    if device_memory is None or out.fits or config.offload_optimizer.device == "nvme" or config.stage != 3:
+        return out  # fits, offloads as the user said, or a stage DeepSpeed puts no optimizer on NVMe at
+    trial = config.replace(offload_optimizer=dataclasses.replace(
+        config.offload_optimizer, device="nvme", nvme_path=config.offload_optimizer.nvme_path or "NVME_PATH"))
+    offloaded = _plan(model, trial, world_size, example_inputs, optimizer, steps, backend or _default_backend(),
+                      options, device_memory, search=True)
+    if offloaded.chosen is not None:
+        return offloaded
+    out.searched = True
+    return out
+
+
+def _plan(model, config, world_size, example_inputs, optimizer, steps, backend, options, device_memory,
+          search: bool = False) -> Plan:
     fakes = Fakes(model)
     args, kwargs = bind_inputs(fakes.model, example_inputs)
     with fakes:
@@ -91,7 +123,7 @@ def plan(model: nn.Module, config: Config | None = None, *, world_size: int, exa
     state_rate = _optimizer_state_rate(optimizer)  # on real probes
     with fakes:
         args, kwargs = fakes.inputs(args, kwargs)
-        out = _run(engine, fakes, args, kwargs, steps, state_rate)
+        out = _run(engine, fakes, args, kwargs, steps, state_rate, device_memory, search)
     out.guesses = fakes.guesses()
     return out
 
@@ -106,7 +138,8 @@ def _engine(shadow: nn.Module, config: Config, world_size: int, backend: str, op
                   interpreter=lambda store: PlanInterpreter(store, config=config, backend=backend, options=options))
 
 
-def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple[int, int]) -> Plan:
+def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple[int, int],
+         device_memory: int | None = None, search: bool = False) -> Plan:
     """Run the planned steps and read each one's figures off the interpreter's counts and peaks
     (each peak restarted at the step's start). A model that raises gets the guesses made so far
     as a note (a branch taken on a guess may be why). The optimizer keeps state for the params
@@ -139,7 +172,35 @@ def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple
             e.add_note("fz3.plan guessed, before this: " + "; ".join(map(str, fakes.guesses())))
         raise
     out.stats = _stats(engine, _state_bytes(state_rate, engine.store, stepped))
+    if config.offload_optimizer.device == "nvme":
+        ratio = config.offload_optimizer.ratio
+        if search:  # the smallest share of the sub-groups to offload that fits
+            n = offload_plan.figures(engine, state_rate, stepped).subgroups
+            ratio = offload_plan.choose(lambda r: _offloaded(out.steps[-1], offload_plan.figures(
+                engine, state_rate, stepped, r))["model_state_peak_bytes"], n, device_memory)
+            if ratio is None:
+                return out
+            out.chosen = config.replace(offload_optimizer=dataclasses.replace(config.offload_optimizer, ratio=ratio))
+            out.config = out.chosen
+        out.offload = offload_plan.figures(engine, state_rate, stepped, ratio)
+        out.steps = [_offloaded(s, out.offload) for s in out.steps]
+    if device_memory is not None:
+        out.device_memory = device_memory
+        out.fits = all(s["model_state_peak_bytes"] <= device_memory for s in out.steps)
     return out
+
+
+def _offloaded(step: dict[str, int], of) -> dict[str, int]:
+    """A step's figures with the offloaded sub-groups' masters and state on disk, and the step's
+    working set of them in memory (fz3/observe/offload_plan.py)."""
+    step = dict(step)
+    state_off = of.bytes_offloaded - of.masters_offloaded
+    step["param_shards"] -= of.masters_offloaded
+    step["optimizer_state_bytes"] = max(0, step["optimizer_state_bytes"] - state_off)
+    step.update(offloaded_bytes=of.bytes_offloaded, disk_read_bytes=of.disk_read,
+                disk_written_bytes=of.disk_written, offload_working_bytes=of.working_set)
+    step["model_state_peak_bytes"] += of.working_set - of.bytes_offloaded
+    return step
 
 
 def _step_figures(engine, counts, before: dict, state_bytes: int, persistent: int, waiting: int = 0
@@ -276,6 +337,9 @@ ROWS = (("all-gathers", "all_gather"), ("  on demand", "all_gather_on_demand"),
         ("held grads (peak)", "peak_held_grad_bytes"), ("grads whole in .grad (stages 0, 1)", "waiting_grad_bytes"),
         ("live + grads + held (peak together)", "peak_transient_bytes"),
         ("model states at the peak", "model_state_peak_bytes"))
+OFFLOAD_ROWS = (("optimizer on disk (masters + state)", "offloaded_bytes"), ("read from disk per step", "disk_read_bytes"),
+                ("written to disk per step", "disk_written_bytes"),
+                ("offloaded sub-groups in memory at once", "offload_working_bytes"))
 
 
 STAGE_WORDS = {0: "params, grads and optimizer state whole on every rank",
@@ -291,12 +355,26 @@ def _table(p: Plan) -> str:
     names = [f"step {i + 1}" for i in range(len(p.steps))]
     width = max(len(r[0]) for r in ROWS)
     lines = [head, "per rank (every rank runs the same effects)", " " * width + "".join(f"{n:>16}" for n in names)]
-    for label, key in ROWS:
+    for label, key in ROWS + (OFFLOAD_ROWS if p.offload is not None else ()):
         cells = [_fmt(key, s[key]) for s in p.steps]
         lines.append(f"{label:<{width}}" + "".join(f"{c:>16}" for c in cells))
     lines.append("model states at the peak = shards + optimizer state + bucket buffers + module buffers + the "
                  "peak of gathered params (persistent ones too) + grad partitions + held grads together + the "
                  "grads waiting whole for the boundary (activations not included)")
+    if p.offload is not None:
+        o = p.offload
+        lines.append(f"offload_optimizer 'nvme', ratio {o.ratio:g}: {len(o.offloaded)} of {o.subgroups} sub-groups "
+                     f"(sub_group_size {p.config.sub_group_size:,}) on disk between steps"
+                     + (f", from the sub-group starting at {o.first_params[0]!r}" if o.first_params else "")
+                     + "; the model states at the peak count the step's working set of them, not their bytes on disk")
+    if p.device_memory is not None:
+        worst = max(s["model_state_peak_bytes"] for s in p.steps)
+        lines.append(f"device memory {human_bytes(p.device_memory)} a rank: the plan "
+                     f"{'fits' if p.fits else 'does not fit'} (peak {human_bytes(worst)})"
+                     + (f"; chosen to fit: offload_optimizer {{device: nvme, nvme_path: <your drive>, ratio: "
+                        f"{p.chosen.offload_optimizer.ratio:g}}}" if p.chosen is not None else "")
+                     + ("; no share of the optimizer on disk (offload_optimizer 'nvme') fits it either"
+                        if p.searched else ""))
     if p.guesses:
         lines.append(f"guessed: {len(p.guesses)} data-dependent read(s) of values the plan does not have "
                      "(the figures hold if the run takes the same branches):")

@@ -59,7 +59,7 @@ class OptimizerOffload:
     @classmethod
     def build(cls, engine) -> "OptimizerOffload | None":
         cfg, store = engine.config.offload_optimizer, engine.store
-        if engine.store.device.type == "meta":  # fz3.plan's engine: nothing to move, nothing on disk
+        if engine.transport is None:  # fz3.plan's engine: nothing to move, nothing on disk
             return None
         on_cpu = engine.store.device.type == "cpu"
         for name, section in (("offload_optimizer", cfg), ("offload_param", engine.config.offload_param)):
