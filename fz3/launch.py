@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch.distributed as dist
 
-from fz3.data import heap
+from fz3.data import heap, swap
 from fz3.interpreters import threads
 from fz3.shell.pick import backend_for, pick_device
 
@@ -107,6 +107,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[A
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         results.put((rank, False, traceback.format_exc()))
         code = 1
+    swap.close_all()  # os._exit skips the exit handlers that remove offload's files
     results.close()
     results.join_thread()  # Queue.put hands data to a feeder thread; let it finish first
     sys.stdout.flush()

@@ -107,16 +107,17 @@ def test_a_config_that_is_not_valid_is_named(tmp_path):
     assert got.returncode == 2 and "is not JSON" in got.stderr
 
 
-# transformers' DeepSpeed docs, "ZeRO-3 example": every value the Trainer fills is "auto". Its
-# offload_optimizer / offload_param sections (device "cpu") are left out: fz3 has no offload, and
-# fz3.deepspeed.initialize, fz3.hf.Trainer and the CLI refuse them with the same message.
+# transformers' DeepSpeed docs, "ZeRO-3 example", as published: every value the Trainer fills is
+# "auto", and the optimizer and params offloaded to "cpu" (where CPU ranks keep them anyway).
 HF_ZERO3 = {
     "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
              "hysteresis": 2, "min_loss_scale": 1},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                  "warmup_num_steps": "auto"}},
-    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True},
+                          "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
                           "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
                           "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
                           "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},

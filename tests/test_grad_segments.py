@@ -38,15 +38,28 @@ def test_a_segment_gets_memory_at_its_first_write_and_gives_it_back_at_the_step(
     assert s.grad_bytes() == 4 * 18 and s.shard_bytes()["grad_partitions"] == 4 * 18
 
 
-def test_masters_of_a_run_lie_side_by_side_and_frozen_ones_apart():
+def test_masters_of_a_segment_lie_side_by_side_and_frozen_ones_apart():
     params = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(6), requires_grad=False),
               nn.Parameter(torch.zeros(2))]
     shards = [torch.arange(2.0), torch.arange(3.0), torch.arange(1.0) + 7]
     s = TensorStore(params, ("a", "b", "c"), shards, rank=0, world_size=2, compute_dtype="fp32",
                     device=torch.device("cpu"), runs=[(2, 0)])
-    assert torch.equal(s.master_runs[0], torch.tensor([7.0, 0.0, 1.0]))  # run order: c, a
-    assert s.masters[2].data_ptr() == s.master_runs[0].data_ptr()
+    (seg,) = s.segments
+    assert seg.params == (2, 0) and torch.equal(seg.masters, torch.tensor([7.0, 0.0, 1.0]))  # run order: c, a
+    assert s.masters[2].data_ptr() == seg.masters.data_ptr()
+    assert s.masters[0].untyped_storage().data_ptr() == seg.masters.untyped_storage().data_ptr()  # one storage
     assert not s.masters[1].requires_grad and s.partitions[1] is None and s.segment_of[1] == -1
+
+
+def test_under_offload_a_segment_closes_at_sub_group_size_and_the_shards_are_copies():
+    """segment_numel (the sub_group_size): whole params up to it, one larger alone; separate_shards:
+    the fp32 compute shards are not the masters, which can leave memory."""
+    params = [nn.Parameter(torch.zeros(4)) for _ in range(3)] + [nn.Parameter(torch.zeros(20))]
+    shards = [torch.arange(2.0), torch.arange(2.0) + 2, torch.arange(2.0) + 4, torch.arange(10.0)]
+    s = TensorStore(params, ("a", "b", "c", "d"), shards, rank=0, world_size=2, compute_dtype="fp32",
+                    device=torch.device("cpu"), separate_shards=True, segment_numel=4)
+    assert [seg.params for seg in s.segments] == [(0, 1), (2,), (3,)]
+    assert s.shards[0].data_ptr() != s.masters[0].data_ptr() and torch.equal(s.shards[0], s.masters[0].detach())
 
 
 class Deep(nn.Module):

@@ -64,7 +64,10 @@ JSON_CONFIG = {  # as in transformers' DeepSpeed docs: DeepSpeed builds the opti
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                  "warmup_num_steps": "auto"}},
-    "zero_optimization": {**DS_CONFIG["zero_optimization"], "stage3_gather_16bit_weights_on_model_save": True}}
+    "zero_optimization": {**DS_CONFIG["zero_optimization"], "stage3_gather_16bit_weights_on_model_save": True,
+                          # its offload sections as published: on CPU ranks "cpu" is where the data lives
+                          "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True}}}
 
 
 def _model() -> LlamaForCausalLM:

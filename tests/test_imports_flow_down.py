@@ -149,7 +149,7 @@ def test_the_config_imports_alone():
     out = subprocess.run([sys.executable, "-c", ALONE], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(["fz3", "fz3.config", "fz3.config.config", "fz3.config.deepspeed_keys",
-                                      "fz3.config.options"])
+                                      "fz3.config.offload", "fz3.config.options"])
 
 
 def test_a_feature_is_above_the_shell():

@@ -44,6 +44,15 @@ def test_the_plan_counts_what_the_disk_reads_and_writes(tmp_path):
     assert p.steps[1]["disk_written_bytes"] == real[1]["step_disk_bytes_written"]
 
 
+def test_with_params_on_nvme_the_plan_counts_the_gathers_reads(tmp_path):
+    config = BASE.replace(offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)},
+                          offload_param={"device": "nvme", "nvme_path": str(tmp_path)})
+    p = fz3.plan(_net(), config, world_size=2, example_inputs=(X,), steps=2)
+    real = launch.run_threads(_run, 2, args=(config,))[0]
+    assert p.steps[1]["disk_read_bytes"] == real[1]["step_disk_bytes_read"] > p.steps[1]["disk_written_bytes"]
+    assert p.steps[1]["param_shards"] == 0  # the shards are the masters, on disk
+
+
 def test_given_the_memory_the_plan_chooses_the_smallest_ratio_that_fits():
     plain = fz3.plan(_net(), BASE, world_size=2, example_inputs=(X,), steps=2)
     budget = int(max(s["model_state_peak_bytes"] for s in plain.steps) * 0.9)

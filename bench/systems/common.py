@@ -33,6 +33,12 @@ MODELS = {  # issue #5: same model, data, optimizer and global batch for every s
     "m800": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=15, seq=64), 2),  # 822,618,112
     "b1": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=19, seq=64), 2),  # 1,024,051,200
     "b12": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=23, seq=64), 2),  # 1,225,484,288
+    # bench/diagnostics/nvme_offload.py: the ladder with the optimizer on disk
+    "b2": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=39, seq=64), 2),  # 2,031,216,640
+    "b25": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=48, seq=64), 2),  # 2,484,441,088
+    "b3": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=59, seq=64), 2),  # 3,038,382,080
+    "b35": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=68, seq=64), 2),  # 3,491,606,528
+    "b4": (GPTConfig(vocab=32768, d_model=2048, n_head=16, n_layer=78, seq=64), 2),  # 3,995,189,248
     # bench/diagnostics/memory.py --smoke: the same pipeline on tiny models
     "s1": (GPTConfig(vocab=512, d_model=64, n_head=4, n_layer=2, seq=64), 2),  # 136,960
     "s2": (GPTConfig(vocab=512, d_model=128, n_head=4, n_layer=4, seq=64), 2),  # 867,072

@@ -312,8 +312,8 @@ def _section(name: str, value: object, ignored: list[str]) -> object:
     from fz3.config.offload import IGNORED
     if not isinstance(value, Mapping):
         return value  # Config says what it takes
-    unused = {k for table in IGNORED.values() for k in table}
-    ignored.extend(f"{name}.{k}" for k in value if k in unused)
+    table = IGNORED["Aio" if name == "aio" else "OffloadParam" if name.endswith("offload_param") else "OffloadOptimizer"]
+    ignored.extend(f"{name}.{k}" for k in value if k in table)
     return {k: v for k, v in value.items() if not is_auto(v)}
 
 

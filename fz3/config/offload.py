@@ -120,12 +120,25 @@ def section(cls, name: str, value: object):
     return cls(**{k: v for k, v in value.items() if k in known})
 
 
-# DeepSpeed keys of these sections that change nothing fz3 does: key -> why (reported once by
-# Config.from_deepspeed, as the other unused keys are)
+# DeepSpeed keys of these sections that change nothing fz3 does (on these ranks, with its threads):
+# key -> why. Config.from_deepspeed reports them once, as it reports every unused key; the ones
+# that are fields are kept, so the Config still says what the JSON said.
 IGNORED = {
     "OffloadOptimizer": {
         "super_offload": "Grace Hopper superchip scheduling of DeepSpeed's CPU Adam: fz3 steps the user's optimizer",
         "cpuadam_cores_perc": "the share of cores DeepSpeed's CPU Adam takes with super_offload",
+        "pin_memory": "pinned host buffers for an accelerator's copies: the ranks here compute on the CPU",
+        "buffer_count": "DeepSpeed's pool of swap buffers: fz3 reads each sub-group into its own tensors",
+        "fast_init": "how DeepSpeed first writes the optimizer's swap files: fz3 writes them at the first step",
+    },
+    "OffloadParam": {
+        "pin_memory": "pinned host buffers for an accelerator's copies: the ranks here compute on the CPU",
+        "buffer_count": "DeepSpeed's pool of param swap buffers", "buffer_size": "DeepSpeed's pool of param swap buffers",
+        "max_in_cpu": "params kept in host memory under NVMe param offload, which fz3 does not build yet",
+    },
+    "Aio": {
+        "queue_depth": "libaio's submission queue: fz3's threads have none",
+        "single_submit": "libaio's submission mode", "overlap_events": "libaio's event overlap",
     },
 }
 

@@ -87,7 +87,8 @@ def sub_groups(runs: Sequence[Sequence[tuple[int, int]]], *, sub_group_size: int
         if segs:
             cut.append((r, tuple(segs), total))
     first = int((1 - ratio) * len(cut))  # DeepSpeed: i >= int((1 - partial_offload) * n) goes to the CPU
-    return tuple(SubGroup(r, segs, n, offload and i >= first) for i, (r, segs, n) in enumerate(cut))
+    return tuple(SubGroup(run=r, segments=segs, numel=n, offloaded=offload and i >= first)
+                 for i, (r, segs, n) in enumerate(cut))
 
 
 def budget(read_ahead: bool, write_behind: bool) -> int:
@@ -107,22 +108,22 @@ def schedule(groups: Sequence[SubGroup], *, read_ahead: bool = False,
     for i, g in enumerate(groups):
         if g.offloaded:
             if i not in read:
-                effects.append(Read(i))
+                effects.append(Read(group=i))
                 read.add(i)
-            effects.append(AwaitRead(i))
+            effects.append(AwaitRead(group=i))
             nxt = after[i]
             if read_ahead and nxt is not None:
-                effects.append(Read(nxt))
+                effects.append(Read(group=nxt))
                 read.add(nxt)
-        effects.append(Step(i))
+        effects.append(Step(group=i))
         if g.offloaded:
             if writing is not None:
-                effects.append(AwaitWrite(writing))
-            effects.append(Write(i))
+                effects.append(AwaitWrite(group=writing))
+            effects.append(Write(group=i))
             writing = i
             if not write_behind:
-                effects.append(AwaitWrite(i))
+                effects.append(AwaitWrite(group=i))
                 writing = None
     if writing is not None:
-        effects.append(AwaitWrite(writing))
+        effects.append(AwaitWrite(group=writing))
     return tuple(effects)

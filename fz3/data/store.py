@@ -17,7 +17,7 @@ Sizes: s = ceil(numel / W); rank r owns flat [r*s, (r+1)*s), zero-padded (fz3/co
 """
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -95,6 +95,8 @@ class TensorStore:
         # that went past fz3's hooks (a weight reached through a list, a closure) gives NaN, not
         # whatever that memory held
         self._nan = torch.full((), float("nan"), dtype=self.dtype, device=device)
+        # param offload (fz3/shell/offload.py): reads the shard of a param whose memory is on disk
+        self.from_disk: Callable[[int], torch.Tensor] | None = None
         self.grad_due: set[int] = set()  # freed params whose grad autograd has yet to accumulate
         self.full_spans: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (offset, numel, param)
         self.full: list[torch.Tensor | None] = [None] * len(params)
@@ -117,6 +119,15 @@ class TensorStore:
             torch._foreach_copy_([self.shards[p] for p in ps], [self.masters[p].detach() for p in ps])
         else:
             self.shards = [m.detach().to(self.dtype, copy=True) for m in self.masters]
+
+    def shard(self, p: int) -> torch.Tensor:
+        """Param p's compute shard, as a gather sends it: read from disk when its memory is there
+        (params on NVMe: the shard is the fp32 master, which the optimizer's sub-group keeps on
+        disk between steps)."""
+        shard = self.shards[p]
+        if self.from_disk is not None and shard.numel() and shard.untyped_storage().nbytes() == 0:
+            return self.from_disk(p)
+        return shard
 
     def set_full(self, p: int, flat: torch.Tensor) -> None:
         """Param p becomes AVAILABLE: its .data is the gathered full value (numel,). A persistent

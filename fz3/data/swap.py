@@ -9,12 +9,17 @@ nothing is built at first use).
                                   every view of them stays, unreadable until read back)
     disk.read(key)                their memory again, filled from the file, in the background
     disk.await_read(key)          the read has landed
+    disk.read_range(key, offset, into)   some bytes of a file into a tensor, now (a param's shard)
     disk.stats()                  bytes read and written, seconds waited on the disk
     disk.close()                  files and folder removed (also when the tier is collected, at
-                                  exit, and after a failed write)
+                                  exit, and after a failed write; a process that ends by
+                                  os._exit skips the exit handlers: `close_all` first, as
+                                  fz3.launch's ranks do)
 
 The folder is a fresh one under `path` (fz3-rank<r>-*), so two ranks or two engines never share a
-file. Before anything is written, `needed` bytes must be free on `path`'s file system: an error
+file. A write has landed when its bytes are on the drive (fdatasync), and the page cache lets go
+of what was written or read (POSIX_FADV_DONTNEED): what the tier holds is on disk, not quietly in
+RAM, as DeepSpeed's O_DIRECT reads and writes. Before anything is written, `needed` bytes must be free on `path`'s file system: an error
 names the path and both numbers.
 """
 from __future__ import annotations
@@ -47,6 +52,7 @@ class DiskTier:
                           "there, or name a larger drive")
         self.dir = tempfile.mkdtemp(prefix=f"fz3-rank{rank}-", dir=path)
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)
+        _OPEN.add(self)
         self.block_size = block_size
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fz3-disk")
         self.threads = threads
@@ -91,6 +97,26 @@ class DiskTier:
     def await_read(self, key: object) -> None:
         self._wait(key)
 
+    def read_range(self, key: object, offset: int, into: torch.Tensor) -> None:
+        """Read bytes [offset, offset + into's bytes) of `key`'s file into `into` (a CPU tensor)
+        now, on this thread: one param's shard for a gather."""
+        start = time.perf_counter()
+        n = into.numel() * into.element_size()
+        fd = os.open(self.file(key), os.O_RDONLY)
+        try:
+            view, pos = _memory(into.untyped_storage(), into.storage_offset() * into.element_size(),
+                                into.storage_offset() * into.element_size() + n), 0
+            while pos < n:
+                got = os.preadv(fd, [view[pos:pos + self.block_size]], offset + pos)
+                if got <= 0:
+                    raise OSError(f"fz3 disk tier: read nothing at byte {offset + pos} of {self.file(key)}")
+                pos += got
+            os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        self.bytes_read += n
+        self.wait_seconds += time.perf_counter() - start
+
     def on_disk(self, key: object) -> bool:
         """`key` was written and its memory given back."""
         return key in self.storages and key not in self.pending and all(s.nbytes() == 0 for s, _ in self.storages[key])
@@ -102,6 +128,7 @@ class DiskTier:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self._finalizer()
+        _OPEN.discard(self)
 
     # ---- the threads' work ---------------------------------------------------------------------
 
@@ -133,6 +160,9 @@ class DiskTier:
                                           f"of {path}")
                         pos += moved
                 offset += n
+            if write:  # landed means on the drive, as DeepSpeed's O_DIRECT writes
+                os.fdatasync(fd)
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)  # and not kept in RAM as page cache
         finally:
             os.close(fd)
 
@@ -147,6 +177,16 @@ class DiskTier:
             raise
         finally:
             self.wait_seconds += time.perf_counter() - start
+
+
+_OPEN: "weakref.WeakSet[DiskTier]" = weakref.WeakSet()  # the tiers whose files are still there
+
+
+def close_all() -> None:
+    """Close every open tier, its files removed: for a process about to end by os._exit, which
+    skips the exit handlers that would (fz3.launch's ranks do, after their work)."""
+    for tier in list(_OPEN):
+        tier.close()
 
 
 def _memory(storage: torch.UntypedStorage, start: int, end: int) -> memoryview:

@@ -177,27 +177,33 @@ def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple
         if search:  # the smallest share of the sub-groups to offload that fits
             n = offload_plan.figures(engine, state_rate, stepped).subgroups
             ratio = offload_plan.choose(lambda r: _offloaded(out.steps[-1], offload_plan.figures(
-                engine, state_rate, stepped, r))["model_state_peak_bytes"], n, device_memory)
+                engine, state_rate, stepped, r), engine)["model_state_peak_bytes"], n, device_memory)
             if ratio is None:
                 return out
             out.chosen = config.replace(offload_optimizer=dataclasses.replace(config.offload_optimizer, ratio=ratio))
             out.config = out.chosen
         out.offload = offload_plan.figures(engine, state_rate, stepped, ratio)
-        out.steps = [_offloaded(s, out.offload) for s in out.steps]
+        out.steps = [_offloaded(s, out.offload, engine) for s in out.steps]
     if device_memory is not None:
         out.device_memory = device_memory
         out.fits = all(s["model_state_peak_bytes"] <= device_memory for s in out.steps)
     return out
 
 
-def _offloaded(step: dict[str, int], of) -> dict[str, int]:
+def _offloaded(step: dict[str, int], of, engine) -> dict[str, int]:
     """A step's figures with the offloaded sub-groups' masters and state on disk, and the step's
-    working set of them in memory (fz3/observe/offload_plan.py)."""
+    working set of them in memory (fz3/observe/offload_plan.py). Params on NVMe too: each
+    gather reads its shards (gathered bytes / world size) from disk, in the share of the masters
+    that is offloaded (all of them at ratio 1)."""
     step = dict(step)
     state_off = of.bytes_offloaded - of.masters_offloaded
+    masters = 4 * sum(m.numel() for m, t in zip(engine.store.masters, engine.store.trainable) if t)
     step["param_shards"] -= of.masters_offloaded
     step["optimizer_state_bytes"] = max(0, step["optimizer_state_bytes"] - state_off)
-    step.update(offloaded_bytes=of.bytes_offloaded, disk_read_bytes=of.disk_read,
+    shard_reads = 0
+    if engine.config.offload_param.device == "nvme" and masters:
+        shard_reads = step["gathered_bytes"] // engine.world_size * of.masters_offloaded // masters
+    step.update(offloaded_bytes=of.bytes_offloaded, disk_read_bytes=of.disk_read + shard_reads,
                 disk_written_bytes=of.disk_written, offload_working_bytes=of.working_set)
     step["model_state_peak_bytes"] += of.working_set - of.bytes_offloaded
     return step

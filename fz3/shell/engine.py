@@ -129,7 +129,10 @@ class Engine(DeepSpeedSurface):
                                  rank=self.shard_rank, world_size=self.shard_world,
                                  compute_dtype=config.compute_dtype, device=device.torch_device, runs=runs,
                                  huge_pages=options.huge_pages,
-                                 separate_shards=config.offload_optimizer.device == "nvme",
+                                 # the optimizer on disk: compute shards of their own, unless the
+                                 # params are on disk too (then the gathers read the masters there)
+                                 separate_shards=(config.offload_optimizer.device == "nvme"
+                                                  and config.offload_param.device != "nvme"),
                                  segment_numel=config.sub_group_size if config.offload_optimizer.device == "nvme" else None)
         self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
         self.make_interpreter = interpreter

@@ -15,12 +15,18 @@ sub-groups' fp32 masters and optimizer state read from and written to the disk t
     with offload.resident(): ...     every sub-group in memory for the block (checkpoints, full
                                      state dicts, the user's optimizer.state_dict()), written
                                      back after it, state made or replaced inside it included
-    offload.stats()                  bytes read and written and seconds waited on the disk, the
-                                     last step's and in all
+    offload.stats()                  bytes read and written and seconds waited on the disk, in
+                                     all and since the step before the last (step_*: the last
+                                     step's passes, their gathers' reads included, and its own)
+
+offload_param "nvme" (with the optimizer on NVMe, in fp32): the compute shards are the masters,
+so they are on disk with their sub-groups, and a gather reads each param's shard from its
+sub-group's file (`store.shard`, fz3/data/store.py) as it sends it: the shards leave memory too.
 
 "cpu" on CPU ranks: the masters, the state and the params already live in host memory, so
 nothing moves, and the log says so once (`describe`). On an accelerator's ranks the host-stepped
-optimizer is not built yet, nor params on NVMe: both are refused at initialize, by name.
+optimizer is not built yet, nor the staging of NVMe through the host: both are refused at
+initialize, by name.
 """
 from __future__ import annotations
 
@@ -51,10 +57,22 @@ class OptimizerOffload:
         self.segments = [frozenset(g.segments) for g in groups]
         self.params = [tuple(p for s in g.segments for p in self.store.segments[s].params) for g in groups]
         self.last: dict[str, float] = {}
+        # params on NVMe: where each param's master lies in its sub-group's file (the masters are
+        # written first, segment by segment), for the gathers to read it from there
+        self.where: dict[int, tuple[int, int]] = {}
+        for i, g in enumerate(groups):
+            offset = 0
+            for s in sorted(g.segments):
+                for p in self.store.segments[s].params:
+                    self.where[p] = (i, offset + self.store.masters[p].storage_offset() * 4)
+                offset += self.store.segments[s].masters.numel() * 4
+        if engine.config.offload_param.device == "nvme":
+            self.store.from_disk = self._shard_from_disk
         for i, g in enumerate(groups):  # nothing to step yet: the masters alone go to disk
             if g.offloaded:
                 self._write(i)
                 self.disk.await_write(i)
+        self.mark = disk.stats()  # what a step's figures count from (stats: the last step's)
 
     @classmethod
     def build(cls, engine) -> "OptimizerOffload | None":
@@ -68,12 +86,18 @@ class OptimizerOffload:
                                  "step the optimizer on the host for accelerator ranks (issue #47); use 'none', or "
                                  "'nvme' for the optimizer")
         if engine.config.offload_param.device == "nvme":
-            raise ValueError("zero_optimization.offload_param.device = 'nvme': fz3 does not yet keep param shards on "
-                             "NVMe (issue #47); offload the optimizer instead (offload_optimizer.device 'nvme', which "
-                             "moves the fp32 masters and the optimizer state, 12 of the 16 bytes a param costs with "
-                             "Adam), or use 'none'")
+            if cfg.device != "nvme" or engine.config.compute_dtype != "fp32":
+                raise ValueError(
+                    f"zero_optimization.offload_param.device = 'nvme' with offload_optimizer.device = {cfg.device!r} "
+                    f"and compute dtype {engine.config.compute_dtype}: fz3's gathers read the params on NVMe from "
+                    "the optimizer's files, where the fp32 masters are the shards; set offload_optimizer.device "
+                    "'nvme' too and compute in fp32, or offload the optimizer alone")
         if cfg.device != "nvme":
             return None
+        if not on_cpu:
+            raise ValueError(f"zero_optimization.offload_optimizer.device = 'nvme' on {engine.store.device}: fz3's disk "
+                             "tier reads and writes host memory, and the staging of an accelerator's shards through "
+                             "the host is not built yet (issue #47); use 'none' there")
         runs: list[list[tuple[int, int]]] = [[] for _ in store.runs]
         for k, seg in enumerate(store.segments):
             runs[seg.run].append((k, seg.masters.numel()))
@@ -91,24 +115,31 @@ class OptimizerOffload:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self, no_grad: tuple[int, ...]) -> None:
-        before = self.disk.stats()
         flat = self.flat_steps.begin(no_grad)
         for e in self.effects:
             match e:
-                case Read(i):
+                case Read(group=i):
                     self.disk.read(i)
-                case AwaitRead(i):
+                case AwaitRead(group=i):
                     self.disk.await_read(i)
-                case Step(i):
+                case Step(group=i):
                     self.flat_steps.part(flat, self.segments[i])
                     self.store.refresh_shards(self.params[i])
-                case Write(i):
+                case Write(group=i):
                     self._write(i)
-                case AwaitWrite(i):
+                case AwaitWrite(group=i):
                     self.disk.await_write(i)
         self.flat_steps.end(flat)
-        after = self.disk.stats()
-        self.last = {k: after[k] - before[k] for k in after}
+        after = self.disk.stats()  # since the last step: its gathers' reads (params on NVMe) and its own
+        self.last = {k: after[k] - self.mark[k] for k in after}
+        self.mark = after
+
+    def _shard_from_disk(self, p: int) -> torch.Tensor:
+        """Param p's shard (its fp32 master), read from its sub-group's file for a gather."""
+        i, offset = self.where[p]
+        out = torch.empty(self.store.masters[p].numel(), dtype=torch.float32)
+        self.disk.read_range(i, offset, out)
+        return out
 
     def _write(self, i: int) -> None:
         """Start writing sub-group i: its masters and the optimizer's state of them, as they are now."""
@@ -149,6 +180,9 @@ def describe(config) -> str:
     for name, section in (("offload_optimizer", config.offload_optimizer), ("offload_param", config.offload_param)):
         if section.device == "cpu":
             parts.append(f"{name} 'cpu': the ranks compute on the CPU, where these already live; nothing moves")
+        elif section.device == "nvme" and name == "offload_param":
+            parts.append("offload_param 'nvme': the params' shards are their fp32 masters, on disk with the "
+                         "optimizer's sub-groups; each gather reads its params' shards from there")
         elif section.device == "nvme":
             o = config.offload_optimizer
             parts.append(f"{name} 'nvme' under {section.nvme_path}: the fp32 masters and optimizer state of "

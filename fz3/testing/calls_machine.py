@@ -157,6 +157,7 @@ class CallsMachine(RuleBasedStateMachine):
         lines = ",\n".join(f"    {e!r}" for e in self.events)
         return ("the events, as a regression test:\n"
                 "from fz3.config import Config\n"
+                "from fz3.config.offload import Aio, OffloadOptimizer, OffloadParam\n"
                 "from fz3.core.events import *\n"
                 "from fz3.core.pvec import Log\n"
                 "from fz3.testing.calls_machine import replay\n"

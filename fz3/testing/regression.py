@@ -42,6 +42,7 @@ DRAW = re.compile(r"Draw \d+(?: \(.*?\))?: (.*?)(?:  # [^\n]*)?", re.S)  # the e
 # the names a printed value may use, and where they live
 KNOWN = {"Case": "fz3.testing.models", "Model": "fz3.testing.models", "Call": "fz3.testing.models",
          "External": "fz3.testing.models", "Config": "fz3.config.config", "Draws": "fz3.testing.regression",
+         "OffloadOptimizer": "fz3.config.offload", "OffloadParam": "fz3.config.offload", "Aio": "fz3.config.offload",
          "replayed": "fz3.testing.regression"}
 
 
