@@ -109,8 +109,8 @@ def planned(model: str, config: dict) -> int:
     import torch
 
     import fz3
+    from systems.common import MODELS, batches, fz3_settings  # puts examples/ (gpt) on the path
     from gpt import GPT
-    from systems.common import MODELS, batches, fz3_settings
     with torch.device("meta"):
         m = GPT(MODELS[model][0])
     cfg, own = fz3_settings(config)
@@ -124,6 +124,8 @@ def main() -> int:
     ap.add_argument("--nvme-path", default=os.path.join(BENCH, "out", "nvme"), help="the folder on the drive")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--ladder-only", action="store_true", help="keep the b1 runs of the last JSON, run the ladder "
+                    "again")
     args = ap.parse_args()
     import memory
     from compare import machine_info, versions
@@ -137,9 +139,14 @@ def main() -> int:
                  "disk_free_gib": shutil.disk_usage(args.nvme_path).free / GiB, "runs": {}}
     off, both = offload_config(args.nvme_path), offload_config(args.nvme_path, params=True)
     piped = offload_config(args.nvme_path, pipelined=True)
-    for label, config in (("in memory", BUCKETS), ("optimizer on NVMe", off),
-                          ("optimizer on NVMe, pipeline_read and pipeline_write", piped),
-                          ("optimizer and params on NVMe", both)):
+    if args.ladder_only:
+        with open(out_path) as f:
+            last = json.load(f)
+        res["runs"] = {k: v for k, v in last["runs"].items() if k.startswith(f"{base}, ")}
+        res["b1_runs_from"] = last["date_utc"]
+    for label, config in () if args.ladder_only else (
+            ("in memory", BUCKETS), ("optimizer on NVMe", off),
+            ("optimizer on NVMe, pipeline_read and pipeline_write", piped), ("optimizer and params on NVMe", both)):
         rec = {"model": base, "params": memory.count_params(base), "plan": planned(base, config)}
         memory.log(f"{base} {label}: plan {rec['plan'] / GiB:.2f} GiB a rank ...")
         rec.update(run(base, config, args.timeout))
@@ -180,7 +187,8 @@ def render(res: dict, out_path: str) -> str:
              f"`{res['command']}`, {res['date_utc']}, fz3 {v.get('fz3_git')}"
              f"{' (fz3/ modified)' if v.get('fz3_dirty') else ''}, torch {v['torch']}, {res['machine']['cores']} "
              f"cores, {res['machine']['mem_gib']} GiB, disk {res['disk_free_gib']:.0f} GiB free; "
-             f"{res['total_s'] / 60:.0f} min.", "",
+             f"{res['total_s'] / 60:.0f} min" + (f" (the b1 rows from the run of {res['b1_runs_from']})"
+                                                  if res.get("b1_runs_from") else "") + ".", "",
              f"2 gloo ranks x 1 thread, fz3.Init, fp32, torch AdamW, seq 64, 1 sequence per rank, {STEPS} steps on "
              f"one batch, reduce_bucket_size {BUCKETS['reduce_bucket_size']:,}, DeepSpeed's other defaults. Offload: offload_optimizer {{device: nvme}}, sub_group_size {SUB_GROUP:,} (the fp32 "
              "masters and both AdamW moments of every sub-group on disk between steps, each read, stepped and "

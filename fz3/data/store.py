@@ -38,7 +38,10 @@ class TensorStore:
                  rank: int, world_size: int, compute_dtype: str, device: torch.device,
                  runs: Sequence[Sequence[int]] = (), huge_pages: bool = False, separate_shards: bool = False,
                  segment_numel: int | None = None) -> None:
-        """`runs`: trainable ParamIds of one optimizer param group each, in its order, cut into
+        """`shards` is handed over: each entry is let go once copied into its segment's masters,
+        so a model built sharded (fz3.Init) is never held twice over (the copy of a 3.5 B model's
+        shards would double what its rank holds at initialize).
+        `runs`: trainable ParamIds of one optimizer param group each, in its order, cut into
         segments whose masters and grad partitions are flat ([Note: flat steps],
         fz3/shell/flat_step.py). The
         trainable params in no run follow as one more run, in id order. `huge_pages`: a
@@ -77,6 +80,7 @@ class TensorStore:
                 for p in ps:
                     n = shards[p].numel()
                     masters[offset:offset + n].copy_(shards[p].reshape(-1))
+                    shards[p] = torch.empty(n, device="meta")  # copied: its memory goes now, not at the end
                     self.masters[p] = nn.Parameter(masters[offset:offset + n])
                     self.partitions[p] = grads[offset:offset + n]
                     self.segment_of[p] = len(self.segments)
