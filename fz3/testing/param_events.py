@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from fz3.config.offload import Aio, OffloadOptimizer, OffloadParam  # noqa: F401 - for the printed regressions
 from fz3.core.effects import record
 
 

@@ -149,7 +149,6 @@ class ParamLifecycleMachine(RuleBasedStateMachine):
         lines = ",\n".join(f"    {e!r}" for e in self.events)
         return ("the events, as a regression test:\n"
                 "from fz3.config import Config\n"
-                "from fz3.config.offload import Aio, OffloadOptimizer, OffloadParam\n"
                 "from fz3.testing.models import Call, Case, External, Model\n"
                 "from fz3.testing.param_events import *\n"
                 "from fz3.testing.param_machine import replay\n"
