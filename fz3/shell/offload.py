@@ -41,14 +41,14 @@ from fz3.core.offload import AwaitRead, AwaitWrite, Read, Step, Write
 from fz3.data.swap import DiskTier
 
 # optimizer states per element, fp32, for the free-space check (an optimizer not named here is
-# counted as Adam's two and the message says it is an estimate)
+# counted as Adam's two: the state's size is only known after the first step)
 STATES = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.Adamax: 2, torch.optim.NAdam: 2,
           torch.optim.RAdam: 2, torch.optim.Adagrad: 1, torch.optim.RMSprop: 1}
 
 
 class OptimizerOffload:
     def __init__(self, engine, groups: tuple[offload.SubGroup, ...], disk: DiskTier) -> None:
-        self.engine, self.store, self.flat_steps = engine, engine.store, engine.flat_steps
+        self.store, self.flat_steps = engine.store, engine.flat_steps
         cfg = engine.config.offload_optimizer
         self.groups = groups
         self.effects = offload.schedule(groups, read_ahead=cfg.pipeline_read, write_behind=cfg.pipeline_write)
