@@ -131,12 +131,12 @@ class FlatSteps:
         self.end(flat)
 
     # [Note: a step in parts] Under offload the optimizer steps one sub-group at a time
-    # (fz3/core/offload.py): `begin` decides once which groups step flat, `part` runs the
-    # optimizer's own step() over the masters of some segments (a flat group's chunks in them;
-    # in a group stepped by shard, the other masters' grads are held back for the call, so the
-    # optimizer skips them as it skips a param without a grad), and `end` shows the state per
-    # master once every part has stepped. The optimizer's step() and its hooks run once per part;
-    # its numbers are the same, each param's step depending on its own grad and state alone.
+    # (fz3/core/offload.py), no group flat: `begin` decides once which groups step flat, `part`
+    # runs the optimizer's own step() over the masters of some segments (the other masters'
+    # grads are held back for the call, so the optimizer skips them as it skips a param without
+    # a grad), and `end` shows the flat groups' state per master once every part has stepped.
+    # The optimizer's step() and its hooks run once per part; its numbers are the same, each
+    # param's step depending on its own grad and state alone.
 
     def begin(self, no_grad: frozenset[int] | set[int] | tuple[int, ...]) -> list[_Group]:
         """The groups that step flat this optimizer step."""
@@ -148,32 +148,30 @@ class FlatSteps:
         return flat
 
     def part(self, flat: list[_Group], segments: set[int] | frozenset[int] | None) -> None:
-        """optimizer.step() over the masters of `segments` (store segment indices; None: all)."""
+        """optimizer.step() over the masters of `segments` (store segment indices; None: all).
+        A part of the masters is stepped only with no group flat (FlatSteps(flat=False), as
+        optimizer offload builds it): each master's state is its own tensor then."""
+        if segments is not None and flat:
+            raise RuntimeError("fz3 flat step: a part of the masters stepped while groups step flat")
         opt = self.optimizer
         groups = opt.param_groups
         units = {}  # by group: what its "params" are for this step, with their state
-        chunks = {}  # by group: the chunks stepped
-        piecewise = {}  # by group: whether it steps in pieces ([Note: pieces on CPU])
         for g in flat:
-            chunks[g.index] = [c for c, seg in enumerate(g.segments) if segments is None or seg in segments]
-            piecewise[g.index] = bool(g.piece_state and all(g.chunk_state))
-            if piecewise[g.index]:
-                units[g.index] = [(piece, g.grads[c][a:b], state)  # the grads' memory exists now: views
-                                  for c in chunks[g.index]
-                                  for (piece, a, b), state in zip(g.pieces[c], g.piece_state[c])]
+            if g.piece_state and all(g.chunk_state):  # [Note: pieces on CPU]
+                units[g.index] = [(piece, grad[a:b], state)  # the grads' memory exists now: views
+                                  for pieces, states, grad in zip(g.pieces, g.piece_state, g.grads)
+                                  for (piece, a, b), state in zip(pieces, states)]
             else:  # the first step makes the chunks' state (or there is none to make)
-                units[g.index] = [(g.chunks[c], g.grads[c], g.chunk_state[c]) for c in chunks[g.index]]
+                units[g.index] = list(zip(g.chunks, g.grads, g.chunk_state))
             groups[g.index]["params"] = [u for u, _, _ in units[g.index]]
             for unit, grad, state in units[g.index]:
                 unit.grad = grad
                 opt.state[unit] = state
-        held = []  # masters of groups stepped by shard outside `segments`: their grads, held back
-        if segments is not None:
-            flat_index = {g.index for g in flat}
-            held = [(m, m.grad) for i, group in enumerate(groups) if i not in flat_index for m in group["params"]
-                    if m.grad is not None and self.segment_of.get(id(m), -1) not in segments]
-            for m, _ in held:
-                m.grad = None
+        # the masters outside `segments`: their grads held back for the call
+        held = [] if segments is None else [(m, m.grad) for group in groups for m in group["params"]
+                                            if m.grad is not None and self.segment_of.get(id(m), -1) not in segments]
+        for m, _ in held:
+            m.grad = None
         try:
             opt.step()
         finally:
@@ -184,9 +182,8 @@ class FlatSteps:
                 stepped = [opt.state.pop(unit) for unit, _, _ in units[g.index]]
                 for unit, _, _ in units[g.index]:
                     unit.grad = None
-                if not piecewise[g.index]:
-                    for c, state in zip(chunks[g.index], stepped):
-                        g.chunk_state[c] = state
+                if not g.piece_state or not all(g.chunk_state):
+                    g.chunk_state = stepped
 
     def end(self, flat: list[_Group]) -> None:
         """After the last part: each master's state as torch keeps it."""
@@ -197,19 +194,11 @@ class FlatSteps:
             self._expose(g)
 
     def state_tensors(self, segments: set[int] | frozenset[int]) -> list[torch.Tensor]:
-        """The optimizer's elementwise state of the masters of `segments` (the tensors that hold
-        it: a flat group's chunk state, else each master's own): what offload moves with them."""
-        out = []
-        for g in self.groups:
-            if g is not None:
-                for c, seg in enumerate(g.segments):
-                    if seg in segments and c < len(g.chunk_state):
-                        out += [v for k, v in g.chunk_state[c].items() if k != "step" and isinstance(v, torch.Tensor)]
-        for m, seg in self.master_segment:
-            if seg in segments:
-                out += [v for k, v in self.optimizer.state.get(m, {}).items()
-                        if k != "step" and isinstance(v, torch.Tensor) and v.shape == m.shape and v.ndim == 1]
-        return out
+        """The optimizer's elementwise state of the masters of `segments`, each master's own
+        tensors (no group flat: `part`): what offload moves with them."""
+        return [v for m, seg in self.master_segment if seg in segments
+                for k, v in self.optimizer.state.get(m, {}).items()
+                if k != "step" and isinstance(v, torch.Tensor) and v.shape == m.shape and v.ndim == 1]
 
     # ---- whether a group steps flat ------------------------------------------------------------
 
