@@ -6,7 +6,7 @@ from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from fz3.core import offload
-from fz3.core.offload import AwaitRead, AwaitWrite, Read, SubGroup
+from fz3.core.offload import AwaitGrads, AwaitParams, AwaitRead, AwaitWrite, ParamsToDevice, Read, SubGroup
 from fz3.testing.offload_machine import OffloadMachine
 from fz3.testing.patch import patched
 
@@ -22,9 +22,9 @@ def stepping_before_the_read_lands(groups, **flags):
     return tuple(e for e in _schedule(groups, **flags) if not isinstance(e, AwaitRead))
 
 
-def reading_two_ahead(groups, *, read_ahead=False, write_behind=False):
+def reading_two_ahead(groups, *, read_ahead=False, write_behind=False, host=False):
     """Planted: reading ahead reads every offloaded sub-group at once, past the budget."""
-    effects = _schedule(groups, read_ahead=read_ahead, write_behind=write_behind)
+    effects = _schedule(groups, read_ahead=read_ahead, write_behind=write_behind, host=host)
     if not read_ahead:
         return effects
     reads = [e for e in effects if isinstance(e, Read)]
@@ -36,6 +36,34 @@ def last_write_not_awaited(groups, **flags):
     """Planted: the step returns with the last write still in flight."""
     effects = _schedule(groups, **flags)
     return effects[:-1] if effects and isinstance(effects[-1], AwaitWrite) else effects
+
+
+def stepping_before_the_grads_land(groups, **flags):
+    """Planted: the host steps without waiting for its sub-group's grads from the device."""
+    return tuple(e for e in _schedule(groups, **flags) if not isinstance(e, AwaitGrads))
+
+
+def last_params_not_sent(groups, **flags):
+    """Planted: the last sub-group's stepped values never go back to the device."""
+    effects = list(_schedule(groups, **flags))
+    sent = [k for k, e in enumerate(effects) if isinstance(e, ParamsToDevice)]
+    if sent:
+        last = effects[sent[-1]].group
+        effects = [e for e in effects if not (isinstance(e, (ParamsToDevice, AwaitParams)) and e.group == last)]
+    return tuple(effects)
+
+
+def freed_while_copied_to_the_device(groups, **flags):
+    """Planted: a sub-group's host memory goes to disk before its copy to the device has landed."""
+    effects = list(_schedule(groups, **flags))
+    out = []
+    for e in effects:
+        if isinstance(e, AwaitParams) and groups[e.group].offloaded:
+            continue
+        out.append(e)
+        if isinstance(e, AwaitWrite) and any(isinstance(x, ParamsToDevice) and x.group == e.group for x in effects):
+            out.append(AwaitParams(group=e.group))
+    return tuple(out)
 
 
 def ratio_off_by_one(runs, *, sub_group_size, ratio=1.0, offload=True):
@@ -56,6 +84,9 @@ def cut_after_the_size(runs, *, sub_group_size, ratio=1.0, offload=True):
     ("fz3.core.offload:schedule", stepping_before_the_read_lands, "steps while reading"),
     ("fz3.core.offload:schedule", reading_two_ahead, "over the budget"),
     ("fz3.core.offload:schedule", last_write_not_awaited, "not back on disk"),
+    ("fz3.core.offload:schedule", stepping_before_the_grads_land, "not landed on the host"),
+    ("fz3.core.offload:schedule", last_params_not_sent, "on the device"),
+    ("fz3.core.offload:schedule", freed_while_copied_to_the_device, "gone to disk"),
     ("fz3.core.offload:sub_groups", ratio_off_by_one, "DeepSpeed's cut"),
     ("fz3.core.offload:sub_groups", cut_after_the_size, "DeepSpeed's cut"),
 ])

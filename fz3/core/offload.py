@@ -4,7 +4,7 @@ ZeRO-Infinity: runtime/zero/stage3.py `_create_fp16_sub_groups`, `subgroup_to_de
 loop of `_optimizer_states_and_gradient_swap_in` / `_optimizer_step` / `..._swap_out`).
 
     sub_groups(runs, sub_group_size=, ratio=)   the optimizer's sub-groups, each offloaded or not
-    schedule(groups, read_ahead=, write_behind=)  the effects of one optimizer step
+    schedule(groups, read_ahead=, write_behind=, host=)  the effects of one optimizer step
     budget(read_ahead, write_behind)             offloaded sub-groups in memory at once, at most
 
 A sub-group is whole segments of one optimizer param group (fz3/data/store.py: a segment is a
@@ -24,6 +24,18 @@ One step, sub-group by sub-group in order:
     Write(i)        start writing i back; its memory goes once the write lands
     AwaitWrite(i)   i is back on the slower tier, its memory given back
 
+`host`: the ranks compute on an accelerator and the optimizer steps on the host (ZeRO-Offload:
+DeepSpeed's offload_optimizer "cpu", and "nvme" staged through the host). The grad partitions are
+reduced on the device and the compute shards are read there; the fp32 masters and the optimizer
+state live in host memory (or on disk, for an offloaded sub-group). Around each sub-group's step:
+
+    GradsToHost(i)     start copying i's grad partitions to its host buffers (every sub-group's
+                       at the step's start, in order: the copies run while the host steps)
+    AwaitGrads(i)      they have landed
+    ParamsToDevice(i)  start copying i's stepped masters into its compute shards on the device
+    AwaitParams(i)     that copy has landed: before i's host memory may go to disk (AwaitWrite)
+                       and before the step returns
+
 `read_ahead` (DeepSpeed's pipeline_read) reads the next offloaded sub-group while one steps;
 `write_behind` (pipeline_write) writes one back while the next steps. Each holds one more
 sub-group in memory (`budget`), which is why DeepSpeed leaves both off by default, and so does
@@ -31,7 +43,9 @@ fz3. The machine fz3/testing/offload_machine.py runs drawn layouts through `sche
 model of the tiers: every sub-group is in one tier at a time, nothing steps before its read has
 landed or is written while it steps, the offloaded sub-groups in memory never exceed `budget`,
 each sub-group steps once and every offloaded one ends on the slower tier, and the stepped values
-equal a step without offload.
+equal a step without offload; with `host`, nothing steps on grads that have not landed on the
+host, every stepped sub-group reaches the device before the step returns, and no host memory goes
+to disk while a copy to the device still reads it.
 """
 from __future__ import annotations
 
@@ -65,7 +79,23 @@ class AwaitWrite(NamedTuple):
     group: int
 
 
-OffloadEffect = Read | AwaitRead | Step | Write | AwaitWrite
+class GradsToHost(NamedTuple):
+    group: int
+
+
+class AwaitGrads(NamedTuple):
+    group: int
+
+
+class ParamsToDevice(NamedTuple):
+    group: int
+
+
+class AwaitParams(NamedTuple):
+    group: int
+
+
+OffloadEffect = Read | AwaitRead | Step | Write | AwaitWrite | GradsToHost | AwaitGrads | ParamsToDevice | AwaitParams
 
 
 def sub_groups(runs: Sequence[Sequence[tuple[int, int]]], *, sub_group_size: int,
@@ -97,14 +127,22 @@ def budget(read_ahead: bool, write_behind: bool) -> int:
     return 1 + int(read_ahead) + int(write_behind)
 
 
-def schedule(groups: Sequence[SubGroup], *, read_ahead: bool = False,
-             write_behind: bool = False) -> tuple[OffloadEffect, ...]:
+def schedule(groups: Sequence[SubGroup], *, read_ahead: bool = False, write_behind: bool = False,
+             host: bool = False) -> tuple[OffloadEffect, ...]:
     """The effects of one optimizer step over `groups`, in order (see the module docstring)."""
     offloaded = [i for i, g in enumerate(groups) if g.offloaded]
     after = {i: (offloaded[k + 1] if k + 1 < len(offloaded) else None) for k, i in enumerate(offloaded)}
-    effects: list[OffloadEffect] = []
+    effects: list[OffloadEffect] = [GradsToHost(group=i) for i in range(len(groups))] if host else []
     read: set[int] = set()
+    to_device: list[int] = []  # copies to the device in flight (host)
     writing: int | None = None  # the sub-group whose write is in flight (write_behind)
+
+    def await_write(i: int) -> None:
+        if i in to_device:  # its memory goes when the write lands: the copy must be done reading it
+            effects.append(AwaitParams(group=i))
+            to_device.remove(i)
+        effects.append(AwaitWrite(group=i))
+
     for i, g in enumerate(groups):
         if g.offloaded:
             if i not in read:
@@ -115,15 +153,21 @@ def schedule(groups: Sequence[SubGroup], *, read_ahead: bool = False,
             if read_ahead and nxt is not None:
                 effects.append(Read(group=nxt))
                 read.add(nxt)
+        if host:
+            effects.append(AwaitGrads(group=i))
         effects.append(Step(group=i))
+        if host:
+            effects.append(ParamsToDevice(group=i))
+            to_device.append(i)
         if g.offloaded:
             if writing is not None:
-                effects.append(AwaitWrite(group=writing))
+                await_write(writing)
             effects.append(Write(group=i))
             writing = i
             if not write_behind:
-                effects.append(AwaitWrite(group=i))
+                await_write(i)
                 writing = None
     if writing is not None:
-        effects.append(AwaitWrite(group=writing))
+        await_write(writing)
+    effects.extend(AwaitParams(group=i) for i in to_device)
     return tuple(effects)

@@ -2,7 +2,9 @@
 schedule, run against a model of the tiers.
 
     initialize   a layout: optimizer param groups of segments (numels 1-9), sub_group_size,
-                 ratio, and whether the schedule reads ahead and writes behind
+                 ratio, whether the schedule reads ahead and writes behind, and whether the
+                 optimizer steps on the host for an accelerator's ranks (`host`: then the grads
+                 and the compute shards are on the device, a third tier)
     rules        step(): one optimizer step's schedule, executed on the model; pipeline(): new
                  read_ahead / write_behind, as a config change between runs
     checks       every sub-group is in one tier at a time: on disk, being read, in memory or
@@ -11,11 +13,16 @@ schedule, run against a model of the tiers.
                  read has landed, nor while it is written; the offloaded sub-groups in memory
                  never exceed `budget`; every sub-group steps once a step and every offloaded
                  one ends on disk; the values equal a step without offload; the cut and the
-                 offloaded share are DeepSpeed's (NaiveCut, transcribed)
+                 offloaded share are DeepSpeed's (NaiveCut, transcribed); with `host`, nothing
+                 steps before its grads have landed on the host, each sub-group's grads are
+                 copied once, every stepped sub-group's values reach the device before the step
+                 returns, and a copy to the device never reads host memory gone to disk
 
-The values: each segment holds an integer, a step maps v -> 3v + 1 in memory (exact), a Write
+The values: each segment holds an integer, a step maps v -> 3v + g in memory (exact; g the step's
+grad, 1 on the host ranks' own memory, the step's number once copied from a device), a Write
 copies memory to the disk when it is issued (a write in flight reads the buffer: nothing may
-change it until AwaitWrite) and a Read copies the disk to memory when it lands.
+change it until AwaitWrite), a Read copies the disk to memory when it lands, and a copy to the
+device reads the host memory when it lands.
 Reuse: `TestOffload = OffloadMachine.TestCase`.
 """
 from __future__ import annotations
@@ -26,7 +33,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from fz3.core import offload
-from fz3.core.offload import AwaitRead, AwaitWrite, Read, Step, Write
+from fz3.core.offload import (AwaitGrads, AwaitParams, AwaitRead, AwaitWrite, GradsToHost, ParamsToDevice, Read,
+                              Step, Write)
 from fz3.testing.coverage import covered
 
 DISK, READING, MEMORY, WRITING = "disk", "reading", "memory", "writing"
@@ -57,8 +65,9 @@ def naive_cut(runs, sub_group_size: int, ratio: float) -> list[tuple[tuple[int, 
 class OffloadMachine(RuleBasedStateMachine):
     @initialize(runs=st.lists(st.lists(st.integers(1, 9), min_size=0, max_size=5), min_size=1, max_size=3),
                 sub_group_size=st.integers(1, 20), ratio=st.sampled_from([1.0, 1.0, 0.0, 0.25, 0.5, 0.75]),
-                read_ahead=st.booleans(), write_behind=st.booleans())
-    def setup(self, runs, sub_group_size: int, ratio: float, read_ahead: bool, write_behind: bool) -> None:
+                read_ahead=st.booleans(), write_behind=st.booleans(), host=st.booleans())
+    def setup(self, runs, sub_group_size: int, ratio: float, read_ahead: bool, write_behind: bool,
+              host: bool) -> None:
         seg = iter(range(100))
         self.runs = [[(next(seg), n) for n in run] for run in runs]
         self.groups = offload.sub_groups(self.runs, sub_group_size=sub_group_size, ratio=ratio)
@@ -75,7 +84,11 @@ class OffloadMachine(RuleBasedStateMachine):
                        for i, g in enumerate(self.groups)}
         self.disk = {i: {s: start[s] for s in g.segments} for i, g in enumerate(self.groups) if g.offloaded}
         self.expected = dict(start)  # the same steps without offload
+        self.host, self.steps = host, 0
+        self.device = dict(start) if host else None  # the compute shards' values, on the device
         covered("examples", "optimizer offload")
+        if host:
+            covered("offload", "the optimizer steps on the host (accelerator ranks)")
         if any(g.offloaded for g in self.groups) and not all(g.offloaded for g in self.groups):
             covered("offload", "part of the sub-groups offloaded (ratio)")
 
@@ -87,11 +100,16 @@ class OffloadMachine(RuleBasedStateMachine):
     @precondition(lambda self: hasattr(self, "groups"))
     @rule()
     def step(self) -> None:
-        effects = offload.schedule(self.groups, read_ahead=self.read_ahead, write_behind=self.write_behind)
-        note(f"step (read_ahead {self.read_ahead}, write_behind {self.write_behind}): {effects}")
+        effects = offload.schedule(self.groups, read_ahead=self.read_ahead, write_behind=self.write_behind,
+                                   host=self.host)
+        note(f"step (read_ahead {self.read_ahead}, write_behind {self.write_behind}, host {self.host}): {effects}")
         limit = offload.budget(self.read_ahead, self.write_behind)
+        self.steps += 1
+        grad = self.steps + 1 if self.host else 1  # this step's grad, on the device when `host`
         stepped: list[int] = []
         written: dict[int, dict[int, int]] = {}  # what a write in flight carries
+        grads: dict[int, str] = {}  # host: each sub-group's grads, "copying" then "host"
+        to_device: set[int] = set()  # host: copies of stepped values to the device in flight
         peak = 0
         for e in effects:
             i = e.group
@@ -103,11 +121,29 @@ class OffloadMachine(RuleBasedStateMachine):
                 case AwaitRead():
                     assert self.tier[i] == READING, f"{e}: sub-group {i} is {self.tier[i]}, no read in flight"
                     self.tier[i], self.memory[i] = MEMORY, dict(self.disk[i])
+                case GradsToHost():
+                    assert self.host and i not in grads, f"{e}: sub-group {i}'s grads copied twice, or without a device"
+                    grads[i] = "copying"
+                case AwaitGrads():
+                    assert grads.get(i) == "copying", f"{e}: no copy of sub-group {i}'s grads in flight"
+                    grads[i] = "host"
                 case Step():
                     assert self.tier[i] == MEMORY, f"{e}: sub-group {i} steps while {self.tier[i]}"
                     assert i not in stepped, f"{e}: sub-group {i} steps twice in one step"
+                    assert not self.host or grads.get(i) == "host", (
+                        f"{e}: sub-group {i} steps on grads that have not landed on the host ({grads.get(i)})")
                     stepped.append(i)
-                    self.memory[i] = {s: 3 * v + 1 for s, v in self.memory[i].items()}
+                    self.memory[i] = {s: 3 * v + grad for s, v in self.memory[i].items()}
+                case ParamsToDevice():
+                    assert self.host and i in stepped and i not in to_device, (
+                        f"{e}: sub-group {i} copied to the device before its step, twice, or without a device")
+                    to_device.add(i)
+                case AwaitParams():
+                    assert i in to_device, f"{e}: no copy of sub-group {i} to the device in flight"
+                    assert self.memory[i] is not None, (
+                        f"{e}: the copy to the device reads sub-group {i}'s host memory, gone to disk")
+                    to_device.discard(i)
+                    self.device.update(self.memory[i])
                 case Write():
                     assert g.offloaded and self.tier[i] == MEMORY and i in stepped, (
                         f"{e}: sub-group {i} is {self.tier[i]}{'' if i in stepped else ', not stepped yet'}")
@@ -119,8 +155,9 @@ class OffloadMachine(RuleBasedStateMachine):
             peak = max(peak, held)
             assert held <= limit, f"after {e}: {held} offloaded sub-groups in memory, over the budget {limit}"
         assert sorted(stepped) == list(range(len(self.groups))), f"stepped {stepped} of {len(self.groups)} sub-groups"
+        assert not to_device, f"the step returns with copies to the device in flight: sub-groups {sorted(to_device)}"
         for s in self.expected:
-            self.expected[s] = 3 * self.expected[s] + 1
+            self.expected[s] = 3 * self.expected[s] + grad
         if peak > 1:
             covered("offload", f"{peak} offloaded sub-groups in memory at once (pipelined)")
         elif peak == 1:
@@ -140,4 +177,6 @@ class OffloadMachine(RuleBasedStateMachine):
                 values = self.memory[i]
             for s, v in values.items():
                 assert v == self.expected[s], f"segment {s}: {v} after the steps, without offload {self.expected[s]}"
+                if self.host:
+                    assert self.device[s] == v, f"segment {s}: {self.device[s]} on the device, {v} on the host"
         covered("offload", "values equal a step without offload")
