@@ -256,18 +256,20 @@ def test_params_on_nvme_need_the_optimizer_there_in_fp32(tmp_path):
 
 
 def test_the_keys_fz3_does_not_act_on_are_reported():
-    """pin_memory (for an accelerator's copies), DeepSpeed's buffer pools, libaio's settings: kept
-    in the Config as the JSON said, and named in the one "accepted but unused" warning."""
+    """DeepSpeed's buffer pools, libaio's settings, offload_param's pin_memory: kept in the Config
+    as the JSON said, and named in the one "accepted but unused" warning; offload_optimizer's
+    pin_memory pins the host step's buffers on an accelerator, so it is not named."""
     ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True,
-                                                                  "buffer_count": 8}},
+                                                                  "buffer_count": 8},
+                                "offload_param": {"device": "cpu", "pin_memory": True}},
           "aio": {"block_size": 4096, "queue_depth": 16}}
     with pytest.warns(UserWarning) as record:
         config = fz3.Config.from_deepspeed(ds)
     said = str(record[0].message)
-    for key in ("zero_optimization.offload_optimizer.pin_memory", "zero_optimization.offload_optimizer.buffer_count",
+    for key in ("zero_optimization.offload_param.pin_memory", "zero_optimization.offload_optimizer.buffer_count",
                 "aio.queue_depth"):
         assert key in said, said
-    assert "aio.block_size" not in said and config.aio.block_size == 4096 and config.offload_optimizer.buffer_count == 8
+    assert "aio.block_size" not in said and "offload_optimizer.pin_memory" not in said and config.aio.block_size == 4096 and config.offload_optimizer.buffer_count == 8
 
 
 def test_a_checkpoint_with_params_on_nvme_loads_in_memory_at_another_world_size(tmp_path):

@@ -27,7 +27,9 @@ class OffloadOptimizer:
     """zero_optimization.offload_optimizer. `ratio`: the share of the optimizer's sub-groups
     offloaded (the last ones, as DeepSpeed picks them; stage 3 only). `pipeline_read` /
     `pipeline_write`: read sub-group i+1 while i steps / write i back while i+1 steps, each at the
-    cost of one more sub-group in memory (DeepSpeed's default: neither)."""
+    cost of one more sub-group in memory (DeepSpeed's default: neither). `pin_memory`: on an
+    accelerator's ranks, the host buffers the optimizer steps in are pinned (fz3/data/store.py
+    `pin`); CPU ranks have nothing to pin."""
 
     device: str = "none"
     nvme_path: Optional[str] = None
@@ -127,12 +129,11 @@ IGNORED = {
     "OffloadOptimizer": {
         "super_offload": "Grace Hopper superchip scheduling of DeepSpeed's CPU Adam: fz3 steps the user's optimizer",
         "cpuadam_cores_perc": "the share of cores DeepSpeed's CPU Adam takes with super_offload",
-        "pin_memory": "pinned host buffers for an accelerator's copies: the ranks here compute on the CPU",
         "buffer_count": "DeepSpeed's pool of swap buffers: fz3 reads each sub-group into its own tensors",
         "fast_init": "how DeepSpeed first writes the optimizer's swap files: fz3 writes them at the first step",
     },
     "OffloadParam": {
-        "pin_memory": "pinned host buffers for an accelerator's copies: the ranks here compute on the CPU",
+        "pin_memory": "pinned host buffers for an accelerator's params: fz3 keeps them on the device",
         "buffer_count": "DeepSpeed's pool of param swap buffers", "buffer_size": "DeepSpeed's pool of param swap buffers",
         "max_in_cpu": "params kept in host memory under NVMe param offload, which fz3 does not build yet",
     },

@@ -37,6 +37,12 @@ shared_memory   True: gloo ranks all on one host (x86-64 Linux) send the point-t
     fz3/interpreters/shared_memory.py. The rings hold W (W - 1) MiB of the host's /dev/shm while
     the ranks train, and files in /dev/shm are the process's business, so only when asked. False
     (the default): every message over gloo's TCP
+host_step   offload_optimizer "cpu" or "nvme" steps the optimizer on a host pool apart from the
+    ranks' device tensors, as on an accelerator (fz3/core/offload.py `host`: the grads copied to
+    host buffers, the stepped masters copied back into the compute shards), even when the ranks
+    compute on the CPU, where "device" and "host" are then two pools of host memory. For tests
+    and for reading the accelerator's path on a machine without one. False (the default): on CPU
+    ranks "cpu" moves nothing; on an accelerator the host step is always taken
 """
 from __future__ import annotations
 
@@ -58,6 +64,7 @@ class Options:
     # files in the host's /dev/shm: asked for by name only (the house rule: a library leaves the
     # process as it found it)
     shared_memory: bool = False
+    host_step: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gloo_all_gather", "gloo_reduce_scatter"):
@@ -66,7 +73,7 @@ class Options:
         n = self.gloo_coalesce_numel
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"Options.gloo_coalesce_numel must be an int >= 0 (0: no packing), got {n!r}")
-        for name in ("debug_checks", "broadcast_buffers", "replay", "huge_pages", "shared_memory"):
+        for name in ("debug_checks", "broadcast_buffers", "replay", "huge_pages", "shared_memory", "host_step"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 

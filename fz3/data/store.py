@@ -9,7 +9,8 @@
     shards[p]      compute-dtype shard (s,) the gathers read; *is* masters[p] in fp32 mode
     partitions[p]  fp32 grad partition (s,): a view of its segment's flat grads (segments:
                    a run cut into whole params, each segment its own storage), also
-                   masters[p].grad at the optimizer step. A segment's memory exists from a
+                   masters[p].grad at the optimizer step (with `host`: host_partitions[p], its
+                   copy in host memory, is). A segment's memory exists from a
                    window's first write into it to its optimizer step (effects.FreePartitions):
                    in between, its storage is resized to 0 and the views must not be read
 
@@ -37,7 +38,7 @@ class TensorStore:
     def __init__(self, params: list[nn.Parameter], names: tuple[str, ...], shards: list[torch.Tensor], *,
                  rank: int, world_size: int, compute_dtype: str, device: torch.device,
                  runs: Sequence[Sequence[int]] = (), huge_pages: bool = False, separate_shards: bool = False,
-                 segment_numel: int | None = None) -> None:
+                 segment_numel: int | None = None, host: torch.device | None = None, pin: bool = False) -> None:
         """`shards` is handed over: each entry is let go once copied into its segment's masters,
         so a model built sharded (fz3.Init) is never held twice over (the copy of a 3.5 B model's
         shards would double what its rank holds at initialize).
@@ -54,8 +55,10 @@ class TensorStore:
         self.huge_pages = huge_pages
         self.rank, self.world_size = rank, world_size
         self.dtype = DTYPES[compute_dtype]
-        self.separate = separate_shards or self.dtype != torch.float32  # the shards are not the masters
+        self.separate = separate_shards or host is not None or self.dtype != torch.float32  # shards apart
         self.device = device
+        self.host = host
+        home = device if host is None else host  # where the masters live
         self.params, self.names = params, names
         self.spec: ModelSpec | None = None  # the fetch units' spec, and their modules' names
         self.module_names: tuple[str, ...] = ()
@@ -68,14 +71,17 @@ class TensorStore:
         # first write into them to the optimizer step; the offloaded sub-groups' masters are on
         # disk between steps (fz3/core/offload.py)
         self.partitions: list[torch.Tensor | None] = [None] * len(params)
+        self.host_partitions: list[torch.Tensor | None] = [None] * len(params)
         self.segments: list[Segment] = []
         self.segment_of: list[int] = [-1] * len(params)  # by param: its segment (-1: frozen)
         for r, run in enumerate(self.runs):
             start = 0
             for ps in _cut(run, [shards[p].numel() for p in run], segment_numel):
                 numel = sum(shards[p].numel() for p in ps)
-                masters = torch.empty(numel, dtype=torch.float32, device=device)
+                masters = torch.empty(numel, dtype=torch.float32, device=home, pin_memory=pin)
                 grads = torch.empty(numel, dtype=torch.float32, device=device)
+                host_grads = None if host is None else torch.empty(numel, dtype=torch.float32, device=host,
+                                                                   pin_memory=pin)
                 offset = 0
                 for p in ps:
                     n = shards[p].numel()
@@ -83,14 +89,16 @@ class TensorStore:
                     shards[p] = torch.empty(n, device="meta")  # copied: its memory goes now, not at the end
                     self.masters[p] = nn.Parameter(masters[offset:offset + n])
                     self.partitions[p] = grads[offset:offset + n]
+                    if host_grads is not None:
+                        self.host_partitions[p] = host_grads[offset:offset + n]
                     self.segment_of[p] = len(self.segments)
                     offset += n
                 grads.untyped_storage().resize_(0)  # the views made, the memory waits for a write
-                self.segments.append(Segment(r, start, ps, grads, masters))
+                self.segments.append(Segment(r, start, ps, grads, masters, host_grads))
                 start += offset
         for p, (param, shard) in enumerate(zip(params, shards)):
             if self.masters[p] is None:  # frozen: in no run, stepped by nobody
-                self.masters[p] = nn.Parameter(shard.to(device=device, dtype=torch.float32, copy=True),
+                self.masters[p] = nn.Parameter(shard.to(device=home, dtype=torch.float32, copy=True),
                                                requires_grad=False)
         self.shards: list[torch.Tensor] = []
         self.refresh_shards()
@@ -112,17 +120,30 @@ class TensorStore:
         engine.compile() makes compiled blocks units."""
         self.spec, self.module_names = spec, tuple(module_names)
 
-    def refresh_shards(self, params: Sequence[int] | None = None) -> None:
+    def refresh_shards(self, params: Sequence[int] | None = None, non_blocking: bool = False) -> None:
         """Compute-dtype shards from the fp32 masters of `params` (None: all; after each optimizer
         step), written into the shards there are: a full value that is its shard (a layout of one
-        rank, stage 0: carriers.Local) keeps reading it, and no second copy is made."""
+        rank, stage 0: carriers.Local) keeps reading it, and no second copy is made. With `host`,
+        each is a copy from host memory to the device (`non_blocking`: issued, not waited for)."""
         if not self.separate:
             self.shards = [m.data for m in self.masters]
         elif self.shards:
             ps = range(len(self.masters)) if params is None else params
-            torch._foreach_copy_([self.shards[p] for p in ps], [self.masters[p].detach() for p in ps])
+            torch._foreach_copy_([self.shards[p] for p in ps], [self.masters[p].detach() for p in ps],
+                                 non_blocking=non_blocking)
         else:
-            self.shards = [m.detach().to(self.dtype, copy=True) for m in self.masters]
+            self.shards = [m.detach().to(device=self.device, dtype=self.dtype, copy=True) for m in self.masters]
+
+    def grads_to_host(self, segments: Iterable[int], non_blocking: bool = False) -> int:
+        """Copy the grads of `segments` to their host buffers (with `host`); -> bytes copied. A
+        segment no grad reached holds no memory (its params step without a grad: bind_grads)."""
+        copied = 0
+        for s in segments:
+            seg = self.segments[s]
+            if seg.grads.untyped_storage().nbytes():
+                seg.host_grads.copy_(seg.grads, non_blocking=non_blocking)
+                copied += seg.grads.numel() * 4
+        return copied
 
     def shard(self, p: int) -> torch.Tensor:
         """Param p's compute shard, as a gather sends it: read from disk when its memory is there
@@ -251,9 +272,9 @@ class TensorStore:
         """The optimizer reads masters[p].grad: each trainable master's partition (re-bound after
         a user's zero_grad set it None), but None for the params of `no_grad`, which no grad
         reached in the window, so no optimizer steps them ([Note: no grad, no step])."""
-        for m, part in zip(self.masters, self.partitions):
+        for m, part, host in zip(self.masters, self.partitions, self.host_partitions):
             if part is not None:
-                m.grad = part
+                m.grad = part if host is None else host
         for p in no_grad:
             self.masters[p].grad = None
 
@@ -283,6 +304,7 @@ class Segment(NamedTuple):
     params: tuple[int, ...]
     grads: torch.Tensor  # their partitions, flat
     masters: torch.Tensor  # their fp32 masters, flat (what the optimizer steps as one chunk)
+    host_grads: torch.Tensor | None = None  # the grads' copy in host memory (TensorStore `host`)
 
 
 MIN_SEGMENT = 1 << 16  # a segment holds whole shards up to max(this, its run's largest shard) elements

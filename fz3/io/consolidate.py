@@ -22,7 +22,7 @@ from fz3.shell.registry import engine_of
 
 def _gather_master(engine, p: int) -> torch.Tensor:
     """(numel,) fp32 full value of param p from every rank's master shard."""
-    shard = engine.store.masters[p].detach()
+    shard = engine.store.masters[p].detach().to(engine.store.device)  # host masters (offload): over the device's link
     out = torch.empty(shard.numel() * engine.world_size, dtype=shard.dtype, device=shard.device)
     engine.transport.all_gather_into(out, shard.contiguous())
     return out[:engine.spec.params[p].numel]

@@ -66,7 +66,7 @@ def full_optimizer_state_dict(engine) -> dict:
              for i, entry in sd["state"].items()}
     for i, k in todo:
         p = index_param[i]
-        shard = sd["state"][i][k].detach().contiguous()  # (s,)
+        shard = sd["state"][i][k].detach().to(engine.store.device).contiguous()  # (s,); host state (offload) too
         if not shard.numel():  # a param of no elements: nothing to gather on any rank
             state[i][k] = shard.cpu().view(engine.store.shapes[p])
             continue

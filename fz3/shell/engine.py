@@ -83,7 +83,7 @@ from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, needs
 from fz3.shell.memory import memory_stats
 from fz3.shell.saved import SavedParams
 from fz3.shell.flat_step import FlatSteps, group_runs
-from fz3.shell.offload import OptimizerOffload
+from fz3.shell.offload import OptimizerOffload, offload_host
 from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, first_nonfinite, global_grad_norm
 from fz3.config.options import Options
 from fz3.data.store import DTYPES, TensorStore
@@ -123,6 +123,8 @@ class Engine(DeepSpeedSurface):
         self.shard_world = self.spec.world_size
         self.shard_rank = rank % self.shard_world
         runs = group_runs(optimizer, self.tables.params)  # each group's masters flat: [Note: flat steps]
+        nvme = config.offload_optimizer.device == "nvme"
+        host = offload_host(config, device.torch_device, options)  # the optimizer steps in host memory
         self.store = TensorStore(self.tables.params, tuple(self.tables.names),
                                  shards.initial_shards(self.tables.params, self.tables.names, rank=self.shard_rank,
                                                      world_size=self.shard_world, device=device.torch_device),
@@ -131,9 +133,9 @@ class Engine(DeepSpeedSurface):
                                  huge_pages=options.huge_pages,
                                  # the optimizer on disk: compute shards of their own, unless the
                                  # params are on disk too (then the gathers read the masters there)
-                                 separate_shards=(config.offload_optimizer.device == "nvme"
-                                                  and config.offload_param.device != "nvme"),
-                                 segment_numel=config.sub_group_size if config.offload_optimizer.device == "nvme" else None)
+                                 separate_shards=nvme and config.offload_param.device != "nvme",
+                                 segment_numel=config.sub_group_size if nvme or host else None, host=host,
+                                 pin=host is not None and device.type != "cpu" and config.offload_optimizer.pin_memory)
         self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
         self.make_interpreter = interpreter
         self.hook_handles: list = []
@@ -158,8 +160,8 @@ class Engine(DeepSpeedSurface):
         self.buffers = BufferSync(model, lambda t: self.interp.broadcast(t), enabled=options.broadcast_buffers,
                                   world_size=world_size)  # the interpreter of the units of the time
         bind_optimizer(optimizer, self.tables.params, self.store.masters)
-        self.flat_steps = FlatSteps(optimizer, self.store, runs, flat=config.offload_optimizer.device != "nvme")
-        self.offload = OptimizerOffload.build(self)  # None without "nvme" (fz3/shell/offload.py)
+        self.flat_steps = FlatSteps(optimizer, self.store, runs, flat=not nvme and host is None)
+        self.offload = OptimizerOffload.build(self)  # None without "nvme" or a host step (fz3/shell/offload.py)
         self.zero_grad_undo = zero_grad.install(self, (model, optimizer))  # [Note: zero_grad in a window]
         # fp16's loss scale (fz3/core/grad/scaler.py): a cell of its own, beside the core's
         # ([Note: the scaler's count]); DeepSpeed's names for it on the optimizer

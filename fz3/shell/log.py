@@ -60,7 +60,8 @@ def initialized(engine) -> None:
              len(spec.params) - len(persistent), f"{sum(p.numel for p in spec.params if not p.persistent):,}",
              len(persistent), f"{sum(p.numel for p in persistent):,}", human_bytes(shards), human_bytes(grads),
              f"{chosen} set" if (chosen := heap.user_choice(os.environ)) else "its own (dynamic)", changed)
-    if said := offload.describe(engine.config):
+    if said := offload.describe(engine.config, engine.store.host,
+                                pinned=engine.offload is not None and engine.offload.non_blocking):
         LOG.info("fz3: offload: %s", said)
 
 

@@ -1,10 +1,16 @@
 """Runs fz3/core/offload.py's schedule: the optimizer stepped a sub-group at a time, the offloaded
 sub-groups' fp32 masters and optimizer state read from and written to the disk tier
-(fz3/data/swap.py) around their step.
+(fz3/data/swap.py) around their step, and with a host step the grads copied to the host and the
+stepped masters copied back into the device's compute shards around it.
 
-    OptimizerOffload.build(engine)   None unless offload_optimizer.device is "nvme"; at build the
-                                     offloaded masters go to disk (their state does not exist
-                                     until the first step makes it)
+    offload_host(config, device, options)   where the masters live when the optimizer steps in
+                                     host memory apart from the ranks' device (the store's `host`):
+                                     the CPU, for "cpu" or "nvme" on an accelerator's ranks (or on
+                                     CPU ranks under Options(host_step=True)); None otherwise
+    OptimizerOffload.build(engine)   None unless offload_optimizer.device is "nvme" or the
+                                     optimizer steps on the host; at build the offloaded masters
+                                     go to disk (their state does not exist until the first step
+                                     makes it)
     offload.step(no_grad)            the optimizer step: the schedule's effects, in order; each
                                      Step is optimizer.step() over that sub-group's masters
                                      ([Note: a step in parts], flat_step.py), then its compute
@@ -24,9 +30,12 @@ so they are on disk with their sub-groups, and a gather reads each param's shard
 sub-group's file (`store.shard`, fz3/data/store.py) as it sends it: the shards leave memory too.
 
 "cpu" on CPU ranks: the masters, the state and the params already live in host memory, so
-nothing moves, and the log says so once (`describe`). On an accelerator's ranks the host-stepped
-optimizer is not built yet, nor the staging of NVMe through the host: both are refused at
-initialize, by name.
+nothing moves, and the log says so once (`describe`). On an accelerator's ranks (ZeRO-Offload)
+the grads are reduced on the device and clipped there, then each sub-group's are copied to its
+host buffers (all issued at the step's start, each awaited before its sub-group steps), the
+optimizer (the user's, torch's CPU kernels) steps the host masters, and each stepped sub-group
+is copied back into its compute shards while the next one steps; "nvme" is staged through the
+same host memory. `pin_memory` makes the host buffers pinned, so the copies are asynchronous.
 """
 from __future__ import annotations
 
@@ -37,7 +46,8 @@ from typing import Iterator
 import torch
 
 from fz3.core import offload
-from fz3.core.offload import AwaitRead, AwaitWrite, Read, Step, Write
+from fz3.core.offload import (AwaitGrads, AwaitParams, AwaitRead, AwaitWrite, GradsToHost, ParamsToDevice, Read,
+                              Step, Write)
 from fz3.data.swap import DiskTier
 
 # optimizer states per element, fp32, for the free-space check (an optimizer not named here is
@@ -46,13 +56,28 @@ STATES = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.Adamax: 2, torc
           torch.optim.RAdam: 2, torch.optim.Adagrad: 1, torch.optim.RMSprop: 1}
 
 
+def offload_host(config, device: torch.device, options) -> torch.device | None:
+    """The host memory the optimizer steps in, apart from the ranks' `device`; None where the
+    masters stay with the rest (no optimizer offload, CPU ranks, fz3.plan's meta device)."""
+    if config.offload_optimizer.device == "none" or device.type == "meta":
+        return None
+    return torch.device("cpu") if device.type != "cpu" or options.host_step else None
+
+
 class OptimizerOffload:
-    def __init__(self, engine, groups: tuple[offload.SubGroup, ...], disk: DiskTier) -> None:
+    def __init__(self, engine, groups: tuple[offload.SubGroup, ...], disk: DiskTier | None) -> None:
         self.store, self.flat_steps = engine.store, engine.flat_steps
         cfg = engine.config.offload_optimizer
         self.groups = groups
-        self.effects = offload.schedule(groups, read_ahead=cfg.pipeline_read, write_behind=cfg.pipeline_write)
+        self.host = self.store.host is not None
+        self.effects = offload.schedule(groups, read_ahead=cfg.pipeline_read, write_behind=cfg.pipeline_write,
+                                        host=self.host)
         self.disk = disk
+        self.device = engine.accelerator  # its events say when a copy to or from it has landed
+        self.non_blocking = self.store.segments[0].masters.is_pinned() if self.store.segments else False
+        self.events: dict[tuple[str, int], object] = {}  # copies in flight: ("grads" | "params", sub-group)
+        self.copied = {"bytes_to_host": 0, "bytes_to_device": 0, "copies_to_host": 0, "copies_to_device": 0}
+        self.last_copied = dict(self.copied)
         # by sub-group: its params (each a master, a compute shard to refresh) and their segments
         self.segments = [frozenset(g.segments) for g in groups]
         self.params = [tuple(p for s in g.segments for p in self.store.segments[s].params) for g in groups]
@@ -72,36 +97,38 @@ class OptimizerOffload:
             if g.offloaded:
                 self._write(i)
                 self.disk.await_write(i)
-        self.mark = disk.stats()  # what a step's figures count from (stats: the last step's)
+        self.mark = self._disk_stats()  # what a step's figures count from (stats: the last step's)
 
     @classmethod
     def build(cls, engine) -> "OptimizerOffload | None":
         cfg, store = engine.config.offload_optimizer, engine.store
         if engine.transport is None:  # fz3.plan's engine: nothing to move, nothing on disk
             return None
-        on_cpu = engine.store.device.type == "cpu"
-        for name, section in (("offload_optimizer", cfg), ("offload_param", engine.config.offload_param)):
-            if section.device == "cpu" and not on_cpu:
-                raise ValueError(f"zero_optimization.{name}.device = 'cpu' on {engine.store.device}: fz3 does not yet "
-                                 "step the optimizer on the host for accelerator ranks (issue #47); use 'none', or "
-                                 "'nvme' for the optimizer")
+        host = store.host is not None
+        if engine.config.offload_param.device != "none" and store.device.type != "cpu":
+            raise ValueError(f"zero_optimization.offload_param.device = {engine.config.offload_param.device!r} on "
+                             f"{store.device}: fz3 keeps an accelerator's compute shards on the device (the "
+                             "optimizer's offload to 'cpu' or 'nvme' works there); set offload_param.device 'none'")
         if engine.config.offload_param.device == "nvme":
-            if cfg.device != "nvme" or engine.config.compute_dtype != "fp32":
+            if cfg.device != "nvme" or engine.config.compute_dtype != "fp32" or host:
                 raise ValueError(
                     f"zero_optimization.offload_param.device = 'nvme' with offload_optimizer.device = {cfg.device!r} "
                     f"and compute dtype {engine.config.compute_dtype}: fz3's gathers read the params on NVMe from "
                     "the optimizer's files, where the fp32 masters are the shards; set offload_optimizer.device "
                     "'nvme' too and compute in fp32, or offload the optimizer alone")
-        if cfg.device != "nvme":
+        if cfg.device == "cpu" and host and cfg.ratio < 1:
+            raise ValueError(f"zero_optimization.offload_optimizer.ratio = {cfg.ratio} with device 'cpu' on "
+                             f"{store.device}: fz3 steps every sub-group on the host, and keeps none of the "
+                             "optimizer on the device; set ratio 1 (the default), or offload_optimizer.device 'none'")
+        if cfg.device != "nvme" and not host:
             return None
-        if not on_cpu:
-            raise ValueError(f"zero_optimization.offload_optimizer.device = 'nvme' on {engine.store.device}: fz3's disk "
-                             "tier reads and writes host memory, and the staging of an accelerator's shards through "
-                             "the host is not built yet (issue #47); use 'none' there")
         runs: list[list[tuple[int, int]]] = [[] for _ in store.runs]
         for k, seg in enumerate(store.segments):
             runs[seg.run].append((k, seg.masters.numel()))
-        groups = offload.sub_groups(runs, sub_group_size=engine.config.sub_group_size, ratio=cfg.ratio)
+        groups = offload.sub_groups(runs, sub_group_size=engine.config.sub_group_size, ratio=cfg.ratio,
+                                    offload=cfg.device == "nvme")
+        if cfg.device != "nvme":
+            return cls(engine, groups, None)
         numel = sum(g.numel for g in groups if g.offloaded)
         states = STATES.get(type(engine.optimizer))
         if states is None and isinstance(engine.optimizer, torch.optim.SGD):
@@ -122,17 +149,37 @@ class OptimizerOffload:
                     self.disk.read(i)
                 case AwaitRead(group=i):
                     self.disk.await_read(i)
+                case GradsToHost(group=i):
+                    n = self.store.grads_to_host(sorted(self.segments[i]), non_blocking=self.non_blocking)
+                    self._copied(("grads", i), "host", n)
+                case AwaitGrads(group=i) | AwaitParams(group=i):
+                    self.events.pop(("grads" if isinstance(e, AwaitGrads) else "params", i)).synchronize()
                 case Step(group=i):
                     self.flat_steps.part(flat, self.segments[i])
-                    self.store.refresh_shards(self.params[i])
+                    if not self.host:  # else ParamsToDevice copies them
+                        self.store.refresh_shards(self.params[i])
+                case ParamsToDevice(group=i):
+                    self.store.refresh_shards(self.params[i], non_blocking=self.non_blocking)
+                    self._copied(("params", i), "device",
+                                 sum(self.store.shards[p].numel() * self.store.shards[p].element_size()
+                                     for p in self.params[i]))
                 case Write(group=i):
                     self._write(i)
                 case AwaitWrite(group=i):
                     self.disk.await_write(i)
         self.flat_steps.end(flat)
-        after = self.disk.stats()  # since the last step: its gathers' reads (params on NVMe) and its own
-        self.last = {k: after[k] - self.mark[k] for k in after}
+        after = {**self._disk_stats(), **self.copied}  # since the last step: its gathers' reads
+        self.last = {k: after[k] - self.mark.get(k, 0) for k in after}  # (params on NVMe) and its own
         self.mark = after
+
+    def _copied(self, key: tuple[str, int], to: str, nbytes: int) -> None:
+        """A copy to the host or the device issued: its event, for the await; its bytes counted."""
+        self.events[key] = self.device.record_event()
+        self.copied[f"bytes_to_{to}"] += nbytes
+        self.copied[f"copies_to_{to}"] += 1
+
+    def _disk_stats(self) -> dict[str, float]:
+        return self.disk.stats() if self.disk is not None else {}
 
     def _shard_from_disk(self, p: int) -> torch.Tensor:
         """Param p's shard (its fp32 master), read from its sub-group's file for a gather."""
@@ -153,7 +200,7 @@ class OptimizerOffload:
     def resident(self) -> Iterator[None]:
         """Every offloaded sub-group in memory for the block, written back after it (with the
         state the block made or replaced)."""
-        ins = [i for i, g in enumerate(self.groups) if g.offloaded and self.disk.on_disk(i)]
+        ins = [i for i, g in enumerate(self.groups) if g.offloaded and self.disk.on_disk(i)]  # none without a disk
         for i in ins:
             self.disk.read(i)
         for i in ins:
@@ -166,18 +213,26 @@ class OptimizerOffload:
                 self.disk.await_write(i)
 
     def stats(self) -> dict[str, float]:
-        total = self.disk.stats()
-        return {**total, **{f"step_{k}": v for k, v in self.last.items()},
+        total = {**self._disk_stats(), **(self.copied if self.host else {})}
+        return {**total, **{f"step_{k}": v for k, v in self.last.items() if k in total},
                 "offloaded_subgroups": sum(g.offloaded for g in self.groups), "subgroups": len(self.groups)}
 
     def close(self) -> None:
-        self.disk.close()
+        if self.disk is not None:
+            self.disk.close()
 
 
-def describe(config) -> str:
-    """The log's word on offload (fz3/shell/log.py), "" without it."""
+def describe(config, host: torch.device | None = None, pinned: bool = False) -> str:
+    """The log's word on offload (fz3/shell/log.py), "" without it. `host`: the store's (the
+    optimizer steps in host memory apart from the device)."""
     parts = []
+    if host is not None:
+        parts.append(f"the optimizer steps on the host ({'pinned' if pinned else 'pageable'} buffers): each "
+                     "sub-group's grads are copied there before its step and its stepped masters back into the "
+                     "compute shards while the next one steps")
     for name, section in (("offload_optimizer", config.offload_optimizer), ("offload_param", config.offload_param)):
+        if section.device == "cpu" and host is not None and name == "offload_optimizer":
+            continue
         if section.device == "cpu":
             parts.append(f"{name} 'cpu': the ranks compute on the CPU, where these already live; nothing moves")
         elif section.device == "nvme" and name == "offload_param":
