@@ -9,8 +9,9 @@
 #   2. DIR/env.txt: the GPU, driver, torch, CUDA and NCCL versions, fz3's device and backend pick
 #   3. DIR/parity.txt (+ parity.xml): the parity suite (tests/test_parity.py) at world 1 on the
 #      device, fz3 against single-process training (one GPU cannot host two NCCL ranks)
-#   4. DIR/steps.md (+ steps.json): bench/gpu_steps.py, fz3 against DDP and FSDP2 on the device
-#      (the deep narrow and the small benchmark GPTs), step time and peak device memory
+#   4. DIR/steps.md (+ steps.json): bench/gpu_steps.py, fz3 (and fz3 with the optimizer offloaded
+#      to the host) against DDP and FSDP2 on the device (the deep narrow and the small benchmark
+#      GPTs), step time and peak device memory
 #
 #   --out DIR   where the files go (default: $OUT if set, else bench/out/gpu)
 #   --cpu       the CPU half (FZ3_DEVICE=cpu, gloo): what CI runs (tests/test_gpu_script.py)
@@ -19,7 +20,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
 out="${OUT:-bench/out/gpu}"; device=cuda; quick=0
 while [ $# -gt 0 ]; do
   case "$1" in

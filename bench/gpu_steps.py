@@ -1,6 +1,6 @@
 """Step time and peak memory of fz3, DDP and FSDP2 on one device: the table bench/gpu.sh writes.
 
-    python bench/gpu_steps.py --device cuda [--models deep,small] [--systems fz3,ddp,fsdp2]
+    python bench/gpu_steps.py --device cuda [--models deep,small] [--systems fz3,fz3-offload,ddp,fsdp2]
                               [--rounds 2] [--warmup 5] [--steps 20] [--out DIR]
 
 World 1 (one GPU cannot host two NCCL ranks): each system is one rank of fz3.launch.run on its
@@ -10,6 +10,10 @@ compute is cheap. Launches are interleaved (round r runs every system, reversed 
 each cell is the median of the launches' median step times. Peak memory: the device's
 max_memory_allocated on cuda, ru_maxrss on cpu (a stats launch). `--device cpu` runs the same
 code on gloo: what CI checks (tests/test_gpu_script.py), not a figure to report.
+`fz3-offload` is fz3 with offload_optimizer "cpu": on the device, the optimizer stepped on the host
+(the grads copied to pinned host buffers, the stepped values back; fz3/core/offload.py `host`);
+its peak is the device's, without the fp32 masters and the optimizer state. On cpu it runs the
+same path with Options(host_step=True).
 Writes DIR/steps.json and DIR/steps.md.
 """
 from __future__ import annotations
@@ -23,7 +27,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # systems.* (spawned ranks inherit sys.path)
 
-SYSTEMS = {"fz3": "fz3_z3", "ddp": "ddp", "fsdp2": "fsdp2"}
+SYSTEMS = {"fz3": "fz3_z3", "fz3-offload": "fz3_z3", "ddp": "ddp", "fsdp2": "fsdp2"}
+OPTIONS = {"fz3": {"config": {}},
+           "fz3-offload": {"config": {"offload_optimizer": {"device": "cpu"}, "host_step": True}}}
 
 
 def launch(system: str, spec: dict) -> list[dict]:
@@ -35,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), required=True)
     ap.add_argument("--models", default="deep,small")
-    ap.add_argument("--systems", default="fz3,ddp,fsdp2")
+    ap.add_argument("--systems", default="fz3,fz3-offload,ddp,fsdp2")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
@@ -59,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for system in (systems if r % 2 == 0 else systems[::-1]):
                 out = launch(system, {"model": model, "warmup": args.warmup, "steps": args.steps, "mode": "time",
-                                      "options": {"config": {}} if system == "fz3" else {}})[0]
+                                      "options": OPTIONS.get(system, {})})[0]
                 medians[system].append(statistics.median(out["times"]) * 1e3)
                 losses[system] = out["losses"][-1]
         for system in systems:
             stats = launch(system, {"model": model, "warmup": 2, "steps": 3, "mode": "stats",
-                                    "options": {"config": {}} if system == "fz3" else {}})[0]
+                                    "options": OPTIONS.get(system, {})})[0]
             peak = stats.get("peak_device_bytes", stats.get("peak_rss", 0))
             rows.append({"model": model, "system": system, "device": args.device,
                          "median_ms": statistics.median(medians[system]), "launch_medians_ms": medians[system],
