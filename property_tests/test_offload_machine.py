@@ -66,6 +66,29 @@ def freed_while_copied_to_the_device(groups, **flags):
     return tuple(out)
 
 
+_reads, _position = offload.param_reads, offload.queue_position
+
+
+def reads_past_the_budget(queue, start, sizes, *, pending, budget):
+    """Planted: reading ahead forgets what is already read and not yet taken."""
+    return _reads(queue, start, sizes, pending={}, budget=budget)
+
+
+def reads_one_late(queue, start, sizes, *, pending, budget):
+    """Planted: the read-ahead starts one param after the next gather's."""
+    return _reads(queue, start + 1, sizes, pending=pending, budget=budget)
+
+
+def nothing_passed_over(pending, at):
+    """Planted: a read whose gather never came is held for good."""
+    return ()
+
+
+def position_from_the_start(index, p, pos):
+    """Planted: a gather is placed at p's first occurrence, so the backward's reads start in the forward."""
+    return _position(index, p, 0)
+
+
 def ratio_off_by_one(runs, *, sub_group_size, ratio=1.0, offload=True):
     """Planted: one sub-group fewer offloaded than DeepSpeed's int((1 - ratio) * n) rule."""
     groups = _cut(runs, sub_group_size=sub_group_size, ratio=ratio, offload=offload)
@@ -87,6 +110,10 @@ def cut_after_the_size(runs, *, sub_group_size, ratio=1.0, offload=True):
     ("fz3.core.offload:schedule", stepping_before_the_grads_land, "not landed on the host"),
     ("fz3.core.offload:schedule", last_params_not_sent, "on the device"),
     ("fz3.core.offload:schedule", freed_while_copied_to_the_device, "gone to disk"),
+    ("fz3.core.offload:param_reads", reads_past_the_budget, "read twice at once|over the budget"),
+    ("fz3.core.offload:param_reads", reads_one_late, "waited on the disk|read for the gather at"),
+    ("fz3.core.offload:queue_position", position_from_the_start, "the gather is at"),
+    ("fz3.core.offload:passed_over", nothing_passed_over, "reads for gathers past|read for the gather at"),
     ("fz3.core.offload:sub_groups", ratio_off_by_one, "DeepSpeed's cut"),
     ("fz3.core.offload:sub_groups", cut_after_the_size, "DeepSpeed's cut"),
 ])

@@ -6,6 +6,11 @@ loop of `_optimizer_states_and_gradient_swap_in` / `_optimizer_step` / `..._swap
     sub_groups(runs, sub_group_size=, ratio=)   the optimizer's sub-groups, each offloaded or not
     schedule(groups, read_ahead=, write_behind=, host=)  the effects of one optimizer step
     budget(read_ahead, write_behind)             offloaded sub-groups in memory at once, at most
+    param_reads(queue, start, sizes, pending=, budget=)  the param shards on disk to read ahead
+                                                 of the gathers (offload_param "nvme")
+    passed_over(pending, at)                     reads whose gather never came, to let go
+    gather_queue(plan_queue, reused)             the trace's fetches that gather (not those kept)
+    queue_index(queue) / queue_position(index, p, pos)   where a gather of p stands in the queue
 
 A sub-group is whole segments of one optimizer param group (fz3/data/store.py: a segment is a
 few whole shards whose masters and grads are one tensor each), taken in order until their numel
@@ -46,10 +51,25 @@ each sub-group steps once and every offloaded one ends on the slower tier, and t
 equal a step without offload; with `host`, nothing steps on grads that have not landed on the
 host, every stepped sub-group reaches the device before the step returns, and no host memory goes
 to disk while a copy to the device still reads it.
+
+Params on NVMe: a gather sends each param's shard, which lives on disk with its sub-group. The
+trace's queue (fz3/core/param/trace.py: every param in the order the pass fetches it) says what
+the gathers want next, less the fetches that find their param still gathered (kept for reuse
+by the step before: `gather_queue`). Each time a gather takes a param's shard, `queue_position` finds where in
+the queue that gather stands (p's next occurrence from the last one taken; from the queue's start
+when a new pass begins), and `param_reads` picks the shards to start reading after it, in order,
+while the shards read or being read stay within `budget` elements (prefetch_bucket_size), so a
+gather finds its shards read ahead instead of waiting on the disk. A read whose gather never came
+(the param stayed gathered: reuse, persistence) is let go once a gather past it takes a shard
+(`passed_over`). The machine fz3/testing/offload_machine.py
+(`gather_pass`) runs drawn passes against it, some gathers skipped: the budget holds, no shard
+is read twice at once, no read outlives its gather, and with a budget of two units every gather
+after a pass's first finds its shards read.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+import bisect
+from typing import AbstractSet, Mapping, NamedTuple, Sequence
 
 
 class SubGroup(NamedTuple):
@@ -125,6 +145,69 @@ def budget(read_ahead: bool, write_behind: bool) -> int:
     """Offloaded sub-groups in memory at once, at most: the one stepping, the one read ahead,
     the one still being written."""
     return 1 + int(read_ahead) + int(write_behind)
+
+
+def param_reads(queue: Sequence[int], start: int, sizes: Mapping[int, int], *, pending: Mapping[int, int],
+                budget: int) -> tuple[tuple[int, int], ...]:
+    """The params of `queue[start:]` (ParamIds in fetch order; those in `sizes`, the shards on
+    disk, by numel) to start reading now, as (queue index, param), in order: each not in
+    `pending` (param -> the index it was read for, not yet taken by its gather) once, while
+    `pending`'s elements and theirs stay within `budget`. It stops at the first that does not
+    fit, so the reads keep the queue's order: the next gather's shards are never passed over for
+    a later one's."""
+    used = sum(sizes[p] for p in pending)
+    out: list[tuple[int, int]] = []
+    taken = set(pending)
+    for i in range(start, len(queue)):
+        p = queue[i]
+        if p in taken or p not in sizes:
+            continue
+        if used + sizes[p] > budget:
+            break
+        out.append((i, p))
+        taken.add(p)
+        used += sizes[p]
+    return tuple(out)
+
+
+def passed_over(pending: Mapping[int, int], at: int) -> tuple[int, ...]:
+    """The params read ahead for a gather before queue index `at` that never took them (the
+    param stayed gathered, or the pass went another way): let go, so they hold no budget."""
+    return tuple(p for p, i in pending.items() if i < at)
+
+
+def gather_queue(plan_queue: Sequence[tuple[int, int]], reused: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The ParamIds of a TracePlan's queue ((step, param) in fetch order) whose fetch gathers:
+    all but those whose last fetch, at step s, kept the param for reuse (p in `reused[s]`:
+    fz3/core/param/release.py `_keep_for_reuse`)."""
+    last: dict[int, int] = {}
+    kept = [frozenset(r) for r in reused]
+    out = []
+    for step, p in plan_queue:
+        prev = last.get(p)
+        if prev is None or p not in kept[prev]:
+            out.append(p)
+        last[p] = step
+    return tuple(out)
+
+
+def queue_index(queue: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """Each ParamId of `queue` -> its indices there, in order (for `queue_position`)."""
+    index: dict[int, list[int]] = {}
+    for i, p in enumerate(queue):
+        index.setdefault(p, []).append(i)
+    return {p: tuple(ix) for p, ix in index.items()}
+
+
+def queue_position(index: Mapping[int, Sequence[int]], p: int, pos: int) -> int | None:
+    """The queue index of the gather taking p now: p's first occurrence at or after `pos` (just
+    past the last one taken), else its first (a new pass); None if p is not in the queue (the
+    pass departed from the trace: nothing is read ahead)."""
+    ix = index.get(p)
+    if not ix:
+        return None
+    k = bisect.bisect_left(ix, pos)
+    return ix[k] if k < len(ix) else ix[0]
 
 
 def schedule(groups: Sequence[SubGroup], *, read_ahead: bool = False, write_behind: bool = False,

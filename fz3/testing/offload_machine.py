@@ -6,7 +6,10 @@ schedule, run against a model of the tiers.
                  optimizer steps on the host for an accelerator's ranks (`host`: then the grads
                  and the compute shards are on the device, a third tier)
     rules        step(): one optimizer step's schedule, executed on the model; pipeline(): new
-                 read_ahead / write_behind, as a config change between runs
+                 read_ahead / write_behind, as a config change between runs; gather_pass(): the
+                 segments as params on disk, gathered unit by unit in a drawn forward and its
+                 backward, each shard taken from what `param_reads` read ahead or, missing, read
+                 then
     checks       every sub-group is in one tier at a time: on disk, being read, in memory or
                  being written (a Read only from disk, an AwaitRead only of a read, a Write only
                  of what is in memory, an AwaitWrite only of a write); nothing steps before its
@@ -16,7 +19,10 @@ schedule, run against a model of the tiers.
                  offloaded share are DeepSpeed's (NaiveCut, transcribed); with `host`, nothing
                  steps before its grads have landed on the host, each sub-group's grads are
                  copied once, every stepped sub-group's values reach the device before the step
-                 returns, and a copy to the device never reads host memory gone to disk
+                 returns, and a copy to the device never reads host memory gone to disk; in a
+                 pass, the shards read ahead stay within the budget, none is read twice at once
+                 or from before the gather taking it, `queue_position` finds each gather, and
+                 with a budget of two units only a pass's first shard waits on the disk
 
 The values: each segment holds an integer, a step maps v -> 3v + g in memory (exact; g the step's
 grad, 1 on the host ranks' own memory, the step's number once copied from a device), a Write
@@ -162,6 +168,57 @@ class OffloadMachine(RuleBasedStateMachine):
             covered("offload", f"{peak} offloaded sub-groups in memory at once (pipelined)")
         elif peak == 1:
             covered("offload", "one sub-group at a time")
+
+    @precondition(lambda self: hasattr(self, "groups") and any(self.runs))
+    @rule(data=st.data())
+    def gather_pass(self, data) -> None:
+        sizes = {s: n for run in self.runs for s, n in run}
+        order = data.draw(st.permutations(sorted(sizes)), label="fetch order")
+        cuts = sorted(set(data.draw(st.lists(st.integers(1, len(order) - 1), max_size=4), label="unit cuts"))
+                      ) if len(order) > 1 else []
+        units = [order[a:b] for a, b in zip([0] + cuts, cuts + [len(order)])]
+        passes = units + units[::-1]  # the forward, then the backward in reverse
+        queue = [p for u in passes for p in u]
+        widest = max(sum(sizes[p] for p in u) for u in units)
+        budget = data.draw(st.integers(0, 3 * widest), label="budget")
+        # gathers that do not come (the param stayed gathered): never the pass's first
+        skipped = data.draw(st.sets(st.integers(1, len(queue) - 1), max_size=3), label="skipped") if len(queue) > 1 \
+            else set()
+        index = offload.queue_index(queue)
+        pending: dict[int, int] = {}  # param -> the queue index it was read for
+        waited, pos = [], 0
+        for at, p in enumerate(queue):
+            if at in skipped:
+                continue
+            here = offload.queue_position(index, p, pos)
+            if not any(i < at for i in skipped):
+                assert here == at, f"queue_position({p}, {pos}) = {here}, the gather is at {at}"
+            else:  # past a skipped gather the place is a guess: p's next occurrence, not past this one
+                assert here is not None and pos <= here <= at and queue[here] == p, (
+                    f"queue_position({p}, {pos}) = {here}, the gather is at {at}")
+            for q in offload.passed_over(pending, here):
+                assert pending[q] < here, f"{q}'s read for {pending[q]} let go at {here}"
+                del pending[q]
+            assert all(i >= here for i in pending.values()), f"at {here}: reads for gathers past, still held: {pending}"
+            if p in pending:
+                i = pending.pop(p)
+                assert i == here, f"{p} was read for the gather at {i}, taken by the one at {here}"
+            else:
+                waited.append(at)
+            reads = offload.param_reads(queue, here + 1, sizes, pending=dict(pending), budget=budget)
+            got = [q for _, q in reads]
+            assert not set(got) & set(pending) and len(set(got)) == len(got), f"{reads}: read twice at once"
+            assert all(i > here and queue[i] == q for i, q in reads), f"{reads}: not gathered after position {here}"
+            pending.update((q, i) for i, q in reads)
+            held = sum(sizes[q] for q in pending)
+            assert held <= budget, f"after {p}'s gather: {held} elements read ahead, over the budget {budget}"
+            pos = here + 1
+        note(f"pass {passes}, sizes {sizes}, budget {budget}, skipped {sorted(skipped)}: waited at {waited}")
+        if budget >= 2 * widest and not skipped:
+            assert waited == [0], f"with a budget of two units ({budget}) the gathers at {waited} waited on the disk"
+            covered("offload", "params read ahead of every gather but a pass's first")
+        elif len(waited) < len(queue) - len(skipped):
+            covered("offload", "params read ahead within a tight budget" + (", gathers skipped" if skipped else ""))
 
     @invariant()
     def tiers_and_values(self) -> None:
