@@ -234,10 +234,13 @@ def test_hf_documented_zero3_json_trains_as_published_on_cpu_ranks(caplog):
     assert got == want
 
 
-def test_params_on_nvme_train_as_in_memory(tmp_path):
+@pytest.mark.parametrize("bucket", [50_000_000, 200])
+def test_params_on_nvme_train_as_in_memory(tmp_path, bucket):
     """offload_param "nvme" with the optimizer on NVMe: the shards leave memory with the masters and
-    every gather reads them from disk; the numbers are those in memory, bit for bit."""
-    base = fz3.Config(param_persistence_threshold=0, sub_group_size=300)
+    every gather reads them from disk, read ahead of it once the trace is recorded (only a pass's
+    first gather waits: the default prefetch_bucket_size holds this model twice over; with 200
+    elements, less than two layers, some wait); the numbers are those in memory, bit for bit."""
+    base = fz3.Config(param_persistence_threshold=0, sub_group_size=300, prefetch_bucket_size=bucket)
     plain = launch.run_threads(_train, 2, args=(base, 3, "adamw"))
     both = base.replace(offload_optimizer=_nvme(tmp_path), offload_param=_nvme(tmp_path))
     off = launch.run_threads(_train, 2, args=(both, 3, "adamw"))
@@ -246,6 +249,8 @@ def test_params_on_nvme_train_as_in_memory(tmp_path):
         s = b["stats"]
         # every step's gathers read the shards: more than the optimizer's own reads
         assert s["step_disk_bytes_read"] > s["step_disk_bytes_written"], s
+        assert s["step_param_reads_ahead"] > 0, s
+        assert s["step_param_reads_waited"] == 1 if bucket > 1000 else s["step_param_reads_waited"] > 1, s
 
 
 def test_params_on_nvme_need_the_optimizer_there_in_fp32(tmp_path):

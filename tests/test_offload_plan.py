@@ -49,8 +49,11 @@ def test_with_params_on_nvme_the_plan_counts_the_gathers_reads(tmp_path):
                           offload_param={"device": "nvme", "nvme_path": str(tmp_path)})
     p = fz3.plan(_net(), config, world_size=2, example_inputs=(X,), steps=2)
     real = launch.run_threads(_run, 2, args=(config,))[0]
+    # read ahead of the gathers, each shard once: a fetch that finds its param kept reads nothing
     assert p.steps[1]["disk_read_bytes"] == real[1]["step_disk_bytes_read"] > p.steps[1]["disk_written_bytes"]
+    assert real[1]["step_param_reads_ahead"] > 0
     assert p.steps[1]["param_shards"] == 0  # the shards are the masters, on disk
+    assert 0 < p.steps[1]["param_read_ahead_bytes"] <= 4 * config.prefetch_bucket_size
 
 
 def test_given_the_memory_the_plan_chooses_the_smallest_ratio_that_fits():

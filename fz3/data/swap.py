@@ -10,6 +10,7 @@ nothing is built at first use).
     disk.read(key)                their memory again, filled from the file, in the background
     disk.await_read(key)          the read has landed
     disk.read_range(key, offset, into)   some bytes of a file into a tensor, now (a param's shard)
+    f = disk.read_range_async(key, offset, into); disk.await_range(f)   the same, in the background
     disk.stats()                  bytes read and written, seconds waited on the disk
     disk.close()                  files and folder removed (also when the tier is collected, at
                                   exit, and after a failed write; a process that ends by
@@ -101,6 +102,23 @@ class DiskTier:
         """Read bytes [offset, offset + into's bytes) of `key`'s file into `into` (a CPU tensor)
         now, on this thread: one param's shard for a gather."""
         start = time.perf_counter()
+        self._read_range(key, offset, into)
+        self.bytes_read += into.numel() * into.element_size()
+        self.wait_seconds += time.perf_counter() - start
+
+    def read_range_async(self, key: object, offset: int, into: torch.Tensor) -> Future:
+        """`read_range` on the tier's threads: a param's shard read ahead of its gather."""
+        self.bytes_read += into.numel() * into.element_size()
+        return self.pool.submit(self._read_range, key, offset, into)
+
+    def await_range(self, future: Future) -> None:
+        start = time.perf_counter()
+        try:
+            future.result()
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+    def _read_range(self, key: object, offset: int, into: torch.Tensor) -> None:
         n = into.numel() * into.element_size()
         fd = os.open(self.file(key), os.O_RDONLY)
         try:
@@ -114,8 +132,6 @@ class DiskTier:
             os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        self.bytes_read += n
-        self.wait_seconds += time.perf_counter() - start
 
     def on_disk(self, key: object) -> bool:
         """`key` was written and its memory given back."""

@@ -194,18 +194,21 @@ def _offloaded(step: dict[str, int], of, engine) -> dict[str, int]:
     """A step's figures with the offloaded sub-groups' masters and state on disk, and the step's
     working set of them in memory (fz3/observe/offload_plan.py). Params on NVMe too: each
     gather reads its shards (gathered bytes / world size) from disk, in the share of the masters
-    that is offloaded (all of them at ratio 1)."""
+    that is offloaded (all of them at ratio 1), and up to prefetch_bucket_size elements of them
+    are held read ahead of their gathers (fz3/core/offload.py `param_reads`)."""
     step = dict(step)
     state_off = of.bytes_offloaded - of.masters_offloaded
     masters = 4 * sum(m.numel() for m, t in zip(engine.store.masters, engine.store.trainable) if t)
     step["param_shards"] -= of.masters_offloaded
     step["optimizer_state_bytes"] = max(0, step["optimizer_state_bytes"] - state_off)
-    shard_reads = 0
+    shard_reads = read_ahead = 0
     if engine.config.offload_param.device == "nvme" and masters:
         shard_reads = step["gathered_bytes"] // engine.world_size * of.masters_offloaded // masters
+        read_ahead = min(4 * engine.config.prefetch_bucket_size, of.masters_offloaded)
     step.update(offloaded_bytes=of.bytes_offloaded, disk_read_bytes=of.disk_read + shard_reads,
-                disk_written_bytes=of.disk_written, offload_working_bytes=of.working_set)
-    step["model_state_peak_bytes"] += of.working_set - of.bytes_offloaded
+                disk_written_bytes=of.disk_written, offload_working_bytes=of.working_set,
+                param_read_ahead_bytes=read_ahead)
+    step["model_state_peak_bytes"] += of.working_set - of.bytes_offloaded + read_ahead
     return step
 
 
@@ -345,7 +348,8 @@ ROWS = (("all-gathers", "all_gather"), ("  on demand", "all_gather_on_demand"),
         ("model states at the peak", "model_state_peak_bytes"))
 OFFLOAD_ROWS = (("optimizer on disk (masters + state)", "offloaded_bytes"), ("read from disk per step", "disk_read_bytes"),
                 ("written to disk per step", "disk_written_bytes"),
-                ("offloaded sub-groups in memory at once", "offload_working_bytes"))
+                ("offloaded sub-groups in memory at once", "offload_working_bytes"),
+                ("param shards read ahead of their gathers", "param_read_ahead_bytes"))
 
 
 STAGE_WORDS = {0: "params, grads and optimizer state whole on every rank",

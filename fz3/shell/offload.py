@@ -26,8 +26,11 @@ stepped masters copied back into the device's compute shards around it.
                                      step's passes, their gathers' reads included, and its own)
 
 offload_param "nvme" (with the optimizer on NVMe, in fp32): the compute shards are the masters,
-so they are on disk with their sub-groups, and a gather reads each param's shard from its
+so they are on disk with their sub-groups, and a gather takes each param's shard from its
 sub-group's file (`store.shard`, fz3/data/store.py) as it sends it: the shards leave memory too.
+Once the trace is recorded, each shard a gather takes sets off the reads of the shards the next
+gathers will want, within prefetch_bucket_size elements (fz3/core/offload.py `param_reads`), so
+the gathers find them read; stats() counts `param_reads_ahead` and `param_reads_waited`.
 
 "cpu" on CPU ranks: the masters, the state and the params already live in host memory, so
 nothing moves, and the log says so once (`describe`). On an accelerator's ranks (ZeRO-Offload)
@@ -41,6 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
+from concurrent.futures import Future
 from typing import Iterator
 
 import torch
@@ -77,7 +82,6 @@ class OptimizerOffload:
         self.non_blocking = self.store.segments[0].masters.is_pinned() if self.store.segments else False
         self.events: dict[tuple[str, int], object] = {}  # copies in flight: ("grads" | "params", sub-group)
         self.copied = {"bytes_to_host": 0, "bytes_to_device": 0, "copies_to_host": 0, "copies_to_device": 0}
-        self.last_copied = dict(self.copied)
         # by sub-group: its params (each a master, a compute shard to refresh) and their segments
         self.segments = [frozenset(g.segments) for g in groups]
         self.params = [tuple(p for s in g.segments for p in self.store.segments[s].params) for g in groups]
@@ -91,6 +95,16 @@ class OptimizerOffload:
                 for p in self.store.segments[s].params:
                     self.where[p] = (i, offset + self.store.masters[p].storage_offset() * 4)
                 offset += self.store.segments[s].masters.numel() * 4
+        # params on NVMe read ahead of their gathers (offload.param_reads, from the trace's queue):
+        # by param, the queue index it was read for, the read in flight and the shard it fills
+        self.engine = weakref.ref(engine)  # the trace, read at each gather (no cycle: the tier's
+        self.reads: dict[int, tuple[int, Future, torch.Tensor]] = {}  # files go with the engine)
+        self.read_budget = engine.config.prefetch_bucket_size
+        self.disk_numel = {p: self.store.masters[p].numel() for i, g in enumerate(groups) if g.offloaded
+                           for p in self.params[i] if not engine.spec.params[p].persistent}
+        self.queue: tuple[object, tuple[int, ...], dict[int, tuple[int, ...]]] = (None, (), {})  # plan, its queue
+        self.pos = 0  # just past the queue index of the last gather that took a shard
+        self.read_counts = {"param_reads_ahead": 0, "param_reads_waited": 0}
         if engine.config.offload_param.device == "nvme":
             self.store.from_disk = self._shard_from_disk
         for i, g in enumerate(groups):  # nothing to step yet: the masters alone go to disk
@@ -142,6 +156,7 @@ class OptimizerOffload:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self, no_grad: tuple[int, ...]) -> None:
+        self._drop_reads()
         flat = self.flat_steps.begin(no_grad)
         for e in self.effects:
             match e:
@@ -168,7 +183,7 @@ class OptimizerOffload:
                 case AwaitWrite(group=i):
                     self.disk.await_write(i)
         self.flat_steps.end(flat)
-        after = {**self._disk_stats(), **self.copied}  # since the last step: its gathers' reads
+        after = {**self._disk_stats(), **self.copied, **self.read_counts}  # since the last step: its gathers' reads
         self.last = {k: after[k] - self.mark.get(k, 0) for k in after}  # (params on NVMe) and its own
         self.mark = after
 
@@ -182,11 +197,50 @@ class OptimizerOffload:
         return self.disk.stats() if self.disk is not None else {}
 
     def _shard_from_disk(self, p: int) -> torch.Tensor:
-        """Param p's shard (its fp32 master), read from its sub-group's file for a gather."""
-        i, offset = self.where[p]
-        out = torch.empty(self.store.masters[p].numel(), dtype=torch.float32)
-        self.disk.read_range(i, offset, out)
+        """Param p's shard (its fp32 master) for a gather: read ahead if the trace foresaw it, else
+        read from its sub-group's file now; then the reads ahead of the gathers to come."""
+        read = self.reads.pop(p, None)
+        if read is not None:
+            self.disk.await_range(read[1])
+            out = read[2]
+            self.read_counts["param_reads_ahead"] += 1
+        else:
+            i, offset = self.where[p]
+            out = torch.empty(self.store.masters[p].numel(), dtype=torch.float32)
+            self.disk.read_range(i, offset, out)
+            self.read_counts["param_reads_waited"] += 1
+        self._read_ahead(p)
         return out
+
+    def _read_ahead(self, p: int) -> None:
+        """Where the gather taking p stands in the trace's queue (fz3/core/param/trace.py), and
+        the shards to read after it within prefetch_bucket_size (fz3/core/offload.py)."""
+        engine = self.engine()
+        plan = engine.params_state.trace.plan if engine is not None else None
+        if plan is None:  # recording: no order to read ahead in
+            return
+        if self.queue[0] is not plan:
+            queue = offload.gather_queue(plan.queue, plan.reused)
+            self.queue, self.pos = (plan, queue, offload.queue_index(queue)), 0
+        _, queue, index = self.queue
+        here = offload.queue_position(index, p, self.pos)
+        if here is None:
+            return
+        self.pos = here + 1
+        for q in offload.passed_over({q: r[0] for q, r in self.reads.items()}, here):
+            self.disk.await_range(self.reads.pop(q)[1])
+        pending = {q: r[0] for q, r in self.reads.items()}
+        for at, q in offload.param_reads(queue, here + 1, self.disk_numel, pending=pending, budget=self.read_budget):
+            i, offset = self.where[q]
+            into = torch.empty(self.disk_numel[q], dtype=torch.float32)
+            self.reads[q] = (at, self.disk.read_range_async(i, offset, into), into)
+
+    def _drop_reads(self) -> None:
+        """The masters are about to change (a step, a resident block): no shard read before is kept."""
+        for _, future, _ in self.reads.values():
+            self.disk.await_range(future)
+        self.reads.clear()
+        self.pos = 0
 
     def _write(self, i: int) -> None:
         """Start writing sub-group i: its masters and the optimizer's state of them, as they are now."""
@@ -200,6 +254,7 @@ class OptimizerOffload:
     def resident(self) -> Iterator[None]:
         """Every offloaded sub-group in memory for the block, written back after it (with the
         state the block made or replaced)."""
+        self._drop_reads()
         ins = [i for i, g in enumerate(self.groups) if g.offloaded and self.disk.on_disk(i)]  # none without a disk
         for i in ins:
             self.disk.read(i)
@@ -213,7 +268,8 @@ class OptimizerOffload:
                 self.disk.await_write(i)
 
     def stats(self) -> dict[str, float]:
-        total = {**self._disk_stats(), **(self.copied if self.host else {})}
+        total = {**self._disk_stats(), **(self.copied if self.host else {}),
+                 **(self.read_counts if self.store.from_disk is not None else {})}
         return {**total, **{f"step_{k}": v for k, v in self.last.items() if k in total},
                 "offloaded_subgroups": sum(g.offloaded for g in self.groups), "subgroups": len(self.groups)}
 
