@@ -10,10 +10,11 @@ compute is cheap. Launches are interleaved (round r runs every system, reversed 
 each cell is the median of the launches' median step times. Peak memory: the device's
 max_memory_allocated on cuda, ru_maxrss on cpu (a stats launch). `--device cpu` runs the same
 code on gloo: what CI checks (tests/test_gpu_script.py), not a figure to report.
-`fz3-offload` is fz3 with offload_optimizer "cpu": on the device, the optimizer stepped on the host
-(the grads copied to pinned host buffers, the stepped values back; fz3/core/offload.py `host`);
-its peak is the device's, without the fp32 masters and the optimizer state. On cpu it runs the
-same path with Options(host_step=True).
+`fz3-offload` is fz3 with offload_optimizer and offload_param "cpu", as HF's documented ZeRO-3 JSON:
+on the device, the optimizer stepped on the host (the grads copied to pinned host buffers;
+fz3/core/offload.py `host`) and the params' shards kept there, each gather copying its shards to
+the device; its peak is the device's, without the fp32 masters, the optimizer state and the
+shards. On cpu it runs the same path with Options(host_step=True).
 Writes DIR/steps.json and DIR/steps.md.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ sys.path.insert(0, HERE)  # systems.* (spawned ranks inherit sys.path)
 
 SYSTEMS = {"fz3": "fz3_z3", "fz3-offload": "fz3_z3", "ddp": "ddp", "fsdp2": "fsdp2"}
 OPTIONS = {"fz3": {"config": {}},
-           "fz3-offload": {"config": {"offload_optimizer": {"device": "cpu"}, "host_step": True}}}
+           "fz3-offload": {"config": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+                                      "host_step": True}}}
 
 
 def launch(system: str, spec: dict) -> list[dict]:

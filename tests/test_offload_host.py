@@ -105,6 +105,29 @@ def test_the_host_step_issues_the_schedules_copies_and_equals_no_offload(tmp_pat
         assert a["effects"] is None  # no offload, no sub-groups: the flat step
 
 
+def test_params_in_host_memory_are_copied_to_the_device_for_each_gather():
+    """offload_param "cpu" with the host step (HF's documented ZeRO-3 JSON on an accelerator): the
+    compute shards live in host memory beside the masters, so the step copies nothing to the
+    device, and every gather copies its shards there; bit-equal to no offload."""
+    base = fz3.Config(compute_dtype="bf16", param_persistence_threshold=0, sub_group_size=300)
+    plain = launch.run_threads(_train, 2, args=(base, fz3.Options()))
+    both = base.replace(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
+    host = launch.run_threads(_train, 2, args=(both, HOST))
+    for a, b in zip(plain, host):
+        _same(a, b)
+        for s in b["steps"]:
+            assert s["step_bytes_to_device"] == 0 and s["step_bytes_to_host"] == b["grad_bytes"], s
+            # at least one gather of every param a step (the refresh after it, here)
+            assert s["step_param_bytes_to_device"] >= b["shard_bytes"], s
+
+
+def test_params_in_host_memory_without_the_optimizer_there_move_nothing_on_cpu_ranks():
+    """Without the optimizer's offload there is no host step (on an accelerator: refused by name)."""
+    cfg = fz3.Config(param_persistence_threshold=0, offload_param={"device": "cpu"})
+    out = launch.run_threads(_train, 1, args=(cfg, HOST))
+    assert out[0]["effects"] is None
+
+
 def test_cpu_offload_on_cpu_ranks_moves_nothing_without_the_option():
     """Without Options(host_step=True), "cpu" on CPU ranks is where the data already lives."""
     cfg = fz3.Config(param_persistence_threshold=0, offload_optimizer={"device": "cpu"})

@@ -96,3 +96,39 @@ def test_the_command_line_says_whether_the_plan_fits(capsys):
     from fz3.__main__ import main
     assert main(["plan", "examples/05_plan.py:tiny_llama", "--world-size", "2", "--device-memory", "1GiB"]) == 0
     assert "device memory 1.00 GiB a rank: the plan fits" in capsys.readouterr().out
+
+
+def _host_bytes(rank: int, world: int, config: fz3.Config) -> dict:
+    """What a host-step run holds (Options(host_step=True): the accelerator's path on CPU): the
+    host pool (masters, the grads' copies, the optimizer state, the params' shards with
+    offload_param "cpu") and the device pool's shards, after two steps."""
+    model = _net()
+    engine = fz3.initialize(model, torch.optim.AdamW(model.parameters()), config,
+                            options=fz3.Options(host_step=True))
+    for _ in range(2):
+        engine.backward(engine(X).square().mean())
+        engine.step()
+    store = engine.store
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    state = [v for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    shards = nbytes(store.shards)
+    host = nbytes(store.masters) + nbytes(s.host_grads for s in store.segments) + nbytes(state)
+    return {"host": host + (shards if store.params_on_host else 0), "device_shards": 0 if store.params_on_host
+            else shards}
+
+
+@pytest.mark.parametrize("dtype, params", [("fp32", "none"), ("bf16", "none"), ("bf16", "cpu")])
+def test_on_an_accelerator_the_plan_puts_the_optimizer_in_host_memory(dtype, params):
+    """backend nccl with offload_optimizer "cpu": the masters, the optimizer state and the grads'
+    copies leave the device's model states for the host row, byte for byte what a host-step run
+    holds there; the device keeps compute shards of its own (in fp32 too), or none with the
+    params in host memory."""
+    base = BASE.replace(compute_dtype=dtype)
+    config = base.replace(offload_optimizer={"device": "cpu"}, offload_param={"device": params})
+    plain = fz3.plan(_net(), base, world_size=2, example_inputs=(X,), steps=2, backend="nccl").steps[1]
+    p = fz3.plan(_net(), config, world_size=2, example_inputs=(X,), steps=2, backend="nccl")
+    real = launch.run_threads(_host_bytes, 2, args=(config,))[0]
+    s = p.steps[1]
+    assert s["host_bytes"] == real["host"] and s["param_shards"] == real["device_shards"], (s, real)
+    assert s["optimizer_state_bytes"] == 0 and s["model_state_peak_bytes"] < plain["model_state_peak_bytes"]
+    assert "host memory (masters, state, grads' copies)" in p.table()

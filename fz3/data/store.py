@@ -38,7 +38,8 @@ class TensorStore:
     def __init__(self, params: list[nn.Parameter], names: tuple[str, ...], shards: list[torch.Tensor], *,
                  rank: int, world_size: int, compute_dtype: str, device: torch.device,
                  runs: Sequence[Sequence[int]] = (), huge_pages: bool = False, separate_shards: bool = False,
-                 segment_numel: int | None = None, host: torch.device | None = None, pin: bool = False) -> None:
+                 segment_numel: int | None = None, host: torch.device | None = None, pin: bool = False,
+                 params_on_host: bool = False) -> None:
         """`shards` is handed over: each entry is let go once copied into its segment's masters,
         so a model built sharded (fz3.Init) is never held twice over (the copy of a 3.5 B model's
         shards would double what its rank holds at initialize).
@@ -59,6 +60,8 @@ class TensorStore:
         self.device = device
         self.host = host
         home = device if host is None else host  # where the masters live
+        self.params_on_host, self.pin = params_on_host and host is not None, pin
+        self.param_bytes_to_device = 0  # the params' shards copied to the device for their gathers
         self.params, self.names = params, names
         self.spec: ModelSpec | None = None  # the fetch units' spec, and their modules' names
         self.module_names: tuple[str, ...] = ()
@@ -132,7 +135,10 @@ class TensorStore:
             torch._foreach_copy_([self.shards[p] for p in ps], [self.masters[p].detach() for p in ps],
                                  non_blocking=non_blocking)
         else:
-            self.shards = [m.detach().to(device=self.device, dtype=self.dtype, copy=True) for m in self.masters]
+            where = self.host if self.params_on_host else self.device
+            self.shards = [m.detach().to(device=where, dtype=self.dtype, copy=True) for m in self.masters]
+            if self.params_on_host and self.pin:
+                self.shards = [t.pin_memory() for t in self.shards]
 
     def grads_to_host(self, segments: Iterable[int], non_blocking: bool = False) -> int:
         """Copy the grads of `segments` to their host buffers (with `host`); -> bytes copied. A
@@ -148,10 +154,13 @@ class TensorStore:
     def shard(self, p: int) -> torch.Tensor:
         """Param p's compute shard, as a gather sends it: read from disk when its memory is there
         (params on NVMe: the shard is the fp32 master, which the optimizer's sub-group keeps on
-        disk between steps)."""
+        disk between steps), copied to the device when it lives in host memory (`params_on_host`)."""
         shard = self.shards[p]
         if self.from_disk is not None and shard.numel() and shard.untyped_storage().nbytes() == 0:
             return self.from_disk(p)
+        if self.params_on_host:  # in host memory: a copy on the device
+            self.param_bytes_to_device += shard.numel() * shard.element_size()
+            return shard.to(self.device, non_blocking=self.pin, copy=True)
         return shard
 
     def set_full(self, p: int, flat: torch.Tensor) -> None:
@@ -163,7 +172,7 @@ class TensorStore:
         self.full[p] = flat
         self.full_spans.setdefault(_storage(flat), []).append((flat.storage_offset(), flat.numel(), p))
         kept = self.spec is not None and self.spec.params[p].persistent
-        if kept and self.separate and padding(flat.numel(), self.world_size) == 0:
+        if kept and self.separate and not self.params_on_host and padding(flat.numel(), self.world_size) == 0:
             n = self.shards[p].numel()
             self.shards[p] = flat[self.rank * n:(self.rank + 1) * n]
 

@@ -73,6 +73,7 @@ class Plan:
     fits: bool | None = None
     chosen: Config | None = None
     searched: bool = False  # device_memory did not fit and the planner looked for a ratio that does
+    host_step: bool = False  # an accelerator's optimizer steps on the host: model states are the device's
 
     def table(self) -> str:
         """The plan as a text table, per rank, one column per step."""
@@ -184,6 +185,10 @@ def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple
             out.config = out.chosen
         out.offload = offload_plan.figures(engine, state_rate, stepped, ratio)
         out.steps = [_offloaded(s, out.offload, engine) for s in out.steps]
+    if config.offload_optimizer.device != "none" and out.backend != "gloo":
+        out.host_step = True
+        on_disk = out.offload.masters_offloaded if out.offload is not None else 0
+        out.steps = [_host_step(s, engine, on_disk) for s in out.steps]
     if device_memory is not None:
         out.device_memory = device_memory
         out.fits = all(s["model_state_peak_bytes"] <= device_memory for s in out.steps)
@@ -209,6 +214,32 @@ def _offloaded(step: dict[str, int], of, engine) -> dict[str, int]:
                 disk_written_bytes=of.disk_written, offload_working_bytes=of.working_set,
                 param_read_ahead_bytes=read_ahead)
     step["model_state_peak_bytes"] += of.working_set - of.bytes_offloaded + read_ahead
+    return step
+
+
+def _host_step(step: dict[str, int], engine, masters_on_disk: int) -> dict[str, int]:
+    """A step's figures on an accelerator whose optimizer steps on the host (fz3/core/offload.py
+    `host`): the fp32 masters, the optimizer state (what of them is not on disk) and the grads'
+    host copies in host memory (`host_bytes`), and with offload_param "cpu" the compute shards
+    too; the device holds the compute shards (copies of their own, even in fp32) and the rest.
+    The model states at the peak are the device's. `masters_on_disk`: bytes of masters the
+    offload to "nvme" already took out of the step's param_shards."""
+    step = dict(step)
+    store, config = engine.store, engine.config
+    masters = 4 * sum(m.numel() for m in store.masters)
+    grads = 4 * sum(seg.grads.numel() for seg in store.segments)
+    held = step["param_shards"] + step["optimizer_state_bytes"] + step.get("offload_working_bytes", 0)
+    if store.separate:  # the plan's compute shards, beside the masters
+        compute = step["param_shards"] - (masters - masters_on_disk)
+    else:
+        compute = store.dtype.itemsize * sum(m.numel() for p, m in enumerate(store.masters)
+                                             if not engine.spec.params[p].persistent)
+    compute = max(compute, 0)
+    on_host = config.offload_param.device == "cpu"
+    step["host_bytes"] = held - (compute if store.separate else 0) + grads + (compute if on_host else 0)
+    step["model_state_peak_bytes"] += (0 if on_host else compute) - held
+    step["param_shards"] = 0 if on_host else compute
+    step["optimizer_state_bytes"] = 0
     return step
 
 
@@ -350,6 +381,7 @@ OFFLOAD_ROWS = (("optimizer on disk (masters + state)", "offloaded_bytes"), ("re
                 ("written to disk per step", "disk_written_bytes"),
                 ("offloaded sub-groups in memory at once", "offload_working_bytes"),
                 ("param shards read ahead of their gathers", "param_read_ahead_bytes"))
+HOST_ROWS = (("host memory (masters, state, grads' copies)", "host_bytes"),)
 
 
 STAGE_WORDS = {0: "params, grads and optimizer state whole on every rank",
@@ -365,7 +397,7 @@ def _table(p: Plan) -> str:
     names = [f"step {i + 1}" for i in range(len(p.steps))]
     width = max(len(r[0]) for r in ROWS)
     lines = [head, "per rank (every rank runs the same effects)", " " * width + "".join(f"{n:>16}" for n in names)]
-    for label, key in ROWS + (OFFLOAD_ROWS if p.offload is not None else ()):
+    for label, key in ROWS + (OFFLOAD_ROWS if p.offload is not None else ()) + (HOST_ROWS if p.host_step else ()):
         cells = [_fmt(key, s[key]) for s in p.steps]
         lines.append(f"{label:<{width}}" + "".join(f"{c:>16}" for c in cells))
     lines.append("model states at the peak = shards + optimizer state + bucket buffers + module buffers + the "

@@ -135,7 +135,8 @@ class Engine(DeepSpeedSurface):
                                  # params are on disk too (then the gathers read the masters there)
                                  separate_shards=nvme and config.offload_param.device != "nvme",
                                  segment_numel=config.sub_group_size if nvme or host else None, host=host,
-                                 pin=host is not None and device.type != "cpu" and config.offload_optimizer.pin_memory)
+                                 pin=host is not None and device.type != "cpu" and config.offload_optimizer.pin_memory,
+                                 params_on_host=config.offload_param.device == "cpu")
         self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
         self.make_interpreter = interpreter
         self.hook_handles: list = []

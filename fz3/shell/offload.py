@@ -119,10 +119,16 @@ class OptimizerOffload:
         if engine.transport is None:  # fz3.plan's engine: nothing to move, nothing on disk
             return None
         host = store.host is not None
-        if engine.config.offload_param.device != "none" and store.device.type != "cpu":
-            raise ValueError(f"zero_optimization.offload_param.device = {engine.config.offload_param.device!r} on "
-                             f"{store.device}: fz3 keeps an accelerator's compute shards on the device (the "
-                             "optimizer's offload to 'cpu' or 'nvme' works there); set offload_param.device 'none'")
+        param = engine.config.offload_param.device
+        if param == "nvme" and store.device.type != "cpu":
+            raise ValueError(f"zero_optimization.offload_param.device = 'nvme' on {store.device}: fz3 reads an "
+                             "accelerator's params from host memory ('cpu'), not yet from NVMe; set "
+                             "offload_param.device 'cpu' or 'none'")
+        if param == "cpu" and store.device.type != "cpu" and not host:
+            raise ValueError(f"zero_optimization.offload_param.device = 'cpu' with offload_optimizer.device = "
+                             f"{cfg.device!r} on {store.device}: fz3 keeps an accelerator's params in host memory "
+                             "beside the optimizer stepped there; set offload_optimizer.device 'cpu' (or 'nvme') "
+                             "too, or offload_param.device 'none'")
         if engine.config.offload_param.device == "nvme":
             if cfg.device != "nvme" or engine.config.compute_dtype != "fp32" or host:
                 raise ValueError(
@@ -173,9 +179,9 @@ class OptimizerOffload:
                     self.flat_steps.part(flat, self.segments[i])
                     if not self.host:  # else ParamsToDevice copies them
                         self.store.refresh_shards(self.params[i])
-                case ParamsToDevice(group=i):
+                case ParamsToDevice(group=i):  # params in host memory: their shards there, refreshed
                     self.store.refresh_shards(self.params[i], non_blocking=self.non_blocking)
-                    self._copied(("params", i), "device",
+                    self._copied(("params", i), "device", 0 if self.store.params_on_host else
                                  sum(self.store.shards[p].numel() * self.store.shards[p].element_size()
                                      for p in self.params[i]))
                 case Write(group=i):
@@ -183,7 +189,8 @@ class OptimizerOffload:
                 case AwaitWrite(group=i):
                     self.disk.await_write(i)
         self.flat_steps.end(flat)
-        after = {**self._disk_stats(), **self.copied, **self.read_counts}  # since the last step: its gathers' reads
+        after = {**self._disk_stats(), **self.copied, **self.read_counts,
+                 "param_bytes_to_device": self.store.param_bytes_to_device}  # since the last step: its gathers' reads
         self.last = {k: after[k] - self.mark.get(k, 0) for k in after}  # (params on NVMe) and its own
         self.mark = after
 
@@ -269,6 +276,7 @@ class OptimizerOffload:
 
     def stats(self) -> dict[str, float]:
         total = {**self._disk_stats(), **(self.copied if self.host else {}),
+                 **({"param_bytes_to_device": self.store.param_bytes_to_device} if self.store.params_on_host else {}),
                  **(self.read_counts if self.store.from_disk is not None else {})}
         return {**total, **{f"step_{k}": v for k, v in self.last.items() if k in total},
                 "offloaded_subgroups": sum(g.offloaded for g in self.groups), "subgroups": len(self.groups)}
@@ -288,6 +296,10 @@ def describe(config, host: torch.device | None = None, pinned: bool = False) -> 
                      "compute shards while the next one steps")
     for name, section in (("offload_optimizer", config.offload_optimizer), ("offload_param", config.offload_param)):
         if section.device == "cpu" and host is not None and name == "offload_optimizer":
+            continue
+        if section.device == "cpu" and host is not None:
+            parts.append("offload_param 'cpu': the params' compute shards live in host memory, refreshed there "
+                         "after each step, and each gather copies its shards to the device")
             continue
         if section.device == "cpu":
             parts.append(f"{name} 'cpu': the ranks compute on the CPU, where these already live; nothing moves")
