@@ -9,7 +9,6 @@ loop of `_optimizer_states_and_gradient_swap_in` / `_optimizer_step` / `..._swap
     param_reads(queue, start, sizes, pending=, budget=)  the param shards on disk to read ahead
                                                  of the gathers (offload_param "nvme")
     passed_over(pending, at)                     reads whose gather never came, to let go
-    gather_queue(plan_queue, reused)             the trace's fetches that gather (not those kept)
     queue_index(queue) / queue_position(index, p, pos)   where a gather of p stands in the queue
 
 A sub-group is whole segments of one optimizer param group (fz3/data/store.py: a segment is a
@@ -53,9 +52,9 @@ host, every stepped sub-group reaches the device before the step returns, and no
 to disk while a copy to the device still reads it.
 
 Params on NVMe: a gather sends each param's shard, which lives on disk with its sub-group. The
-trace's queue (fz3/core/param/trace.py: every param in the order the pass fetches it) says what
-the gathers want next, less the fetches that find their param still gathered (kept for reuse
-by the step before: `gather_queue`). Each time a gather takes a param's shard, `queue_position` finds where in
+queue says what the gathers want next: the order in which the last window's gathers took shards
+from disk (between two optimizer steps; the fetches follow the recorded trace, fz3/core/param/
+trace.py, so a steady window repeats it, whatever reuse and max_live_parameters kept). Each time a gather takes a param's shard, `queue_position` finds where in
 the queue that gather stands (p's next occurrence from the last one taken; from the queue's start
 when a new pass begins), and `param_reads` picks the shards to start reading after it, in order,
 while the shards read or being read stay within `budget` elements (prefetch_bucket_size), so a
@@ -174,21 +173,6 @@ def passed_over(pending: Mapping[int, int], at: int) -> tuple[int, ...]:
     """The params read ahead for a gather before queue index `at` that never took them (the
     param stayed gathered, or the pass went another way): let go, so they hold no budget."""
     return tuple(p for p, i in pending.items() if i < at)
-
-
-def gather_queue(plan_queue: Sequence[tuple[int, int]], reused: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    """The ParamIds of a TracePlan's queue ((step, param) in fetch order) whose fetch gathers:
-    all but those whose last fetch, at step s, kept the param for reuse (p in `reused[s]`:
-    fz3/core/param/release.py `_keep_for_reuse`)."""
-    last: dict[int, int] = {}
-    kept = [frozenset(r) for r in reused]
-    out = []
-    for step, p in plan_queue:
-        prev = last.get(p)
-        if prev is None or p not in kept[prev]:
-            out.append(p)
-        last[p] = step
-    return tuple(out)
 
 
 def queue_index(queue: Sequence[int]) -> dict[int, tuple[int, ...]]:

@@ -28,9 +28,10 @@ stepped masters copied back into the device's compute shards around it.
 offload_param "nvme" (with the optimizer on NVMe, in fp32): the compute shards are the masters,
 so they are on disk with their sub-groups, and a gather takes each param's shard from its
 sub-group's file (`store.shard`, fz3/data/store.py) as it sends it: the shards leave memory too.
-Once the trace is recorded, each shard a gather takes sets off the reads of the shards the next
-gathers will want, within prefetch_bucket_size elements (fz3/core/offload.py `param_reads`), so
-the gathers find them read; stats() counts `param_reads_ahead` and `param_reads_waited`.
+From the second window on, each shard a gather takes sets off the reads of the shards the next
+gathers will want, along the order the last window's gathers took them (a steady window
+repeats it), within prefetch_bucket_size elements (fz3/core/offload.py `param_reads`), so the
+gathers find them read; stats() counts `param_reads_ahead` and `param_reads_waited`.
 
 "cpu" on CPU ranks: the masters, the state and the params already live in host memory, so
 nothing moves, and the log says so once (`describe`). On an accelerator's ranks (ZeRO-Offload)
@@ -44,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import weakref
 from concurrent.futures import Future
 from typing import Iterator
 
@@ -95,14 +95,15 @@ class OptimizerOffload:
                 for p in self.store.segments[s].params:
                     self.where[p] = (i, offset + self.store.masters[p].storage_offset() * 4)
                 offset += self.store.segments[s].masters.numel() * 4
-        # params on NVMe read ahead of their gathers (offload.param_reads, from the trace's queue):
-        # by param, the queue index it was read for, the read in flight and the shard it fills
-        self.engine = weakref.ref(engine)  # the trace, read at each gather (no cycle: the tier's
-        self.reads: dict[int, tuple[int, Future, torch.Tensor]] = {}  # files go with the engine)
+        # params on NVMe read ahead of their gathers (offload.param_reads, along the order the last
+        # window's gathers took them): by param, the queue index it was read for, the read in
+        # flight and the shard it fills
+        self.reads: dict[int, tuple[int, Future, torch.Tensor]] = {}
         self.read_budget = engine.config.prefetch_bucket_size
         self.disk_numel = {p: self.store.masters[p].numel() for i, g in enumerate(groups) if g.offloaded
-                           for p in self.params[i] if not engine.spec.params[p].persistent}
-        self.queue: tuple[object, tuple[int, ...], dict[int, tuple[int, ...]]] = (None, (), {})  # plan, its queue
+                           for p in self.params[i]}
+        self.recording: list[int] = []  # this window's gathers' shards, in order
+        self.queue: tuple[tuple[int, ...], dict[int, tuple[int, ...]]] = ((), {})  # the last window's, indexed
         self.pos = 0  # just past the queue index of the last gather that took a shard
         self.read_counts = {"param_reads_ahead": 0, "param_reads_waited": 0}
         if engine.config.offload_param.device == "nvme":
@@ -163,6 +164,9 @@ class OptimizerOffload:
 
     def step(self, no_grad: tuple[int, ...]) -> None:
         self._drop_reads()
+        if self.recording:  # the window's order of gathers: the next window's queue
+            queue = tuple(self.recording)
+            self.queue, self.recording = (queue, offload.queue_index(queue)), []
         flat = self.flat_steps.begin(no_grad)
         for e in self.effects:
             match e:
@@ -206,6 +210,7 @@ class OptimizerOffload:
     def _shard_from_disk(self, p: int) -> torch.Tensor:
         """Param p's shard (its fp32 master) for a gather: read ahead if the trace foresaw it, else
         read from its sub-group's file now; then the reads ahead of the gathers to come."""
+        self.recording.append(p)
         read = self.reads.pop(p, None)
         if read is not None:
             self.disk.await_range(read[1])
@@ -220,18 +225,11 @@ class OptimizerOffload:
         return out
 
     def _read_ahead(self, p: int) -> None:
-        """Where the gather taking p stands in the trace's queue (fz3/core/param/trace.py), and
-        the shards to read after it within prefetch_bucket_size (fz3/core/offload.py)."""
-        engine = self.engine()
-        plan = engine.params_state.trace.plan if engine is not None else None
-        if plan is None:  # recording: no order to read ahead in
-            return
-        if self.queue[0] is not plan:
-            queue = offload.gather_queue(plan.queue, plan.reused)
-            self.queue, self.pos = (plan, queue, offload.queue_index(queue)), 0
-        _, queue, index = self.queue
+        """Where the gather taking p stands in the last window's order, and the shards to read
+        after it within prefetch_bucket_size (fz3/core/offload.py)."""
+        queue, index = self.queue
         here = offload.queue_position(index, p, self.pos)
-        if here is None:
+        if here is None:  # the first window, or p was not gathered in the last
             return
         self.pos = here + 1
         for q in offload.passed_over({q: r[0] for q, r in self.reads.items()}, here):
