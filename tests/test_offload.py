@@ -253,11 +253,21 @@ def test_params_on_nvme_train_as_in_memory(tmp_path, bucket):
         assert s["step_param_reads_waited"] == 1 if bucket > 1000 else s["step_param_reads_waited"] > 1, s
 
 
-def test_params_on_nvme_need_the_optimizer_there_in_fp32(tmp_path):
-    for config in (fz3.Config(offload_param=_nvme(tmp_path)),
-                   fz3.Config(offload_param=_nvme(tmp_path), offload_optimizer=_nvme(tmp_path), compute_dtype="bf16")):
-        with pytest.raises(RuntimeError, match="offload_param.device = 'nvme' with offload_optimizer.device"):
-            launch.run_threads(_one_engine, 1, args=(config,))
+@pytest.mark.parametrize("dtype, optimizer", [("bf16", "nvme"), ("fp32", "none"), ("bf16", "cpu")])
+def test_params_on_nvme_in_files_of_their_own_train_as_in_memory(tmp_path, dtype, optimizer):
+    """offload_param "nvme" in bf16, or without the optimizer on NVMe: the compute shards are
+    copies of the masters, written to files of their own after each refresh and read by the
+    gathers (ahead of them from the second window); bit for bit the run in memory."""
+    base = fz3.Config(compute_dtype=dtype, param_persistence_threshold=0, sub_group_size=300)
+    plain = launch.run_threads(_train, 2, args=(base, 3, "adamw"))
+    config = base.replace(offload_param=_nvme(tmp_path),
+                          offload_optimizer=_nvme(tmp_path) if optimizer == "nvme" else {"device": optimizer})
+    off = launch.run_threads(_train, 2, args=(config, 3, "adamw"))
+    for a, b in zip(plain, off):
+        _same(a, b)
+        s = b["stats"]
+        assert s["step_param_reads_ahead"] > 0 and s["step_disk_bytes_read"] > 0, s
+        assert s["step_disk_bytes_written"] > 0, s  # the refreshed shards, each step
 
 
 def test_the_keys_fz3_does_not_act_on_are_reported():
@@ -277,8 +287,9 @@ def test_the_keys_fz3_does_not_act_on_are_reported():
     assert "aio.block_size" not in said and "offload_optimizer.pin_memory" not in said and config.aio.block_size == 4096 and config.offload_optimizer.buffer_count == 8
 
 
-def test_a_checkpoint_with_params_on_nvme_loads_in_memory_at_another_world_size(tmp_path):
-    cfg = fz3.Config(param_persistence_threshold=0, sub_group_size=300)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # the shards in the masters' files / in files of their own
+def test_a_checkpoint_with_params_on_nvme_loads_in_memory_at_another_world_size(tmp_path, dtype):
+    cfg = fz3.Config(param_persistence_threshold=0, sub_group_size=300, compute_dtype=dtype)
     both = cfg.replace(offload_optimizer=_nvme(tmp_path), offload_param=_nvme(tmp_path))
     path = str(tmp_path / "ckpt")
     before = launch.run_threads(_save_ckpt, 2, args=(both, path))[0]

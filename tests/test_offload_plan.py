@@ -132,3 +132,23 @@ def test_on_an_accelerator_the_plan_puts_the_optimizer_in_host_memory(dtype, par
     assert s["host_bytes"] == real["host"] and s["param_shards"] == real["device_shards"], (s, real)
     assert s["optimizer_state_bytes"] == 0 and s["model_state_peak_bytes"] < plain["model_state_peak_bytes"]
     assert "host memory (masters, state, grads' copies)" in p.table()
+
+
+@pytest.mark.parametrize("dtype, optimizer", [("bf16", "nvme"), ("fp32", "none")])
+def test_with_params_in_files_of_their_own_the_plan_counts_the_disk(tmp_path, dtype, optimizer):
+    """offload_param "nvme" where the shards are not the masters: the shards' bytes leave the
+    model states for the disk, written once a step and read by the gathers, as the run counts."""
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = BASE.replace(compute_dtype=dtype, offload_param=nvme,
+                          offload_optimizer=nvme if optimizer == "nvme" else {"device": optimizer})
+    plain = fz3.plan(_net(), BASE.replace(compute_dtype=dtype), world_size=2, example_inputs=(X,), steps=3)
+    p = fz3.plan(_net(), config, world_size=2, example_inputs=(X,), steps=3)
+    real = launch.run_threads(_run, 2, args=(config, 3))[0]
+    s = p.steps[2]
+    assert s["disk_read_bytes"] == real[2]["step_disk_bytes_read"], (s, real[2])
+    assert s["disk_written_bytes"] == real[2]["step_disk_bytes_written"], (s, real[2])
+    # the shards in memory: no more than in the plain run (fp32 with the optimizer in memory: the
+    # same, the masters stay; the shards' copies are on disk)
+    assert s["param_shards"] <= plain.steps[2]["param_shards"]
+    if optimizer == "nvme":
+        assert s["model_state_peak_bytes"] < plain.steps[2]["model_state_peak_bytes"]

@@ -9,6 +9,7 @@ nothing is built at first use).
                                   every view of them stays, unreadable until read back)
     disk.read(key)                their memory again, filled from the file, in the background
     disk.await_read(key)          the read has landed
+    disk.restore(key)             their memory again, not read: for a caller about to overwrite it
     disk.read_range(key, offset, into)   some bytes of a file into a tensor, now (a param's shard)
     f = disk.read_range_async(key, offset, into); disk.await_range(f)   the same, in the background
     disk.stats()                  bytes read and written, seconds waited on the disk
@@ -63,7 +64,8 @@ class DiskTier:
         self.wait_seconds = 0.0
 
     def file(self, key: object) -> str:
-        return os.path.join(self.dir, f"{key}.bin")
+        name = "-".join(map(str, key)) if isinstance(key, tuple) else str(key)
+        return os.path.join(self.dir, f"{name}.bin")
 
     def write(self, key: object, tensors: Sequence[torch.Tensor]) -> None:
         """Start writing the storages of `tensors` (each once) to `key`'s file."""
@@ -97,6 +99,14 @@ class DiskTier:
 
     def await_read(self, key: object) -> None:
         self._wait(key)
+
+    def restore(self, key: object) -> None:
+        """The memory `key` was written from, back and unread (its contents undefined): for
+        tensors about to be overwritten whole (a sub-group's stepped params' shards)."""
+        if key in self.pending:
+            raise RuntimeError(f"fz3 disk tier: {key!r} is being read or written")
+        for s, n in self.storages[key]:
+            s.resize_(n)
 
     def read_range(self, key: object, offset: int, into: torch.Tensor) -> None:
         """Read bytes [offset, offset + into's bytes) of `key`'s file into `into` (a CPU tensor)

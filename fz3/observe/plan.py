@@ -185,6 +185,8 @@ def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple
             out.config = out.chosen
         out.offload = offload_plan.figures(engine, state_rate, stepped, ratio)
         out.steps = [_offloaded(s, out.offload, engine) for s in out.steps]
+    if config.offload_param.device == "nvme" and engine.store.separate:
+        out.steps = [_param_files(s, engine) for s in out.steps]
     if config.offload_optimizer.device != "none" and out.backend != "gloo":
         out.host_step = True
         on_disk = out.offload.masters_offloaded if out.offload is not None else 0
@@ -207,13 +209,37 @@ def _offloaded(step: dict[str, int], of, engine) -> dict[str, int]:
     step["param_shards"] -= of.masters_offloaded
     step["optimizer_state_bytes"] = max(0, step["optimizer_state_bytes"] - state_off)
     shard_reads = read_ahead = 0
-    if engine.config.offload_param.device == "nvme" and masters:
+    if engine.config.offload_param.device == "nvme" and not engine.store.separate and masters:
         shard_reads = step["gathered_bytes"] // engine.world_size * of.masters_offloaded // masters
         read_ahead = min(4 * engine.config.prefetch_bucket_size, of.masters_offloaded)
     step.update(offloaded_bytes=of.bytes_offloaded, disk_read_bytes=of.disk_read + shard_reads,
                 disk_written_bytes=of.disk_written, offload_working_bytes=of.working_set,
                 param_read_ahead_bytes=read_ahead)
     step["model_state_peak_bytes"] += of.working_set - of.bytes_offloaded + read_ahead
+    return step
+
+
+def _param_files(step: dict[str, int], engine) -> dict[str, int]:
+    """A step's figures with offload_param "nvme" where the shards are not the masters (bf16 or
+    fp16, or the optimizer in memory): each sub-group's shards of params not persistent (of the
+    offloaded sub-groups, with the optimizer on NVMe) leave memory for a file of their own,
+    written once a step, read by the gathers (gathered bytes / world size, in their share of the
+    shards), up to prefetch_bucket_size elements of them held read ahead (fz3/shell/offload.py)."""
+    step = dict(step)
+    store, config = engine.store, engine.config
+    nvme = config.offload_optimizer.device == "nvme"
+    groups = offload_plan.groups_of(engine, config.offload_optimizer.ratio)
+    numel = sum(store.masters[p].numel() for g in groups if g.offloaded or not nvme for s in g.segments
+                for p in store.segments[s].params if not engine.spec.params[p].persistent)
+    nbytes, size = numel * store.dtype.itemsize, store.dtype.itemsize
+    total = sum(m.numel() for m in store.masters)
+    read_ahead = min(size * config.prefetch_bucket_size, nbytes)
+    step["param_shards"] -= nbytes
+    step["model_state_peak_bytes"] += read_ahead - nbytes
+    for key, add in (("offloaded_bytes", nbytes), ("disk_written_bytes", nbytes), ("offload_working_bytes", 0),
+                     ("disk_read_bytes", step["gathered_bytes"] // engine.world_size * numel // max(total, 1)),
+                     ("param_read_ahead_bytes", read_ahead)):
+        step[key] = step.get(key, 0) + add
     return step
 
 
@@ -377,7 +403,7 @@ ROWS = (("all-gathers", "all_gather"), ("  on demand", "all_gather_on_demand"),
         ("held grads (peak)", "peak_held_grad_bytes"), ("grads whole in .grad (stages 0, 1)", "waiting_grad_bytes"),
         ("live + grads + held (peak together)", "peak_transient_bytes"),
         ("model states at the peak", "model_state_peak_bytes"))
-OFFLOAD_ROWS = (("optimizer on disk (masters + state)", "offloaded_bytes"), ("read from disk per step", "disk_read_bytes"),
+OFFLOAD_ROWS = (("on disk (optimizer, params' shards)", "offloaded_bytes"), ("read from disk per step", "disk_read_bytes"),
                 ("written to disk per step", "disk_written_bytes"),
                 ("offloaded sub-groups in memory at once", "offload_working_bytes"),
                 ("param shards read ahead of their gathers", "param_read_ahead_bytes"))
@@ -397,7 +423,8 @@ def _table(p: Plan) -> str:
     names = [f"step {i + 1}" for i in range(len(p.steps))]
     width = max(len(r[0]) for r in ROWS)
     lines = [head, "per rank (every rank runs the same effects)", " " * width + "".join(f"{n:>16}" for n in names)]
-    for label, key in ROWS + (OFFLOAD_ROWS if p.offload is not None else ()) + (HOST_ROWS if p.host_step else ()):
+    on_disk = bool(p.steps) and "disk_read_bytes" in p.steps[0]
+    for label, key in ROWS + (OFFLOAD_ROWS if on_disk else ()) + (HOST_ROWS if p.host_step else ()):
         cells = [_fmt(key, s[key]) for s in p.steps]
         lines.append(f"{label:<{width}}" + "".join(f"{c:>16}" for c in cells))
     lines.append("model states at the peak = shards + optimizer state + bucket buffers + module buffers + the "

@@ -25,9 +25,11 @@ stepped masters copied back into the device's compute shards around it.
                                      all and since the step before the last (step_*: the last
                                      step's passes, their gathers' reads included, and its own)
 
-offload_param "nvme" (with the optimizer on NVMe, in fp32): the compute shards are the masters,
-so they are on disk with their sub-groups, and a gather takes each param's shard from its
-sub-group's file (`store.shard`, fz3/data/store.py) as it sends it: the shards leave memory too.
+offload_param "nvme": with the optimizer on NVMe, in fp32, the compute shards are the masters,
+so they are on disk with their sub-groups; otherwise the shards (of the params not persistent)
+are copies with a file of their own per sub-group, written after each refresh (`_refresh`). A
+gather takes each param's shard from disk (`store.shard`, fz3/data/store.py) as it sends it: the
+shards leave memory too.
 From the second window on, each shard a gather takes sets off the reads of the shards the next
 gathers will want, along the order the last window's gathers took them (a steady window
 repeats it), within prefetch_bucket_size elements (fz3/core/offload.py `param_reads`), so the
@@ -86,22 +88,40 @@ class OptimizerOffload:
         self.segments = [frozenset(g.segments) for g in groups]
         self.params = [tuple(p for s in g.segments for p in self.store.segments[s].params) for g in groups]
         self.last: dict[str, float] = {}
-        # params on NVMe: where each param's master lies in its sub-group's file (the masters are
-        # written first, segment by segment), for the gathers to read it from there
-        self.where: dict[int, tuple[int, int]] = {}
-        for i, g in enumerate(groups):
-            offset = 0
-            for s in sorted(g.segments):
-                for p in self.store.segments[s].params:
-                    self.where[p] = (i, offset + self.store.masters[p].storage_offset() * 4)
-                offset += self.store.segments[s].masters.numel() * 4
+        # params on NVMe: where each param's shard lies on disk, for the gathers to read it there.
+        # In fp32 beside the optimizer on NVMe the shards are the masters, in their sub-group's
+        # file (written first, segment by segment); else the shards (of the params not persistent)
+        # have a file of their own per sub-group, key ("params", i), written after each refresh
+        self.param_files: dict[int, tuple[int, ...]] = {}  # sub-group -> its params in its shards' file
+        self.where: dict[int, tuple[object, int]] = {}
+        on_disk = engine.config.offload_param.device == "nvme"
+        if on_disk and not self.store.separate:
+            for i, g in enumerate(groups):
+                offset = 0
+                for s in sorted(g.segments):
+                    for p in self.store.segments[s].params:
+                        self.where[p] = (i, offset + self.store.masters[p].storage_offset() * 4)
+                    offset += self.store.segments[s].masters.numel() * 4
+        elif on_disk:
+            for i, g in enumerate(groups):
+                if g.offloaded or cfg.device != "nvme":
+                    ps = tuple(p for p in self.params[i]
+                               if not engine.spec.params[p].persistent and self.store.shards[p].numel())
+                    self.param_files[i] = ps
+                    offset = 0
+                    for p in ps:
+                        self.where[p] = (("params", i), offset)
+                        offset += self.store.shards[p].numel() * self.store.dtype.itemsize
         # params on NVMe read ahead of their gathers (offload.param_reads, along the order the last
         # window's gathers took them): by param, the queue index it was read for, the read in
         # flight and the shard it fills
         self.reads: dict[int, tuple[int, Future, torch.Tensor]] = {}
         self.read_budget = engine.config.prefetch_bucket_size
-        self.disk_numel = {p: self.store.masters[p].numel() for i, g in enumerate(groups) if g.offloaded
-                           for p in self.params[i]}
+        self.disk_numel = ({p: self.store.shards[p].numel() for ps in self.param_files.values() for p in ps}
+                           if self.param_files else
+                           {p: self.store.masters[p].numel() for i, g in enumerate(groups) if g.offloaded
+                            for p in self.params[i]} if on_disk else {})
+        self.read_dtype = self.store.dtype if self.param_files else torch.float32
         self.recording: list[int] = []  # this window's gathers' shards, in order
         self.queue: tuple[tuple[int, ...], dict[int, tuple[int, ...]]] = ((), {})  # the last window's, indexed
         self.pos = 0  # just past the queue index of the last gather that took a shard
@@ -112,6 +132,8 @@ class OptimizerOffload:
             if g.offloaded:
                 self._write(i)
                 self.disk.await_write(i)
+        for i in self.param_files:  # and the params' shards, as they are
+            self._write_params(i)
         self.mark = self._disk_stats()  # what a step's figures count from (stats: the last step's)
 
     @classmethod
@@ -130,25 +152,18 @@ class OptimizerOffload:
                              f"{cfg.device!r} on {store.device}: fz3 keeps an accelerator's params in host memory "
                              "beside the optimizer stepped there; set offload_optimizer.device 'cpu' (or 'nvme') "
                              "too, or offload_param.device 'none'")
-        if engine.config.offload_param.device == "nvme":
-            if cfg.device != "nvme" or engine.config.compute_dtype != "fp32" or host:
-                raise ValueError(
-                    f"zero_optimization.offload_param.device = 'nvme' with offload_optimizer.device = {cfg.device!r} "
-                    f"and compute dtype {engine.config.compute_dtype}: fz3's gathers read the params on NVMe from "
-                    "the optimizer's files, where the fp32 masters are the shards; set offload_optimizer.device "
-                    "'nvme' too and compute in fp32, or offload the optimizer alone")
         if cfg.device == "cpu" and host and cfg.ratio < 1:
             raise ValueError(f"zero_optimization.offload_optimizer.ratio = {cfg.ratio} with device 'cpu' on "
                              f"{store.device}: fz3 steps every sub-group on the host, and keeps none of the "
                              "optimizer on the device; set ratio 1 (the default), or offload_optimizer.device 'none'")
-        if cfg.device != "nvme" and not host:
+        if cfg.device != "nvme" and not host and param != "nvme":
             return None
         runs: list[list[tuple[int, int]]] = [[] for _ in store.runs]
         for k, seg in enumerate(store.segments):
             runs[seg.run].append((k, seg.masters.numel()))
         groups = offload.sub_groups(runs, sub_group_size=engine.config.sub_group_size, ratio=cfg.ratio,
                                     offload=cfg.device == "nvme")
-        if cfg.device != "nvme":
+        if cfg.device != "nvme" and param != "nvme":
             return cls(engine, groups, None)
         numel = sum(g.numel for g in groups if g.offloaded)
         states = STATES.get(type(engine.optimizer))
@@ -156,7 +171,11 @@ class OptimizerOffload:
             states = int(any(g.get("momentum", 0) for g in engine.optimizer.param_groups))
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks of this host write to the same drive
         needed = numel * 4 * (1 + (2 if states is None else states)) * ranks
-        disk = DiskTier(cfg.nvme_path, rank=engine.rank, block_size=engine.config.aio.block_size,
+        if param == "nvme" and store.separate:  # the shards' files of their own
+            needed += sum(g.numel for g in groups) * store.dtype.itemsize * ranks
+        path, what = ((cfg.nvme_path, "offload_optimizer.nvme_path") if cfg.device == "nvme" else
+                      (engine.config.offload_param.nvme_path, "offload_param.nvme_path"))
+        disk = DiskTier(path, what=what, rank=engine.rank, block_size=engine.config.aio.block_size,
                         threads=engine.config.aio.intra_op_parallelism, needed=needed)
         return cls(engine, groups, disk)
 
@@ -182,9 +201,9 @@ class OptimizerOffload:
                 case Step(group=i):
                     self.flat_steps.part(flat, self.segments[i])
                     if not self.host:  # else ParamsToDevice copies them
-                        self.store.refresh_shards(self.params[i])
+                        self._refresh(i)
                 case ParamsToDevice(group=i):  # params in host memory: their shards there, refreshed
-                    self.store.refresh_shards(self.params[i], non_blocking=self.non_blocking)
+                    self._refresh(i, non_blocking=self.non_blocking)
                     self._copied(("params", i), "device", 0 if self.store.params_on_host else
                                  sum(self.store.shards[p].numel() * self.store.shards[p].element_size()
                                      for p in self.params[i]))
@@ -207,6 +226,20 @@ class OptimizerOffload:
     def _disk_stats(self) -> dict[str, float]:
         return self.disk.stats() if self.disk is not None else {}
 
+    def _refresh(self, i: int, non_blocking: bool = False) -> None:
+        """Sub-group i's compute shards from its stepped masters; with a shards' file, into their
+        memory back for the while and out to the file again."""
+        if i in self.param_files:
+            self.disk.restore(("params", i))
+        self.store.refresh_shards(self.params[i], non_blocking=non_blocking)
+        if i in self.param_files:
+            self._write_params(i)
+
+    def _write_params(self, i: int) -> None:
+        """Sub-group i's shards (of the params not persistent) to their file, their memory gone."""
+        self.disk.write(("params", i), [self.store.shards[p] for p in self.param_files[i]])
+        self.disk.await_write(("params", i))
+
     def _shard_from_disk(self, p: int) -> torch.Tensor:
         """Param p's shard (its fp32 master) for a gather: read ahead if the trace foresaw it, else
         read from its sub-group's file now; then the reads ahead of the gathers to come."""
@@ -217,9 +250,9 @@ class OptimizerOffload:
             out = read[2]
             self.read_counts["param_reads_ahead"] += 1
         else:
-            i, offset = self.where[p]
-            out = torch.empty(self.store.masters[p].numel(), dtype=torch.float32)
-            self.disk.read_range(i, offset, out)
+            key, offset = self.where[p]
+            out = torch.empty(self.store.shards[p].numel(), dtype=self.read_dtype)
+            self.disk.read_range(key, offset, out)
             self.read_counts["param_reads_waited"] += 1
         self._read_ahead(p)
         return out
@@ -236,9 +269,9 @@ class OptimizerOffload:
             self.disk.await_range(self.reads.pop(q)[1])
         pending = {q: r[0] for q, r in self.reads.items()}
         for at, q in offload.param_reads(queue, here + 1, self.disk_numel, pending=pending, budget=self.read_budget):
-            i, offset = self.where[q]
-            into = torch.empty(self.disk_numel[q], dtype=torch.float32)
-            self.reads[q] = (at, self.disk.read_range_async(i, offset, into), into)
+            key, offset = self.where[q]
+            into = torch.empty(self.disk_numel[q], dtype=self.read_dtype)
+            self.reads[q] = (at, self.disk.read_range_async(key, offset, into), into)
 
     def _drop_reads(self) -> None:
         """The masters are about to change (a step, a resident block): no shard read before is kept."""
@@ -261,16 +294,20 @@ class OptimizerOffload:
         state the block made or replaced)."""
         self._drop_reads()
         ins = [i for i, g in enumerate(self.groups) if g.offloaded and self.disk.on_disk(i)]  # none without a disk
-        for i in ins:
-            self.disk.read(i)
-        for i in ins:
-            self.disk.await_read(i)
+        ins += [("params", i) for i in self.param_files]
+        for key in ins:
+            self.disk.read(key)
+        for key in ins:
+            self.disk.await_read(key)
         try:
             yield
         finally:
-            for i in ins:
-                self._write(i)
-                self.disk.await_write(i)
+            for key in ins:
+                if isinstance(key, tuple):
+                    self._write_params(key[1])
+                else:
+                    self._write(key)
+                    self.disk.await_write(key)
 
     def stats(self) -> dict[str, float]:
         total = {**self._disk_stats(), **(self.copied if self.host else {}),
@@ -302,8 +339,12 @@ def describe(config, host: torch.device | None = None, pinned: bool = False) -> 
         if section.device == "cpu":
             parts.append(f"{name} 'cpu': the ranks compute on the CPU, where these already live; nothing moves")
         elif section.device == "nvme" and name == "offload_param":
-            parts.append("offload_param 'nvme': the params' shards are their fp32 masters, on disk with the "
-                         "optimizer's sub-groups; each gather reads its params' shards from there")
+            fp32 = config.compute_dtype == "fp32" and config.offload_optimizer.device == "nvme"
+            parts.append("offload_param 'nvme': the params' shards are " + (
+                "their fp32 masters, on disk with the optimizer's sub-groups" if fp32 else
+                f"on disk in files of their own under {section.nvme_path}, written after each step (the persistent "
+                "ones stay in memory)") + "; each gather reads its params' shards from there, ahead of it along "
+                "the last window's order")
         elif section.device == "nvme":
             o = config.offload_optimizer
             parts.append(f"{name} 'nvme' under {section.nvme_path}: the fp32 masters and optimizer state of "
