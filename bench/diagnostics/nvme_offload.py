@@ -4,6 +4,8 @@
                                                        # writes its section of bench/RESULTS.md and
                                                        # bench/out/nvme_offload.json
     python3 bench/diagnostics/nvme_offload.py --smoke  # the same pipeline on tiny models
+    python3 bench/diagnostics/nvme_offload.py --rerun "optimizer and params on NVMe"   # one b1 row
+                                                       # again, the other rows kept from the last JSON
 
 1. The 1.02 B GPT (b1), fz3.Init, fp32, 3 steps: fz3.Config() (everything in memory) against the
    same Config with the fp32 masters and AdamW's moments on disk (sub_group_size SUB_GROUP):
@@ -45,6 +47,8 @@ BASE, LADDER = "b1", ("b4", "b35", "b3", "b25")  # largest first
 BUCKETS = {"reduce_bucket_size": 50_000_000}  # DeepSpeed's 5e8 would hold 2 GB of fp32 bucket a rank
 SMOKE_BASE, SMOKE_LADDER = "s2", ("s3",)
 BEGIN, END = "<!-- nvme_offload:begin -->", "<!-- nvme_offload:end -->"
+LABELS = ("in memory", "optimizer on NVMe", "optimizer on NVMe, pipeline_read and pipeline_write",
+          "optimizer and params on NVMe")
 
 
 def offload_config(nvme: str, params: bool = False, pipelined: bool = False) -> dict:
@@ -76,7 +80,7 @@ def worker(rank: int, world: int, spec: dict) -> dict:
         engine.step()
         s = engine.stats()
         out["steps"].append({"s": time.perf_counter() - t, "loss": loss.item(),
-                             **{k: s[k] for k in s if "disk" in k}})
+                             **{k: s[k] for k in s if "disk" in k or "param_read" in k}})
     out["peak_rss"] = peak_rss_bytes()
     if getattr(engine, "offload", None) is not None:
         engine.offload.close()
@@ -126,6 +130,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--ladder-only", action="store_true", help="keep the b1 runs of the last JSON, run the ladder "
                     "again")
+    ap.add_argument("--rerun", action="append", default=[], choices=LABELS,
+                    help="run this b1 row again (repeatable), keeping every other row of the last JSON")
     args = ap.parse_args()
     import memory
     from compare import machine_info, versions
@@ -139,21 +145,26 @@ def main() -> int:
                  "disk_free_gib": shutil.disk_usage(args.nvme_path).free / GiB, "runs": {}}
     off, both = offload_config(args.nvme_path), offload_config(args.nvme_path, params=True)
     piped = offload_config(args.nvme_path, pipelined=True)
-    if args.ladder_only:
+    if args.ladder_only or args.rerun:
         with open(out_path) as f:
             last = json.load(f)
-        res["runs"] = {k: v for k, v in last["runs"].items() if k.startswith(f"{base}, ")}
-        res["b1_runs_from"] = last["date_utc"]
-    for label, config in () if args.ladder_only else (
-            ("in memory", BUCKETS), ("optimizer on NVMe", off),
-            ("optimizer on NVMe, pipeline_read and pipeline_write", piped), ("optimizer and params on NVMe", both)):
-        rec = {"model": base, "params": memory.count_params(base), "plan": planned(base, config)}
+        res["runs"] = {k: v for k, v in last["runs"].items() if k.startswith(f"{base}, ") or args.rerun}
+        res["kept_from"] = {"date_utc": last["date_utc"], "rows": [k for k in res["runs"] if k.split(", ", 1)[1]
+                                                                    not in args.rerun]}
+        for k in res["runs"]:
+            res["runs"][k].setdefault("date_utc", last["date_utc"])
+        if args.rerun:
+            res["skipped"] = last.get("skipped", [])
+    configs = dict(zip(LABELS, (BUCKETS, off, piped, both)))
+    for label, config in ((k, configs[k]) for k in (args.rerun if args.rerun else () if args.ladder_only else LABELS)):
+        rec = {"model": base, "params": memory.count_params(base), "plan": planned(base, config),
+               "date_utc": res["date_utc"]}
         memory.log(f"{base} {label}: plan {rec['plan'] / GiB:.2f} GiB a rank ...")
         rec.update(run(base, config, args.timeout))
         memory.log(f"  -> {rec.get('peak_rss')} {rec.get('step_s')} {rec.get('reason', '')}")
         res["runs"][f"{base}, {label}"] = rec
     cal = res["runs"][f"{base}, optimizer and params on NVMe"]
-    if cal["status"] == "ok":
+    if cal["status"] == "ok" and not args.rerun:
         excess = max(cal["peak_rss"]) - cal["plan"]
         avail = memory.available_bytes() - GiB
         for model in ladder:
@@ -162,7 +173,8 @@ def main() -> int:
             memory.log(f"{model}: plan {plan / GiB:.2f} GiB a rank, predicted {predicted / GiB:.2f} GiB for both "
                        f"ranks, {avail / GiB:.2f} available")
             if predicted <= avail:
-                rec = {"model": model, "params": memory.count_params(model), "plan": plan, "predicted": predicted}
+                rec = {"model": model, "params": memory.count_params(model), "plan": plan, "predicted": predicted,
+                       "date_utc": res["date_utc"]}
                 rec.update(run(model, both, args.timeout))
                 memory.log(f"  -> {rec.get('peak_rss')} {rec.get('step_s')} {rec.get('reason', '')}")
                 res["runs"][f"{model}, optimizer and params on NVMe (largest)"] = rec
@@ -187,29 +199,34 @@ def render(res: dict, out_path: str) -> str:
              f"`{res['command']}`, {res['date_utc']}, fz3 {v.get('fz3_git')}"
              f"{' (fz3/ modified)' if v.get('fz3_dirty') else ''}, torch {v['torch']}, {res['machine']['cores']} "
              f"cores, {res['machine']['mem_gib']} GiB, disk {res['disk_free_gib']:.0f} GiB free; "
-             f"{res['total_s'] / 60:.0f} min" + (f" (the b1 rows from the run of {res['b1_runs_from']})"
-                                                  if res.get("b1_runs_from") else "") + ".", "",
+             f"{res['total_s'] / 60:.0f} min" + (f" (the rows dated {res['kept_from']['date_utc']} kept from that run)"
+                                                  if res.get("kept_from") else "") + ".", "",
              f"2 gloo ranks x 1 thread, fz3.Init, fp32, torch AdamW, seq 64, 1 sequence per rank, {STEPS} steps on "
              f"one batch, reduce_bucket_size {BUCKETS['reduce_bucket_size']:,}, DeepSpeed's other defaults. Offload: offload_optimizer {{device: nvme}}, sub_group_size {SUB_GROUP:,} (the fp32 "
              "masters and both AdamW moments of every sub-group on disk between steps, each read, stepped and "
              "written back in turn; writes fdatasync'd, page cache dropped). Plan = fz3.plan's model states at the "
-             "peak per rank. Disk = the last step's bytes read / written per rank and seconds waited on it.", "",
-             "| model | params | offload | plan GiB/rank | peak RSS GiB (r0 / r1) | above plan | step s | "
+             "peak per rank. Disk = the last step's bytes read / written per rank and seconds waited on it; with "
+             "params on NVMe, how many of the step's gathers found their shard read ahead / waited for it.", "",
+             "| model | params | offload | run | plan GiB/rank | peak RSS GiB (r0 / r1) | above plan | step s | "
              "disk read / written GB, wait s (last step, r0) | losses |",
-             "|---|---:|---|---:|---:|---:|---|---|---|"]
+             "|---|---:|---|---|---:|---:|---:|---|---|---|"]
     for label, r in res["runs"].items():
-        head = f"| {r['model']} | {r['params']:,} | {label.split(', ', 1)[1]} | {g(r['plan'])} |"
+        head = (f"| {r['model']} | {r['params']:,} | {label.split(', ', 1)[1]} | {r.get('date_utc', res['date_utc'])} "
+                f"| {g(r['plan'])} |")
         if r["status"] != "ok":
             lines.append(head + f" {r['reason']} | | | | |")
             continue
         last = r["ranks"][0]["steps"][-1]
         disk = (f"{last['step_disk_bytes_read'] / 1e9:.2f} / {last['step_disk_bytes_written'] / 1e9:.2f}, "
                 f"{last['step_disk_wait_seconds']:.1f}" if "step_disk_bytes_read" in last else "-")
+        if "step_param_reads_ahead" in last:
+            disk += (f"; gathers' reads ahead / waited {last['step_param_reads_ahead']} / "
+                     f"{last['step_param_reads_waited']}, waited on {last['step_param_read_wait_seconds']:.1f} s")
         lines.append(head + f" {' / '.join(g(b) for b in r['peak_rss'])} | {g(max(r['peak_rss']) - r['plan'])} | "
                      f"{', '.join(f'{t:.1f}' for t in r['step_s'])} | {disk} | "
                      f"{', '.join(f'{x:.4f}' for x in r['losses'])} |")
     for s in res.get("skipped", []):
-        lines.append(f"| {s['model']} | | optimizer and params on NVMe | {g(s['plan'])} | not run: predicted "
+        lines.append(f"| {s['model']} | | optimizer and params on NVMe | | {g(s['plan'])} | not run: predicted "
                      f"{g(s['predicted'])} GiB for both ranks | | | | |")
     lines += ["", f"Raw records: {os.path.relpath(out_path, os.path.dirname(BENCH))} (not in git).", END]
     return "\n".join(lines)

@@ -33,7 +33,8 @@ shards leave memory too.
 From the second window on, each shard a gather takes sets off the reads of the shards the next
 gathers will want, along the order the last window's gathers took them (a steady window
 repeats it), within prefetch_bucket_size elements (fz3/core/offload.py `param_reads`), so the
-gathers find them read; stats() counts `param_reads_ahead` and `param_reads_waited`.
+gathers find them read; stats() counts `param_reads_ahead`, `param_reads_waited` and the
+`param_read_wait_seconds` the gathers spent on them.
 
 "cpu" on CPU ranks: the masters, the state and the params already live in host memory, so
 nothing moves, and the log says so once (`describe`). On an accelerator's ranks (ZeRO-Offload)
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from concurrent.futures import Future
 from typing import Iterator
 
@@ -118,14 +120,15 @@ class OptimizerOffload:
         self.reads: dict[int, tuple[int, Future, torch.Tensor]] = {}
         self.read_budget = engine.config.prefetch_bucket_size
         self.disk_numel = ({p: self.store.shards[p].numel() for ps in self.param_files.values() for p in ps}
-                           if self.param_files else
+                           if self.store.separate else
                            {p: self.store.masters[p].numel() for i, g in enumerate(groups) if g.offloaded
                             for p in self.params[i]} if on_disk else {})
-        self.read_dtype = self.store.dtype if self.param_files else torch.float32
+        self.read_dtype = self.store.dtype  # the masters' in fp32
         self.recording: list[int] = []  # this window's gathers' shards, in order
         self.queue: tuple[tuple[int, ...], dict[int, tuple[int, ...]]] = ((), {})  # the last window's, indexed
         self.pos = 0  # just past the queue index of the last gather that took a shard
-        self.read_counts = {"param_reads_ahead": 0, "param_reads_waited": 0}
+        # the gathers' reads: found read ahead, read then, and the seconds the gathers waited on them
+        self.read_counts = {"param_reads_ahead": 0, "param_reads_waited": 0, "param_read_wait_seconds": 0.0}
         if engine.config.offload_param.device == "nvme":
             self.store.from_disk = self._shard_from_disk
         for i, g in enumerate(groups):  # nothing to step yet: the masters alone go to disk
@@ -244,6 +247,7 @@ class OptimizerOffload:
         """Param p's shard (its fp32 master) for a gather: read ahead if the trace foresaw it, else
         read from its sub-group's file now; then the reads ahead of the gathers to come."""
         self.recording.append(p)
+        start = time.perf_counter()
         read = self.reads.pop(p, None)
         if read is not None:
             self.disk.await_range(read[1])
@@ -254,6 +258,7 @@ class OptimizerOffload:
             out = torch.empty(self.store.shards[p].numel(), dtype=self.read_dtype)
             self.disk.read_range(key, offset, out)
             self.read_counts["param_reads_waited"] += 1
+        self.read_counts["param_read_wait_seconds"] += time.perf_counter() - start
         self._read_ahead(p)
         return out
 
