@@ -143,6 +143,12 @@ def test_the_disk_is_checked_before_anything_is_written(tmp_path, monkeypatch):
     monkeypatch.setattr("fz3.data.swap.shutil.disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 1000))
     with pytest.raises(RuntimeError, match=r"0\.00 GiB free, and the offloaded state needs .*\([0-9,]+ bytes"):
         launch.run_threads(_one_engine, 1, args=(fz3.Config(offload_optimizer=_nvme(tmp_path)),))
+    with pytest.raises(RuntimeError, match=r"offload_param\.nvme_path = '.*': 0\.00 GiB free"):  # params alone
+        launch.run_threads(_one_engine, 1, args=(fz3.Config(compute_dtype="bf16", offload_param=_nvme(tmp_path)),))
+    monkeypatch.undo()
+    params_missing = fz3.Config(compute_dtype="bf16", offload_param=_nvme(tmp_path / "nope"))
+    with pytest.raises(RuntimeError, match=r"offload_param\.nvme_path = '.*nope': no such folder"):
+        launch.run_threads(_one_engine, 1, args=(params_missing,))
     assert os.listdir(tmp_path) == []  # nothing written
 
 
