@@ -2,12 +2,14 @@
 how memory is counted. A system module only says how to wrap the model (see __init__.py).
 
     worker(rank, world, system, spec) -> dict      # run by fz3.launch.run in each rank
-    spec = {"model": "small"|"wide", "warmup": 3, "steps": 8, "mode": "time"|"stats",
+    spec = {"model": "small"|"wide", "warmup": 3, "steps": 8, "mode": "time"|"stats"|"launches",
             "options": {...system specific...}}
 
 mode "time": the timed loop only (nothing wrapped). mode "stats": collectives counted over the
 measured steps, per-rank bytes of params / grads / optimizer state after the last step, peak
-RSS (run it with MALLOC_MMAP_THRESHOLD_ set, in its own launch: it slows steps).
+RSS (run it with MALLOC_MMAP_THRESHOLD_ set, in its own launch: it slows steps). mode
+"launches": the first step after the warm-up runs under systems/launch_count.py's op counter
+(bench/launches.py).
 """
 from __future__ import annotations
 
@@ -62,9 +64,10 @@ def make_model(name: str) -> GPT:
     return GPT(MODELS[name][0]).to(device())
 
 
-def make_optimizer(params) -> torch.optim.Optimizer:
-    """torch AdamW with its defaults on CPU (single-tensor loop) for every system."""
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+def make_optimizer(params, foreach: bool | None = None) -> torch.optim.Optimizer:
+    """torch AdamW with its defaults on CPU (single-tensor loop) for every system; `foreach`:
+    its multi-tensor kernels, the default on an accelerator (bench/launches.py's DDP and FSDP2)."""
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=foreach)
 
 
 def plain_step(model, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -174,6 +177,7 @@ def worker(rank: int, world: int, system: str, spec: dict) -> dict:
     warmup, steps = spec["warmup"], spec["steps"]
     data = batches(spec["model"], rank, world, warmup + steps)
     times, cpu, losses = [], [], []
+    launches = None
     for i, (x, y) in enumerate(data):
         if i == warmup:
             if counter is not None:
@@ -181,7 +185,12 @@ def worker(rank: int, world: int, system: str, spec: dict) -> dict:
             if hasattr(sysobj, "mark"):
                 sysobj.mark()
         c0, t0 = time.process_time(), time.perf_counter()
-        loss = sysobj.step(x, y)
+        if spec["mode"] == "launches" and i == warmup:  # the first steady step, under the op counter
+            from systems.launch_count import LaunchCount
+            with LaunchCount() as launches:
+                loss = sysobj.step(x, y)
+        else:
+            loss = sysobj.step(x, y)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         losses.append(loss)
@@ -197,15 +206,17 @@ def worker(rank: int, world: int, system: str, spec: dict) -> dict:
         out["rss"] = rss_bytes()
     if hasattr(sysobj, "extra"):
         out["extra"] = sysobj.extra(steps)
+    if launches is not None:
+        out["launches"] = launches.snapshot()
     return out
 
 
 class Plain:
     """A model + optimizer stepped without sharding (single process, DDP): the loop body."""
 
-    def __init__(self, model: torch.nn.Module, wrapped: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, wrapped: torch.nn.Module, foreach: bool | None = None) -> None:
         self.model, self.wrapped = model, wrapped
-        self.opt = make_optimizer(model.parameters())
+        self.opt = make_optimizer(model.parameters(), foreach=foreach)
 
     def step(self, x, y) -> float:
         self.opt.zero_grad()  # first, so the last step's grads are still there to be counted

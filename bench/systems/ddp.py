@@ -12,4 +12,4 @@ def build(rank: int, world: int, spec: dict) -> Plain:
     if spec["mode"] == "stats":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    return Plain(model, ddp)
+    return Plain(model, ddp, foreach=spec.get("options", {}).get("foreach"))

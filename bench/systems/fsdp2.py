@@ -15,7 +15,7 @@ class Fsdp2(Plain):
     def __init__(self, spec: dict, world: int) -> None:
         model = make_model(spec["model"])
         shard(model, world)
-        super().__init__(model, model)
+        super().__init__(model, model, foreach=spec.get("options", {}).get("foreach"))
 
 
 def shard(model, world: int) -> None:

@@ -1,0 +1,68 @@
+"""Count the ATen ops one training step runs in a rank, and the ones that make the host wait for
+the device (issue #48's measure), under a TorchDispatchMode.
+
+    with LaunchCount() as c: system.step(x, y)
+    c.snapshot()   {"launches": n, "syncs": {op: n}, "collectives": n, "top": [(op, n), ...]}
+
+A launch is an op that reaches a kernel: every ATen op the mode sees (below autograd and the
+composite decompositions) except views and the metadata-only ops in FREE, and except c10d's
+collectives, counted apart. A sync is an op whose result the host reads from the device:
+`aten._local_scalar_dense` (`.item()`, `float(t)`, `bool(t)`, `if t:`), `aten.equal`
+(`torch.equal`), `aten.is_nonzero`; on an accelerator each stops the host from running ahead.
+`Tensor.tolist()` and `.numpy()` of a CPU tensor read its memory without an ATen op, so a CPU
+count cannot see them; on CUDA they go through a copy to the host, counted as a launch. The
+harness's own `loss.item()` at the end of each system's step is one sync of every row. An
+optimizer's `state["step"]` counters stay on the host on an accelerator too (torch keeps them on
+the CPU unless capturable or fused), so their reads in torch.optim's `_get_value` are no sync
+and are left out.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SYNCS = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"}
+# no kernel: shape and storage bookkeeping the dispatcher still routes
+FREE = {"aten::detach", "aten::lift_fresh", "aten::set_", "aten::resize_", "aten::empty.memory_format",
+        "aten::empty_strided", "aten::_has_compatible_shallow_copy_type", "aten::sym_size", "aten::sym_stride",
+        "aten::sym_numel", "aten::sym_storage_offset", "aten::is_same_size", "aten::record_stream"}
+
+
+def _step_counter_read() -> bool:
+    """Whether the op runs inside torch.optim's `_get_value`: a read of a step counter, which
+    torch keeps on the host (not capturable, not fused) on an accelerator too."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name == "_get_value" and f.f_code.co_filename.endswith(os.path.join("optim", "optimizer.py")):
+            return True
+        f = f.f_back
+    return False
+
+
+class LaunchCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        overload = f"{name}.{func._overloadname}" if func._overloadname != "default" else name
+        if name.startswith("c10d::"):
+            self.ops["c10d"] += 1
+        elif name in SYNCS:
+            if not _step_counter_read():
+                self.ops[name] += 1
+        elif not func.is_view and name not in FREE and overload not in FREE:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def snapshot(self) -> dict:
+        counts = {k: v for k, v in self.ops.items() if v}
+        syncs = {k: v for k, v in counts.items() if k in SYNCS}
+        launches = {k: v for k, v in counts.items() if k not in SYNCS and k != "c10d"}
+        return {"launches": sum(launches.values()), "syncs": syncs, "sync_total": sum(syncs.values()),
+                "collectives": counts.get("c10d", 0),
+                "top": sorted(launches.items(), key=lambda kv: -kv[1])[:12]}
