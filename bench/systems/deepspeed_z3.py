@@ -53,8 +53,8 @@ class DeepSpeedZ3:
         deepspeed.init_distributed(dist_backend="gloo")
         model = make_model(spec["model"])
         cfg = ds_config(spec["model"], world, spec.get("options", {}).get("zero"))
-        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model.parameters()),
-                                                           config=cfg)
+        optimizer = make_optimizer(model.parameters(), foreach=spec.get("options", {}).get("foreach"))
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
         self.model = model
 
     def step(self, x, y) -> float:

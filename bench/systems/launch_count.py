@@ -2,11 +2,13 @@
 the device (issue #48's measure), under a TorchDispatchMode.
 
     with LaunchCount() as c: system.step(x, y)
-    c.snapshot()   {"launches": n, "syncs": {op: n}, "collectives": n, "top": [(op, n), ...]}
+    c.snapshot()   {"launches": n, "syncs": {op: n}, "sync_total": n, "top": [(op, n), ...]}
 
 A launch is an op that reaches a kernel: every ATen op the mode sees (below autograd and the
-composite decompositions) except views and the metadata-only ops in FREE, and except c10d's
-collectives, counted apart. A sync is an op whose result the host reads from the device:
+composite decompositions) except views, the metadata-only ops in FREE (and FSDP2's profiler
+ranges), and c10d's ops: collectives are not kernels of the step's compute, and fz3's gloo
+carriers call the process group directly, past the dispatcher, so they could not be compared
+(bench/compare.py counts every system's collectives). A sync is an op whose result the host reads from the device:
 `aten._local_scalar_dense` (`.item()`, `float(t)`, `bool(t)`, `if t:`), `aten.equal`
 (`torch.equal`), `aten.is_nonzero`; on an accelerator each stops the host from running ahead.
 `Tensor.tolist()` and `.numpy()` of a CPU tensor read its memory without an ATen op, so a CPU
@@ -28,7 +30,8 @@ SYNCS = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"}
 # no kernel: shape and storage bookkeeping the dispatcher still routes
 FREE = {"aten::detach", "aten::lift_fresh", "aten::set_", "aten::resize_", "aten::empty.memory_format",
         "aten::empty_strided", "aten::_has_compatible_shallow_copy_type", "aten::sym_size", "aten::sym_stride",
-        "aten::sym_numel", "aten::sym_storage_offset", "aten::is_same_size", "aten::record_stream"}
+        "aten::sym_numel", "aten::sym_storage_offset", "aten::is_same_size", "aten::record_stream",
+        "profiler::_record_function_enter_new", "profiler::_record_function_exit"}  # FSDP2's record_function
 
 
 def _step_counter_read() -> bool:
@@ -51,7 +54,7 @@ class LaunchCount(TorchDispatchMode):
         name = func._schema.name
         overload = f"{name}.{func._overloadname}" if func._overloadname != "default" else name
         if name.startswith("c10d::"):
-            self.ops["c10d"] += 1
+            pass
         elif name in SYNCS:
             if not _step_counter_read():
                 self.ops[name] += 1
@@ -62,7 +65,6 @@ class LaunchCount(TorchDispatchMode):
     def snapshot(self) -> dict:
         counts = {k: v for k, v in self.ops.items() if v}
         syncs = {k: v for k, v in counts.items() if k in SYNCS}
-        launches = {k: v for k, v in counts.items() if k not in SYNCS and k != "c10d"}
+        launches = {k: v for k, v in counts.items() if k not in SYNCS}
         return {"launches": sum(launches.values()), "syncs": syncs, "sync_total": sum(syncs.values()),
-                "collectives": counts.get("c10d", 0),
                 "top": sorted(launches.items(), key=lambda kv: -kv[1])[:12]}
