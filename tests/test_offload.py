@@ -17,6 +17,7 @@ from torch import nn
 
 import fz3
 from fz3 import launch
+from tests.support.same_run import assert_same_run
 
 HERE = os.path.dirname(__file__)
 RECORD = os.path.join(HERE, "data", "deepspeed_offload_0.19.8.json")
@@ -50,15 +51,6 @@ def _nvme(path, **options) -> dict:
     return {"device": "nvme", "nvme_path": str(path), **options}
 
 
-def _same(a: dict, b: dict) -> None:
-    assert a["losses"] == b["losses"]
-    for k, v in a["weights"].items():
-        assert torch.equal(b["weights"][k], v), k
-    for i, entry in a["optimizer"]["state"].items():
-        for k, v in entry.items():
-            assert torch.equal(torch.as_tensor(b["optimizer"]["state"][i][k]), torch.as_tensor(v)), (i, k)
-
-
 @pytest.mark.parametrize("dtype, opt, sub_group_size, options, gas", [
     ("fp32", "adamw", 1_000_000_000, {}, 1),  # DeepSpeed's defaults: one sub-group
     ("fp32", "adamw", 300, {"pipeline_read": True, "pipeline_write": True}, 1),
@@ -74,7 +66,7 @@ def test_a_step_with_offload_equals_the_step_without(tmp_path, dtype, opt, sub_g
     plain = launch.run_threads(_train, 2, args=(base, 3, opt, gas))
     off = launch.run_threads(_train, 2, args=(base.replace(offload_optimizer=_nvme(tmp_path, **options)), 3, opt, gas))
     for a, b in zip(plain, off):
-        _same(a, b)
+        assert_same_run(a, b)
         s = b["stats"]
         assert s["offloaded_subgroups"] >= 1 and s["step_disk_bytes_read"] > 0 and s["step_disk_bytes_written"] > 0, s
         if sub_group_size < 1000:
@@ -251,7 +243,7 @@ def test_params_on_nvme_train_as_in_memory(tmp_path, bucket):
     both = base.replace(offload_optimizer=_nvme(tmp_path), offload_param=_nvme(tmp_path))
     off = launch.run_threads(_train, 2, args=(both, 3, "adamw"))
     for a, b in zip(plain, off):
-        _same(a, b)
+        assert_same_run(a, b)
         s = b["stats"]
         # every step's gathers read the shards: more than the optimizer's own reads
         assert s["step_disk_bytes_read"] > s["step_disk_bytes_written"], s
@@ -270,7 +262,7 @@ def test_params_on_nvme_in_files_of_their_own_train_as_in_memory(tmp_path, dtype
                           offload_optimizer=_nvme(tmp_path) if optimizer == "nvme" else {"device": optimizer})
     off = launch.run_threads(_train, 2, args=(config, 3, "adamw"))
     for a, b in zip(plain, off):
-        _same(a, b)
+        assert_same_run(a, b)
         s = b["stats"]
         assert s["step_param_reads_ahead"] > 0 and s["step_disk_bytes_read"] > 0, s
         assert s["step_disk_bytes_written"] > 0, s  # the refreshed shards, each step
@@ -324,3 +316,29 @@ def test_the_files_go_when_a_launched_rank_ends(tmp_path):
     handlers: the launcher closes the disk tiers first."""
     seen = launch.run(_rank_with_offload, world_size=2, args=(str(tmp_path),), timeout=120)
     assert seen and all(n >= 1 for n in seen) and os.listdir(tmp_path) == []
+
+
+def _evaluations(rank: int, world: int, config: fz3.Config) -> dict:
+    model = _net()
+    engine = fz3.initialize(model, torch.optim.AdamW(model.parameters()), config)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    with torch.no_grad():
+        outs = [engine(x) for _ in range(5)]  # passes with no optimizer step after them
+    off = engine.offload
+    return {"outs": outs, "recorded": None if off is None else (len(off.recording), len(off.disk_numel))}
+
+
+def test_passes_without_a_step_keep_a_bounded_order_of_gathers(tmp_path, monkeypatch):
+    """The order of a window's gathers (the next window's read-ahead queue) is kept up to
+    RECORDED gathers of each param on disk: an evaluation loop that never steps does not grow
+    it for good; its outputs are those in memory."""
+    monkeypatch.setattr("fz3.shell.offload.RECORDED", 2)
+    base = fz3.Config(param_persistence_threshold=0, sub_group_size=300, compute_dtype="bf16")
+    plain = launch.run_threads(_evaluations, 2, args=(base,))
+    off = launch.run_threads(_evaluations, 2, args=(base.replace(offload_param=_nvme(tmp_path)),))
+    for a, b in zip(plain, off):
+        assert all(torch.equal(x, y) for x, y in zip(a["outs"], b["outs"]))
+        recorded, on_disk = b["recorded"]
+        assert 0 < recorded <= 2 * on_disk < 5 * on_disk, b["recorded"]

@@ -21,6 +21,7 @@ from torch import nn
 
 import fz3
 from fz3 import launch
+from tests.support.same_run import assert_same_run
 from fz3.core import offload
 
 HOST = fz3.Options(host_step=True)
@@ -64,15 +65,6 @@ def _train(rank: int, world: int, config: fz3.Config, options: fz3.Options, gas:
             "grad_bytes": sum(s.grads.numel() * 4 for s in store.segments)}
 
 
-def _same(a: dict, b: dict) -> None:
-    assert a["losses"] == b["losses"]
-    for k, v in a["weights"].items():
-        assert torch.equal(b["weights"][k], v), k
-    for i, entry in a["optimizer"]["state"].items():
-        for k, v in entry.items():
-            assert torch.equal(torch.as_tensor(b["optimizer"]["state"][i][k]), torch.as_tensor(v)), (i, k)
-
-
 @pytest.mark.parametrize("dtype, device, sub_group_size, options, gas", [
     ("fp32", "cpu", 1_000_000_000, {}, 1),  # DeepSpeed's defaults: one sub-group
     ("bf16", "cpu", 300, {}, 2),
@@ -87,7 +79,7 @@ def test_the_host_step_issues_the_schedules_copies_and_equals_no_offload(tmp_pat
     plain = launch.run_threads(_train, 2, args=(base, fz3.Options(), gas))
     host = launch.run_threads(_train, 2, args=(base.replace(offload_optimizer=section), HOST, gas))
     for a, b in zip(plain, host):
-        _same(a, b)
+        assert_same_run(a, b)
         effects, groups, on_host = b["effects"]
         assert on_host and effects == offload.schedule(groups, read_ahead=options.get("pipeline_read", False),
                                                        write_behind=options.get("pipeline_write", False), host=True)
@@ -114,7 +106,7 @@ def test_params_in_host_memory_are_copied_to_the_device_for_each_gather():
     both = base.replace(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     host = launch.run_threads(_train, 2, args=(both, HOST))
     for a, b in zip(plain, host):
-        _same(a, b)
+        assert_same_run(a, b)
         for s in b["steps"]:
             assert s["step_bytes_to_device"] == 0 and s["step_bytes_to_host"] == b["grad_bytes"], s
             # at least one gather of every param a step (the refresh after it, here)

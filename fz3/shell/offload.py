@@ -59,6 +59,7 @@ from fz3.core.offload import (AwaitGrads, AwaitParams, AwaitRead, AwaitWrite, Gr
                               Step, Write)
 from fz3.data.swap import DiskTier
 
+RECORDED = 64  # a window's order of gathers is kept up to this many gathers of each param on disk
 # optimizer states per element, fp32, for the free-space check (an optimizer not named here is
 # counted as Adam's two: the state's size is only known after the first step)
 STATES = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.Adamax: 2, torch.optim.NAdam: 2,
@@ -244,9 +245,12 @@ class OptimizerOffload:
         self.disk.await_write(("params", i))
 
     def _shard_from_disk(self, p: int) -> torch.Tensor:
-        """Param p's shard (its fp32 master) for a gather: read ahead if the trace foresaw it, else
-        read from its sub-group's file now; then the reads ahead of the gathers to come."""
-        self.recording.append(p)
+        """Param p's shard for a gather (its fp32 master, or its copy in the shards' file): read
+        ahead if the last window's order foresaw it, else read now; then the reads ahead of the
+        gathers to come. The window's order is kept up to a bound (passes with no optimizer step,
+        an evaluation loop, would grow it for good): past it, the next window reads as it goes."""
+        if len(self.recording) < RECORDED * max(len(self.disk_numel), 1):
+            self.recording.append(p)
         start = time.perf_counter()
         read = self.reads.pop(p, None)
         if read is not None:
