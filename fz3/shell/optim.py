@@ -74,19 +74,23 @@ def global_grad_norm(store: TensorStore, all_reduce_sum: Callable[[torch.Tensor]
     global sum. `counted` False: this rank's partitions are a copy of another's (stage 0: every
     rank holds the whole grad, fz3/core/stage.py), so it adds 0 and the sum counts each once.
     [Note: norm in rows] fp32 rows of ROW elements, their squared norms summed in fp64: 7 ms
-    for the wide benchmark model's 14.7M-element partition, relative error ~1e-8.
+    for the wide benchmark model's 14.7M-element partition, relative error ~1e-8. Every
+    segment's row norms are concatenated and squared and summed at once, so the launches do
+    not grow four a segment (bench/launches.py).
     Casting the whole partition to fp64 first cost 315 ms a step there (two fresh 118 MB
     temporaries, page-faulted each time); one fp32 norm of it, 1e-3 relative error.
     DeepSpeed: get_grad_norm_direct / _global_grad_norm.
     """
-    sq = torch.zeros((), dtype=torch.float64, device=store.device)
-    for flat in store.segment_grads() if counted else ():  # each its rows, then its tail
+    norms = []  # fp32: each segment's rows, then its tail
+    for flat in store.segment_grads() if counted else ():
         whole = flat.numel() // ROW * ROW
         if whole:
-            sq = sq + torch.linalg.vector_norm(flat[:whole].view(-1, ROW), dim=1).double().square().sum()
+            norms.append(torch.linalg.vector_norm(flat[:whole].view(-1, ROW), dim=1))
         if whole < flat.numel():
-            sq = sq + torch.linalg.vector_norm(flat[whole:]).double().square()
-    sq = sq.reshape(1)
+            norms.append(torch.linalg.vector_norm(flat[whole:]).reshape(1))
+    # squared and summed in fp64 at once: four ops whatever the number of segments
+    sq = (torch.cat(norms).double().square().sum().reshape(1) if norms else
+          torch.zeros(1, dtype=torch.float64, device=store.device))
     return all_reduce_sum(sq).sqrt().to(torch.float32)[0]
 
 
