@@ -37,3 +37,21 @@ def test_the_optimizers_step_counters_are_no_sync():
     snap = c.snapshot()
     assert snap["syncs"] == {"aten::_local_scalar_dense": 1}, snap  # the .item() alone
     assert snap["launches"] > 5, snap
+
+
+def test_the_grad_norm_squares_and_sums_its_segments_at_once():
+    """fz3's grad norm launches one norm per segment (two with a tail) and four ops for all of
+    them together, not four a segment (fz3/shell/optim.py [Note: norm in rows]); its value is the
+    fp64 norm's."""
+    from types import SimpleNamespace
+
+    from fz3.shell.optim import ROW, global_grad_norm
+    torch.manual_seed(0)
+    segments = [torch.randn(ROW * 2 + 5) for _ in range(12)]
+    store = SimpleNamespace(segment_grads=lambda: segments, device=torch.device("cpu"))
+    with LaunchCount() as c:
+        norm = global_grad_norm(store, lambda t: t)
+    launches = c.snapshot()["launches"]
+    assert launches <= 2 * len(segments) + 8, c.snapshot()
+    exact = torch.cat(segments).double().norm().float()
+    assert torch.allclose(norm, exact, rtol=1e-6), (norm, exact)
