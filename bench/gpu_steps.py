@@ -1,6 +1,6 @@
 """Step time and peak memory of fz3, DDP and FSDP2 on one device: the table bench/gpu.sh writes.
 
-    python bench/gpu_steps.py --device cuda [--models deep,small] [--systems fz3,fz3-offload,ddp,fsdp2]
+    python bench/gpu_steps.py --device cuda [--models deep,small] [--systems fz3,fz3-sharded,...]
                               [--rounds 2] [--warmup 5] [--steps 20] [--out DIR]
 
 World 1 (one GPU cannot host two NCCL ranks): each system is one rank of fz3.launch.run on its
@@ -14,7 +14,13 @@ code on gloo: what CI checks (tests/test_gpu_script.py), not a figure to report.
 on the device, the optimizer stepped on the host (the grads copied to pinned host buffers;
 fz3/core/offload.py `host`) and the params' shards kept there, each gather copying its shards to
 the device; its peak is the device's, without the fp32 masters, the optimizer state and the
-shards. On cpu it runs the same path with Options(host_step=True).
+shards. On cpu it runs the same path with Options(host_step=True). `fz3-sharded` is fz3 with every
+param sharded (param_persistence_threshold 0, as FSDP2 shards them); the `-compiled` rows compile
+each transformer block with inductor (bench/systems/*_compiled.py; issue #48 point 5 asks
+compiled >= 1.1x eager). Each row also gives the ATen ops one steady step launches and the reads
+of device memory that make the host wait, counted by bench/systems/launch_count.py (on cuda every
+such read is a real sync; the harness's own loss.item() is one of each row); not for the compiled
+rows, whose graphs a dispatch mode makes torch.compile run eagerly.
 Writes DIR/steps.json and DIR/steps.md.
 """
 from __future__ import annotations
@@ -28,10 +34,14 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # systems.* (spawned ranks inherit sys.path)
 
-SYSTEMS = {"fz3": "fz3_z3", "fz3-offload": "fz3_z3", "ddp": "ddp", "fsdp2": "fsdp2"}
+SYSTEMS = {"fz3": "fz3_z3", "fz3-sharded": "fz3_z3", "fz3-offload": "fz3_z3", "ddp": "ddp", "fsdp2": "fsdp2",
+           "fz3-compiled": "fz3_compiled", "ddp-compiled": "ddp_compiled", "fsdp2-compiled": "fsdp2_compiled"}
 OPTIONS = {"fz3": {"config": {}},
+           "fz3-sharded": {"config": {"param_persistence_threshold": 0}},
            "fz3-offload": {"config": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
-                                      "host_step": True}}}
+                                      "host_step": True}},
+           "fz3-compiled": {"config": {}, "compile": "blocks"}}
+EAGER = "fz3,fz3-sharded,fz3-offload,ddp,fsdp2"  # --systems eager: what the CPU half runs (no compiles)
 
 
 def launch(system: str, spec: dict) -> list[dict]:
@@ -43,13 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), required=True)
     ap.add_argument("--models", default="deep,small")
-    ap.add_argument("--systems", default="fz3,fz3-offload,ddp,fsdp2")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list, or 'eager' ({EAGER})")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=os.path.join(HERE, "out", "gpu"))
     args = ap.parse_args(argv)
-    systems = args.systems.split(",")
+    systems = (EAGER if args.systems == "eager" else args.systems).split(",")
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         ap.error(f"--systems: {bad} not among {sorted(SYSTEMS)}")
@@ -71,23 +81,32 @@ def main(argv: list[str] | None = None) -> int:
                 medians[system].append(statistics.median(out["times"]) * 1e3)
                 losses[system] = out["losses"][-1]
         for system in systems:
+            # the ops of its first steady step counted too (the peak is the whole launch's); a
+            # dispatch mode makes torch.compile run its graphs eagerly: no count of the compiled rows
+            compiled = system.endswith("-compiled")
             stats = launch(system, {"model": model, "warmup": 2, "steps": 3, "mode": "stats",
-                                    "options": OPTIONS.get(system, {})})[0]
+                                    "count_launches": not compiled, "options": OPTIONS.get(system, {})})[0]
             peak = stats.get("peak_device_bytes", stats.get("peak_rss", 0))
+            counted = stats["launches"] if not compiled else {"launches": None, "sync_total": None, "syncs": {}}
             rows.append({"model": model, "system": system, "device": args.device,
+                         "launches": counted["launches"], "syncs": counted["sync_total"],
+                         "sync_ops": counted["syncs"],
                          "median_ms": statistics.median(medians[system]), "launch_medians_ms": medians[system],
                          "peak_mib": peak / 2**20, "peak_kind": "device" if "peak_device_bytes" in stats else "rss",
                          "last_loss": losses[system]})
     with open(os.path.join(args.out, "steps.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    lines = ["| model | system | median step ms | launch medians | ÷ DDP | peak MiB | last loss |",
-             "|---|---|---:|---|---:|---:|---:|"]
+    lines = ["| model | system | median step ms | launch medians | ÷ DDP | ÷ FSDP2 | peak MiB | launches | syncs "
+             "| last loss |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        ddp = next((x["median_ms"] for x in rows if x["model"] == row["model"] and x["system"] == "ddp"), None)
-        ratio = f"{row['median_ms'] / ddp:.2f}" if ddp else "–"
+        def ratio(to: str) -> str:
+            base = next((x["median_ms"] for x in rows if x["model"] == row["model"] and x["system"] == to), None)
+            return f"{row['median_ms'] / base:.2f}" if base else "–"
         lines.append(f"| {row['model']} | {row['system']} | {row['median_ms']:.1f} | "
-                     f"{' / '.join(f'{t:.1f}' for t in row['launch_medians_ms'])} | {ratio} | "
-                     f"{row['peak_mib']:.0f} ({row['peak_kind']}) | {row['last_loss']:.6f} |")
+                     f"{' / '.join(f'{t:.1f}' for t in row['launch_medians_ms'])} | {ratio('ddp')} | "
+                     f"{ratio('fsdp2')} | {row['peak_mib']:.0f} ({row['peak_kind']}) | {row['launches'] or '–'} | "
+                     f"{'–' if row['syncs'] is None else row['syncs']} | {row['last_loss']:.6f} |")
     with open(os.path.join(args.out, "steps.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -8,8 +8,8 @@ how memory is counted. A system module only says how to wrap the model (see __in
 mode "time": the timed loop only (nothing wrapped). mode "stats": collectives counted over the
 measured steps, per-rank bytes of params / grads / optimizer state after the last step, peak
 RSS (run it with MALLOC_MMAP_THRESHOLD_ set, in its own launch: it slows steps). mode
-"launches": the first step after the warm-up runs under systems/launch_count.py's op counter
-(bench/launches.py).
+"launches", or spec["count_launches"] in another mode: the first step after the warm-up runs
+under systems/launch_count.py's op counter (bench/launches.py, bench/gpu_steps.py).
 """
 from __future__ import annotations
 
@@ -185,7 +185,8 @@ def worker(rank: int, world: int, system: str, spec: dict) -> dict:
             if hasattr(sysobj, "mark"):
                 sysobj.mark()
         c0, t0 = time.process_time(), time.perf_counter()
-        if spec["mode"] == "launches" and i == warmup:  # the first steady step, under the op counter
+        if (spec["mode"] == "launches" or spec.get("count_launches")) and i == warmup:  # the first steady
+            # step, under the op counter
             from systems.launch_count import LaunchCount
             with LaunchCount() as launches:
                 loss = sysobj.step(x, y)
