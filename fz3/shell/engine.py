@@ -83,7 +83,7 @@ from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, needs
 from fz3.shell.memory import memory_stats
 from fz3.shell.saved import SavedParams
 from fz3.shell.flat_step import FlatSteps, group_runs
-from fz3.shell.offload import OptimizerOffload, offload_host
+from fz3.shell.offload import OptimizerOffload, store_layout
 from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, first_nonfinite, global_grad_norm
 from fz3.config.options import Options
 from fz3.data.store import DTYPES, TensorStore
@@ -123,21 +123,15 @@ class Engine(DeepSpeedSurface):
         self.shard_world = self.spec.world_size
         self.shard_rank = rank % self.shard_world
         runs = group_runs(optimizer, self.tables.params)  # each group's masters flat: [Note: flat steps]
-        nvme, param_nvme = config.offload_optimizer.device == "nvme", config.offload_param.device == "nvme"
-        # params on NVMe in fp32 beside the optimizer there: the shards are the masters, read from
-        # its files; else the shards are copies with files of their own (fz3/shell/offload.py)
-        from_masters = nvme and param_nvme and config.compute_dtype == "fp32"
-        host = offload_host(config, device.torch_device, options)  # the optimizer steps in host memory
+        layout = store_layout(config, device.torch_device, options)  # for the offload asked (offload.py)
         self.store = TensorStore(self.tables.params, tuple(self.tables.names),
                                  shards.initial_shards(self.tables.params, self.tables.names, rank=self.shard_rank,
                                                      world_size=self.shard_world, device=device.torch_device),
                                  rank=self.shard_rank, world_size=self.shard_world,
                                  compute_dtype=config.compute_dtype, device=device.torch_device, runs=runs,
                                  huge_pages=options.huge_pages,
-                                 separate_shards=(nvme or param_nvme) and not from_masters,
-                                 segment_numel=config.sub_group_size if nvme or param_nvme or host else None, host=host,
-                                 pin=host is not None and device.type != "cpu" and config.offload_optimizer.pin_memory,
-                                 params_on_host=config.offload_param.device == "cpu")
+                                 separate_shards=layout.separate_shards, segment_numel=layout.segment_numel,
+                                 host=layout.host, pin=layout.pin, params_on_host=layout.params_on_host)
         self.param_ids = {id(p): i for i, p in enumerate(self.tables.params)}
         self.make_interpreter = interpreter
         self.hook_handles: list = []
@@ -162,7 +156,7 @@ class Engine(DeepSpeedSurface):
         self.buffers = BufferSync(model, lambda t: self.interp.broadcast(t), enabled=options.broadcast_buffers,
                                   world_size=world_size)  # the interpreter of the units of the time
         bind_optimizer(optimizer, self.tables.params, self.store.masters)
-        self.flat_steps = FlatSteps(optimizer, self.store, runs, flat=not (nvme or param_nvme or host is not None))
+        self.flat_steps = FlatSteps(optimizer, self.store, runs, flat=not layout.in_parts)
         self.offload = OptimizerOffload.build(self)  # None without "nvme" or a host step (fz3/shell/offload.py)
         self.zero_grad_undo = zero_grad.install(self, (model, optimizer))  # [Note: zero_grad in a window]
         # fp16's loss scale (fz3/core/grad/scaler.py): a cell of its own, beside the core's

@@ -3,10 +3,12 @@ sub-groups' fp32 masters and optimizer state read from and written to the disk t
 (fz3/data/swap.py) around their step, and with a host step the grads copied to the host and the
 stepped masters copied back into the device's compute shards around it.
 
-    offload_host(config, device, options)   where the masters live when the optimizer steps in
-                                     host memory apart from the ranks' device (the store's `host`):
-                                     the CPU, for "cpu" or "nvme" on an accelerator's ranks (or on
-                                     CPU ranks under Options(host_step=True)); None otherwise
+    store_layout(config, device, options)   how the tensor store is laid out for the offload the
+                                     config asks: where the masters live (`host`: the CPU, for
+                                     "cpu" or "nvme" on an accelerator's ranks, or on CPU ranks
+                                     under Options(host_step=True); None otherwise), whether the
+                                     shards are apart from them, the segments' size, pinning, and
+                                     whether the optimizer steps a sub-group at a time (`in_parts`)
     OptimizerOffload.build(engine)   None unless offload_optimizer.device is "nvme" or the
                                      optimizer steps on the host; at build the offloaded masters
                                      go to disk (their state does not exist until the first step
@@ -50,7 +52,7 @@ import contextlib
 import os
 import time
 from concurrent.futures import Future
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -66,12 +68,30 @@ STATES = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.Adamax: 2, torc
           torch.optim.RAdam: 2, torch.optim.Adagrad: 1, torch.optim.RMSprop: 1}
 
 
-def offload_host(config, device: torch.device, options) -> torch.device | None:
-    """The host memory the optimizer steps in, apart from the ranks' `device`; None where the
-    masters stay with the rest (no optimizer offload, CPU ranks, fz3.plan's meta device)."""
-    if config.offload_optimizer.device == "none" or device.type == "meta":
-        return None
-    return torch.device("cpu") if device.type != "cpu" or options.host_step else None
+class StoreLayout(NamedTuple):
+    host: torch.device | None  # where the masters live when the optimizer steps apart from the device
+    separate_shards: bool  # compute shards of their own, even in fp32
+    segment_numel: int | None  # segments cut at sub_group_size (None: the store's default)
+    pin: bool  # the host buffers pinned
+    params_on_host: bool  # offload_param "cpu" with the host step: the shards in host memory
+    in_parts: bool  # the optimizer steps a sub-group at a time (OptimizerOffload), no group flat
+
+
+def store_layout(config, device: torch.device, options) -> StoreLayout:
+    """The store's layout for the config's offload, on `device` (fz3.plan's meta device: none)."""
+    nvme, param_nvme = config.offload_optimizer.device == "nvme", config.offload_param.device == "nvme"
+    host = None
+    if config.offload_optimizer.device != "none" and device.type != "meta" and (device.type != "cpu"
+                                                                                or options.host_step):
+        host = torch.device("cpu")
+    # params on NVMe in fp32 beside the optimizer there: the shards are the masters, read from its
+    # files; else the shards are copies, with files of their own under params on NVMe
+    from_masters = nvme and param_nvme and config.compute_dtype == "fp32"
+    in_parts = nvme or param_nvme or host is not None
+    return StoreLayout(host=host, separate_shards=(nvme or param_nvme) and not from_masters,
+                       segment_numel=config.sub_group_size if in_parts else None,
+                       pin=host is not None and device.type != "cpu" and config.offload_optimizer.pin_memory,
+                       params_on_host=config.offload_param.device == "cpu", in_parts=in_parts)
 
 
 class OptimizerOffload:
@@ -90,6 +110,10 @@ class OptimizerOffload:
         # by sub-group: its params (each a master, a compute shard to refresh) and their segments
         self.segments = [frozenset(g.segments) for g in groups]
         self.params = [tuple(p for s in g.segments for p in self.store.segments[s].params) for g in groups]
+        # what ParamsToDevice copies of each: its compute shards (none: params in host memory)
+        self.shard_bytes = [0 if self.store.params_on_host else
+                            sum(self.store.shards[p].numel() * self.store.shards[p].element_size() for p in ps)
+                            for ps in self.params]
         self.last: dict[str, float] = {}
         # params on NVMe: where each param's shard lies on disk, for the gathers to read it there.
         # In fp32 beside the optimizer on NVMe the shards are the masters, in their sub-group's
@@ -160,7 +184,7 @@ class OptimizerOffload:
             raise ValueError(f"zero_optimization.offload_optimizer.ratio = {cfg.ratio} with device 'cpu' on "
                              f"{store.device}: fz3 steps every sub-group on the host, and keeps none of the "
                              "optimizer on the device; set ratio 1 (the default), or offload_optimizer.device 'none'")
-        if cfg.device != "nvme" and not host and param != "nvme":
+        if not store_layout(engine.config, store.device, engine.options).in_parts:
             return None
         runs: list[list[tuple[int, int]]] = [[] for _ in store.runs]
         for k, seg in enumerate(store.segments):
@@ -208,9 +232,7 @@ class OptimizerOffload:
                         self._refresh(i)
                 case ParamsToDevice(group=i):  # params in host memory: their shards there, refreshed
                     self._refresh(i, non_blocking=self.non_blocking)
-                    self._copied(("params", i), "device", 0 if self.store.params_on_host else
-                                 sum(self.store.shards[p].numel() * self.store.shards[p].element_size()
-                                     for p in self.params[i]))
+                    self._copied(("params", i), "device", self.shard_bytes[i])
                 case Write(group=i):
                     self._write(i)
                 case AwaitWrite(group=i):
@@ -274,9 +296,10 @@ class OptimizerOffload:
         if here is None:  # the first window, or p was not gathered in the last
             return
         self.pos = here + 1
-        for q in offload.passed_over({q: r[0] for q, r in self.reads.items()}, here):
-            self.disk.await_range(self.reads.pop(q)[1])
         pending = {q: r[0] for q, r in self.reads.items()}
+        for q in offload.passed_over(pending, here):
+            self.disk.await_range(self.reads.pop(q)[1])
+            del pending[q]
         for at, q in offload.param_reads(queue, here + 1, self.disk_numel, pending=pending, budget=self.read_budget):
             key, offset = self.where[q]
             into = torch.empty(self.disk_numel[q], dtype=self.read_dtype)
