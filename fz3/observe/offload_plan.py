@@ -7,6 +7,9 @@ and, given the memory a rank has, how much of the optimizer to offload so the pl
     choose(figures_of, budget)          the smallest share of the sub-groups to offload, as
                                         DeepSpeed's `ratio` picks them, that brings the plan's
                                         peak within `budget`; None if even all of them does not
+    offloaded(step, figures, engine)    a planned step's row with the optimizer on disk
+    param_files(step, engine)           ... with the params' shards in files of their own
+    host_step(step, engine, on_disk)    ... with an accelerator's optimizer stepped on the host
 
 A sub-group's bytes are its fp32 masters and the elementwise optimizer state the plan measures
 for its params (fz3/observe/plan.py `_optimizer_state_rate`; the per-param scalars, Adam's step
@@ -82,3 +85,75 @@ def choose(peak_at: Callable[[float], int], n: int, budget: int) -> float | None
         if peak_at(r) <= budget:
             return r
     return None
+
+
+def offloaded(step: dict[str, int], of, engine) -> dict[str, int]:
+    """A step's figures with the offloaded sub-groups' masters and state on disk, and the step's
+    working set of them in memory (`figures`). Params on NVMe too: each
+    gather reads its shards (gathered bytes / world size) from disk, in the share of the masters
+    that is offloaded (all of them at ratio 1), and up to prefetch_bucket_size elements of them
+    are held read ahead of their gathers (fz3/core/offload.py `param_reads`)."""
+    step = dict(step)
+    state_off = of.bytes_offloaded - of.masters_offloaded
+    masters = 4 * sum(m.numel() for m, t in zip(engine.store.masters, engine.store.trainable) if t)
+    step["param_shards"] -= of.masters_offloaded
+    step["optimizer_state_bytes"] = max(0, step["optimizer_state_bytes"] - state_off)
+    shard_reads = read_ahead = 0
+    if engine.config.offload_param.device == "nvme" and not engine.store.separate and masters:
+        shard_reads = step["gathered_bytes"] // engine.world_size * of.masters_offloaded // masters
+        read_ahead = min(4 * engine.config.prefetch_bucket_size, of.masters_offloaded)
+    step.update(offloaded_bytes=of.bytes_offloaded, disk_read_bytes=of.disk_read + shard_reads,
+                disk_written_bytes=of.disk_written, offload_working_bytes=of.working_set,
+                param_read_ahead_bytes=read_ahead)
+    step["model_state_peak_bytes"] += of.working_set - of.bytes_offloaded + read_ahead
+    return step
+
+
+def param_files(step: dict[str, int], engine) -> dict[str, int]:
+    """A step's figures with offload_param "nvme" where the shards are not the masters (bf16 or
+    fp16, or the optimizer in memory): each sub-group's shards of params not persistent (of the
+    offloaded sub-groups, with the optimizer on NVMe) leave memory for a file of their own,
+    written once a step, read by the gathers (gathered bytes / world size, in their share of the
+    shards), up to prefetch_bucket_size elements of them held read ahead (fz3/shell/offload.py)."""
+    step = dict(step)
+    store, config = engine.store, engine.config
+    nvme = config.offload_optimizer.device == "nvme"
+    groups = groups_of(engine, config.offload_optimizer.ratio)
+    numel = sum(store.masters[p].numel() for g in groups if g.offloaded or not nvme for s in g.segments
+                for p in store.segments[s].params if not engine.spec.params[p].persistent)
+    nbytes, size = numel * store.dtype.itemsize, store.dtype.itemsize
+    total = sum(m.numel() for m in store.masters)
+    read_ahead = min(size * config.prefetch_bucket_size, nbytes)
+    step["param_shards"] -= nbytes
+    step["model_state_peak_bytes"] += read_ahead - nbytes
+    for key, add in (("offloaded_bytes", nbytes), ("disk_written_bytes", nbytes), ("offload_working_bytes", 0),
+                     ("disk_read_bytes", step["gathered_bytes"] // engine.world_size * numel // max(total, 1)),
+                     ("param_read_ahead_bytes", read_ahead)):
+        step[key] = step.get(key, 0) + add
+    return step
+
+
+def host_step(step: dict[str, int], engine, masters_on_disk: int) -> dict[str, int]:
+    """A step's figures on an accelerator whose optimizer steps on the host (fz3/core/offload.py
+    `host`): the fp32 masters, the optimizer state (what of them is not on disk) and the grads'
+    host copies in host memory (`host_bytes`), and with offload_param "cpu" the compute shards
+    too; the device holds the compute shards (copies of their own, even in fp32) and the rest.
+    The model states at the peak are the device's. `masters_on_disk`: bytes of masters the
+    offload to "nvme" already took out of the step's param_shards."""
+    step = dict(step)
+    store, config = engine.store, engine.config
+    masters = 4 * sum(m.numel() for m in store.masters)
+    grads = 4 * sum(seg.grads.numel() for seg in store.segments)
+    held = step["param_shards"] + step["optimizer_state_bytes"] + step.get("offload_working_bytes", 0)
+    if store.separate:  # the plan's compute shards, beside the masters
+        compute = step["param_shards"] - (masters - masters_on_disk)
+    else:
+        compute = store.dtype.itemsize * sum(m.numel() for p, m in enumerate(store.masters)
+                                             if not engine.spec.params[p].persistent)
+    compute = max(compute, 0)
+    on_host = config.offload_param.device == "cpu"
+    step["host_bytes"] = held - (compute if store.separate else 0) + grads + (compute if on_host else 0)
+    step["model_state_peak_bytes"] += (0 if on_host else compute) - held
+    step["param_shards"] = 0 if on_host else compute
+    step["optimizer_state_bytes"] = 0
+    return step
