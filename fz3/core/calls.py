@@ -366,14 +366,16 @@ def stepped(st: Lifecycle, ev: Stepped, *, config: Config) -> tuple[Lifecycle, t
     """At the accumulation boundary, the global grad norm known (`ev.finite`: on every rank
     alike). Finite: the optimizer steps (StepOptimizer: every trainable param no grad reached
     in the window left without one), the window closes, every full param is stale. Not
-    finite: SkipStep, the window closes, the weights stay ([Note: a step skipped]).
+    finite: SkipStep, the window closes, the weights stay ([Note: a step skipped]). None: left to
+    the device, the step taken guarded, as a finite one ([Note: the verdict on the device],
+    fz3/core/grad/verdict.py).
     `ev.leaf_grads`: the leaf params (`CallTables.leaf_own`) that got a real grad in the window
     on some rank; None: this rank's own (`leaf_grads(st)`), all there is with one rank."""
     grads = st.grads
-    if not ev.finite:
+    if ev.finite is False:
         grads, eff = optimizer_step(grads, config=config, applied=False)
         return Lifecycle(st.params, grads, st.calls), (SkipStep(st.grads.window + 1),) + eff
-    effects = (StepOptimizer(no_grad_params(st, ev.leaf_grads)),)
+    effects = (StepOptimizer(no_grad_params(st, ev.leaf_grads), guarded=ev.finite is None),)
     grads, eff = optimizer_step(grads, config=config)
     params, eff2 = end_of_step(st.params, config=config)
     return Lifecycle(params, grads, st.calls), effects + eff + eff2

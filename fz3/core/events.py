@@ -22,7 +22,7 @@ test to paste (fz3/testing/calls_machine.py).
                                             boundary's override, or None; fp16's loss scale)
     GradsZeroed()                           the user called zero_grad() (the engine's, the
                                             model's or the optimizer's)
-    Stepped(finite, leaf_grads)             the accumulation boundary, the grad norm known
+    Stepped(finite, leaf_grads)             the accumulation boundary, the grad norm known (or left to the device)
 
     what fz3's own features report (the param and grad lifecycles' own transitions)
     Hold(params)                            gathered_parameters opened: the params stay whole
@@ -121,7 +121,8 @@ class GradsZeroed(NamedTuple):
 
 @record
 class Stepped(NamedTuple):
-    finite: bool = True  # the global grad norm is finite (on every rank alike)
+    finite: Optional[bool] = True  # the global grad norm is finite (on every rank alike); None: the
+    # device decides, the step taken with its flag ([Note: the verdict on the device], grad/verdict.py)
     leaf_grads: Optional[frozenset] = None  # leaf params that got a grad on some rank; None: this rank's
 
 

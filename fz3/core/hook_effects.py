@@ -19,10 +19,11 @@ in order, between the interpreter's.
     QueueEndOfBackward  ask autograd to call end_of_backward when this backward is done
                       (queue_callback; once per backward)
     EndOfBackward     the interpreter's pool may let its buffers go until the next pass
-    StepOptimizer(no_grad)  at the boundary, the norm finite: the optimizer steps on the averaged
-                      partitions (clipped), the params of no_grad with no grad (None): no grad
-                      reached them in the window ([Note: no grad, no step], epilogue.py); the
-                      compute shards follow the masters
+    StepOptimizer(no_grad, guarded)  at the boundary, the norm finite: the optimizer steps on the
+                      averaged partitions (clipped), the params of no_grad with no grad (None):
+                      no grad reached them in the window ([Note: no grad, no step], epilogue.py);
+                      the compute shards follow the masters. `guarded`: the norm left to the
+                      device, whose flag the optimizer takes ([Note: the verdict on the device])
     SkipStep(step)    at the boundary, the norm not finite: no optimizer step; the shell names
                       the first param whose grad is not finite ([Note: a step skipped])
 """
@@ -87,6 +88,7 @@ class EndOfBackward(NamedTuple):
 @record
 class StepOptimizer(NamedTuple):
     no_grad: tuple[ParamId, ...]  # trainable params left without a grad (None) for this step
+    guarded: bool = False  # the norm unread: the optimizer takes its flag and skips on the device
 
 
 @record

@@ -97,6 +97,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     check_same_place(engine, save_dir, tag)
     tag = check_tag(tag)
     check_quiescent(engine, "save_checkpoint")
+    engine.read_verdict(every_rank=False)  # a skipped step's lr scheduler put back before it is saved
     engine.buffers.sync()  # rank 0's buffers, which the checkpoint keeps, are every rank's
     client_state = {} if client_state is None else client_state
     _check_weights_only(client_state)
@@ -213,7 +214,7 @@ def metadata(engine, tag: str, folder: str) -> dict:
             "params": params, "fingerprint": fingerprint(params), "state_dict": state_dict_keys(engine),
             "config": dataclasses.asdict(engine.config), "optimizer_steps": engine.optimizer_steps,
             "grads": {"micro_step": gs.micro_step, "window": gs.window, "backward": gs.backward,
-                      "skipped": gs.skipped},
+                      "skipped": engine.skipped},
             "global_samples": engine.global_samples,  # DeepSpeed's counter (surface.py)
             # fp16's loss scale (fz3/core/grad/scaler.py): DeepSpeed keeps it in its optimizer's state
             "loss_scale": list(engine.loss_scale) if engine.config.compute_dtype == "fp16" else None,

@@ -25,6 +25,7 @@ import torch
 
 from fz3.core.events import Resumed
 from fz3.core.grad.scaler import LossScale
+from fz3.core.grad.verdict import Verdict
 from fz3.data import layout
 from fz3.io.checkpoint import (CLIENT, FORMAT, LATEST, META, VERSION, CheckpointError, agree,
                                   check_quiescent, check_tag, fingerprint, group_param_ids,
@@ -275,11 +276,12 @@ def apply(engine, loaded: dict, parts: dict = ALL_PARTS) -> None:
     old = engine.grads_state
     window, backward, skipped = (meta["grads"]["window"], meta["grads"]["backward"],
                                  meta["grads"].get("skipped", 0)) if parts["counters"] else \
-        (old.window, old.backward, old.skipped)
+        (old.window, old.backward, engine.skipped)
     # the grad lifecycle afresh, at the engine's own place in its cycle of step() calls (DeepSpeed's
     # micro_steps is not restored); persistent params re-gathered
     engine.apply(Resumed(window=window, backward=backward, skipped=skipped,
                          micro_step=engine.micro_steps % engine.config.gradient_accumulation_steps))
+    engine.verdict = Verdict()  # its skipped steps are in the core's count now, its pending step gone
     if parts["counters"]:  # DeepSpeed's: global_samples as saved; micro_steps stays this engine's
         per_step = engine.batch.train_batch_size or 0
         engine.global_samples = meta.get("global_samples", window * per_step)

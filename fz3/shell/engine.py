@@ -64,7 +64,8 @@ from fz3.core.events import (BackwardEnded, Enter, GradReady, GradsZeroed, Leave
                              Raised, Read, StepCalled, Stepped)
 from fz3.config.config import Config
 from fz3.core.grad.epilogue import at_boundary
-from fz3.core.grad import scaler
+from fz3.core.grad import scaler, verdict
+from fz3.core.grad.verdict import Verdict
 from fz3.core.grad.grads import init_grad_state
 from fz3.core.hook_effects import (HOOK_EFFECTS, BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
                                    QueueEndOfBackward, SkipStep, StepOptimizer, WrapInputs, WrapOutputs,
@@ -89,6 +90,7 @@ from fz3.config.options import Options
 from fz3.data.store import DTYPES, TensorStore
 from fz3.shell.surface import BatchSizes, DeepSpeedSurface
 from fz3.shell.tables import read_tables
+from fz3.shell.verdict import DeviceVerdict, on_device, put_back, step_scheduler
 
 
 _HOOK_TYPES = frozenset(HOOK_EFFECTS)
@@ -162,7 +164,13 @@ class Engine(DeepSpeedSurface):
         # fp16's loss scale (fz3/core/grad/scaler.py): a cell of its own, beside the core's
         # ([Note: the scaler's count]); DeepSpeed's names for it on the optimizer
         self.loss_scale = scaler.initial_scale(config)
-        self.overflow = False  # the last boundary's grads were not finite (DeepSpeed's optimizer.overflow)
+        self._overflow = False  # the last boundary's grads were not finite (DeepSpeed's optimizer.overflow)
+        # [Note: the verdict on the device] (fz3/core/grad/verdict.py): None where the optimizer
+        # takes the norm's flag, else why the boundary reads it (said once on an accelerator)
+        self.verdict_on_host = on_device(optimizer, config, host_step=self.offload is not None)
+        self.verdict, self.verdict_call, self.scheduler_kept = Verdict(), -1, None
+        self.device_verdict = DeviceVerdict(device)
+        log.verdict_on_host(self, self.verdict_on_host)
         optimizer_names.add_names(optimizer, self)
     def _take_units(self) -> None:
         """What follows from the fetch units (the tables' modules): the interpreter, the core
@@ -235,8 +243,10 @@ class Engine(DeepSpeedSurface):
 
     @property
     def skipped(self) -> int:
-        """Steps skipped for a non-finite grad norm (no counter a replay shifts: O(1))."""
-        return replay.view(self.cell).grads.skipped
+        """Steps skipped for a non-finite grad norm (no counter a replay shifts: O(1)): the core's,
+        and those the device decided, read ([Note: the verdict on the device])."""
+        self.read_verdict(every_rank=False)
+        return replay.view(self.cell).grads.skipped + self.verdict.skipped
 
     @property
     def optimizer_steps(self) -> int:
@@ -476,14 +486,14 @@ class Engine(DeepSpeedSurface):
                 return self._begin_pass(tree)
             case EndPass():
                 self.saved.end()
-            case StepOptimizer(no_grad):
-                self._step_optimizer(no_grad)
+            case StepOptimizer(no_grad, guarded):
+                self._step_optimizer(no_grad, guarded)
             case SkipStep(step):
                 if scaler.dynamic(self.config):
                     return tree  # fp16's overflow: the scaler's business, logged as it moves (log.loss_scale)
                 # [Note: a step skipped] (fz3/core/grad/epilogue.py): say which param, on every rank alike
                 first = first_nonfinite(self.store, self.interp.any_rank)
-                log.skipped_step(self, step, None if first is None else self.tables.names[first])
+                log.skipped_step(self, step, None if first is None else self.tables.names[first], self.norm_reported)
         return tree
 
     def _begin_pass(self, tree):
@@ -497,16 +507,20 @@ class Engine(DeepSpeedSurface):
         self.step_log.new_pass(self)
         return _cast_floating(tree, self.store.dtype)
 
-    def _step_optimizer(self, no_grad: tuple[int, ...]) -> None:
+    def _step_optimizer(self, no_grad: tuple[int, ...], guarded: bool = False) -> None:
         """The optimizer steps on the fp32 master shards: each one's grad its averaged
-        partition, clipped, or None where no grad reached it ([Note: no grad, no step])."""
+        partition, clipped, or None where no grad reached it ([Note: no grad, no step]).
+        `guarded`: it takes the norm's flag and skips on the device where the norm is not finite
+        ([Note: the verdict on the device], fz3/core/grad/verdict.py)."""
         self.store.bind_grads(no_grad)
         if self.config.gradient_clipping > 0:
             clip_grad_norm(self.store, self.config.gradient_clipping, self.grad_norm)
         if self.offload is not None:  # a sub-group at a time, the offloaded ones from disk and back
             self.offload.step(no_grad)
             return
-        self.flat_steps.step(no_grad)  # the optimizer's own step(), its groups flat ([Note: flat steps])
+        with (self.device_verdict.guard(self.optimizer, self.grad_norm, self.norm_reported, self.store.partitions)
+              if guarded else contextlib.nullcontext()):
+            self.flat_steps.step(no_grad)  # the optimizer's own step(), its groups flat ([Note: flat steps])
         self.store.refresh_shards()
 
     # ---- public API -------------------------------------------------------------------------
@@ -565,17 +579,19 @@ class Engine(DeepSpeedSurface):
             self.in_step = False
 
     def _step_at_boundary(self, lr_kwargs: dict | None) -> None:
+        self.read_verdict(every_rank=True)  # the last step's, if left to the device
         # the first shard_world ranks hold one copy of every partition (stage 0: rank 0's whole grads)
         self.grad_norm = norm = global_grad_norm(self.store, self.interp.all_reduce_sum,
                                                  counted=self.rank < self.shard_world)
         self.norm_reported = norm * scaler.reported_norm_factor(self.loss_scale, config=self.config)
-        finite = self.interp.finite(norm)
-        self.overflow = not finite
+        # [Note: the verdict on the device]: None, the optimizer takes the flag; else one sync
+        finite = None if self.verdict_on_host is None else self.interp.finite(norm)
+        self._overflow = finite is False
         leaf_own = self.call_tables.leaf_own
         # got == window, micro_step, applied: relations and flags, exact in the view
         got = self.interp.any_rank(calls.leaf_grads_seen(replay.view(self.cell)))  # () without leaves
-        try:
-            scale = scaler.update_scale(self.loss_scale, not finite, config=self.config)
+        try:  # (the verdict is on the host wherever the scale moves: verdict.on_device)
+            scale = scaler.update_scale(self.loss_scale, finite is False, config=self.config)
         except scaler.LossScaleError:
             # skipped, as DeepSpeed
             self.apply(Stepped(finite=False, leaf_grads=frozenset(p for p, g in zip(leaf_own, got) if g)))
@@ -585,9 +601,38 @@ class Engine(DeepSpeedSurface):
             log.loss_scale(self, self.loss_scale, scale, overflow=not finite)
         self.loss_scale = scale
         self.step_applied = replay.view(self.cell).grads.applied
-        if self.step_applied and self.lr_scheduler is not None:
-            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.verdict, effects = verdict.taken(self.verdict, step=self.optimizer_steps, finite=finite,
+                                              scheduler=self.lr_scheduler is not None)
+        self.verdict_call = self.micro_steps
+        self._verdict_effects(effects, lr_kwargs or {})
         self.step_log.step(self)
+
+    def read_verdict(self, *, every_rank: bool) -> None:
+        """The pending step's flag read, if any, and what hangs on it ([Note: the verdict on the
+        device]): the lr scheduler put back, the counts; `every_rank` (the boundary): the WARNING
+        of a skipped step given. A user's read (was_step_applied, the skipped count) is this
+        rank's alone."""
+        if not (self.verdict.pending or (every_rank and self.verdict.owed)):
+            return
+        finite = self.device_verdict.read() if self.verdict.pending else None
+        if finite is False and self.verdict_call == self.micro_steps - 1:  # no step() since: its counts
+            self.step_applied, self._overflow = False, True
+        self.verdict, effects = verdict.read(self.verdict, finite, every_rank=every_rank)
+        self._verdict_effects(effects, {})
+
+    def _verdict_effects(self, effects, lr_kwargs: dict) -> None:
+        for e in effects:
+            match e:
+                case verdict.StepScheduler(undoable):
+                    self.scheduler_kept = step_scheduler(self.lr_scheduler, self.optimizer, lr_kwargs,
+                                                         undoable=undoable)
+                case verdict.PutBackScheduler():
+                    put_back(self.lr_scheduler, self.optimizer, self.scheduler_kept)
+                case verdict.NameSkipped(step):
+                    dv = self.device_verdict
+                    bad = self.interp.any_rank(tuple(dv.first_bad()) if dv.tested else ())
+                    first = next((p for (p, _), b in zip(dv.tested, bad) if b), None)
+                    log.skipped_step(self, step, None if first is None else self.tables.names[first], dv.norm)
 
     def grads_zeroed(self) -> None:
         """The user's zero_grad() (the engine's, the model's or the optimizer's): the core drops
@@ -599,9 +644,22 @@ class Engine(DeepSpeedSurface):
 
     def was_step_applied(self) -> bool:
         """Whether the last step() stepped the optimizer: False before the first, after a step()
-        between boundaries, and after a step skipped for a non-finite grad norm.
+        between boundaries, and after a step skipped for a non-finite grad norm (with the verdict
+        on the device, reading it: [Note: the verdict on the device]).
         DeepSpeed: was_step_applied."""
+        self.read_verdict(every_rank=False)
         return self.step_applied
+
+    @property
+    def overflow(self) -> bool:
+        """The last boundary's grads were not finite (DeepSpeed's optimizer.overflow), read from
+        the device if it decided."""
+        self.read_verdict(every_rank=False)
+        return self._overflow
+
+    @overflow.setter
+    def overflow(self, value: bool) -> None:
+        self._overflow = value
 
     def get_global_grad_norm(self) -> float | None:
         """The global L2 norm of the averaged gradient at the last accumulation boundary, before
@@ -610,6 +668,7 @@ class Engine(DeepSpeedSurface):
 
     def get_lr(self) -> list[float]:
         """Each param group's current learning rate. DeepSpeed: get_lr."""
+        self.read_verdict(every_rank=False)  # a skipped step's scheduler put back
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def resident(self):

@@ -5,6 +5,9 @@
              fz3/interpreters/shared_memory.py), params sharded and persistent, bytes per rank, whether the
              environment sets glibc's heap policy (fz3/data/heap.py), and the config's differences from
              DeepSpeed's defaults; and what offload does, if the config asks for it
+    INFO     at fz3.initialize, rank 0, on an accelerator: when each step's skip of a non-finite
+             grad norm is read on the host (one sync a step), why ([Note: the verdict on the
+             device], fz3/core/grad/verdict.py)
     INFO     at engine.compile(), rank 0: the backend and the modules compiled
     DEBUG    after each optimizer step, every rank: gathers (on demand / prefetched), bytes
              gathered and reduced, reduces, the trace's state and invalidations, peak live params,
@@ -13,7 +16,8 @@
              plan in between (prefetch never gets going): where the order changed, and what the
              plan expected there; and, every rank, when an optimizer step is skipped because the
              global grad norm is not finite: the step and the first param whose grad is not
-             finite (fp16 with a dynamic loss scale: the INFO below instead); and, rank 0, when
+             finite (fp16 with a dynamic loss scale: the INFO below instead; with the verdict
+             on the device, at the next boundary); and, rank 0, when
              save_16bit_model writes nothing (DeepSpeed: INFO)
     INFO     rank 0, fp16 with a dynamic loss scale: each overflow (the step skipped, the scale
              halved or the hysteresis spent) and each growth of the scale, in DeepSpeed's words
@@ -133,14 +137,25 @@ def own_buffers(engine) -> None:
 _OWN_BUFFERS_SAID: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def skipped_step(engine, step: int, first: str | None) -> None:
-    """The WARNING of a step skipped for a non-finite grad norm ([Note: a step skipped])."""
+def skipped_step(engine, step: int, first: str | None, norm) -> None:
+    """The WARNING of a step skipped for a non-finite grad norm ([Note: a step skipped]); `norm`:
+    that step's, as reported (with the verdict on the device this comes a step late: [Note: the
+    verdict on the device])."""
     where = f"param {first!r} is the first (in model order) whose gradient is not finite" if first \
         else "no single param's averaged gradient is, their squares overflowed"
     LOG.warning("fz3 rank %d: optimizer step %d skipped: the global gradient norm is %s; %s. The "
                 "weights, the optimizer state and the lr scheduler did not change (skipped steps: %d). "
                 "A NaN or inf loss on any rank reaches every rank through the reduce.", engine.rank,
-                step, engine.get_global_grad_norm(), where, engine.skipped)
+                step, float(norm), where, engine.skipped)
+
+
+def verdict_on_host(engine, why: str | None) -> None:
+    """Rank 0's INFO, once, on an accelerator: each step's skip of a non-finite grad norm is read
+    on the host there, one host-device sync a step ([Note: the verdict on the device])."""
+    if why is None or engine.rank != 0 or engine.accelerator.type == "cpu":
+        return
+    LOG.info("fz3: each optimizer step reads its grad norm's finiteness on the host (one host-device sync a "
+             "step, so the host cannot run ahead of the %s): %s", engine.accelerator.type, why)
 
 
 def loss_scale(engine, old, new, *, overflow: bool) -> None:

@@ -68,10 +68,11 @@ from fz3.testing.models import Case, count_calls
 from fz3.testing.param_machine import snapshot as params_snapshot
 
 KINDS = ("complete", "complete", "complete", "partial", "eval", "abandon", "raise")
-# after a backward: the engine's step() as a loop calls it (its grad norm finite or not; DeepSpeed's
-# count of step() calls, or set_gradient_accumulation_boundary's override), none, or zero_grad()
-THEN = ("step", "step", "step", "step", "step, norm not finite", "step, boundary", "step, no boundary", "no step",
-        "zero_grad, step")
+# after a backward: the engine's step() as a loop calls it (its grad norm finite, not, or left to
+# the device: [Note: the verdict on the device]; DeepSpeed's count of step() calls, or
+# set_gradient_accumulation_boundary's override), none, or zero_grad()
+THEN = ("step", "step", "step", "step, norm on the device", "step, norm not finite", "step, boundary",
+        "step, no boundary", "no step", "zero_grad, step")
 
 
 def naive_threshold(config) -> int:
@@ -239,6 +240,8 @@ class CallsMachine(RuleBasedStateMachine):
                 covered("call decisions", "step leaves a param without a grad" + (" (a leaf's)" if leaf else ""))
             if isinstance(e, SkipStep):
                 covered("call decisions", "step skipped: grad norm not finite")
+            if isinstance(e, StepOptimizer) and e.guarded:
+                covered("call decisions", "step guarded: its verdict left to the device")
         if type(event) in (Leave, Read) and any(now.externals(m) != old.externals(m)
                                                 for m in modules):
             covered("call decisions", "returned param external on the caller" if type(event) is Leave
@@ -282,9 +285,11 @@ class CallsMachine(RuleBasedStateMachine):
         finally:
             note("\n".join(self.log))
 
-    def step_now(self, finite: bool = True, boundary: bool | None = None) -> None:
-        """The engine's step(): StepCalled, then Stepped once the window closed."""
-        self.log.append(f"step() (override {boundary}; grad norm {'finite' if finite else 'not finite'})")
+    def step_now(self, finite: bool | None = True, boundary: bool | None = None) -> None:
+        """The engine's step(): StepCalled, then Stepped once the window closed (`finite` None:
+        the verdict left to the device)."""
+        said = {True: "finite", False: "not finite", None: "left to the device"}[finite]
+        self.log.append(f"step() (override {boundary}; grad norm {said})")
         self.sim.fire(StepCalled(boundary=boundary))
         if at_boundary(self.state.grads, config=self.config):
             self.sim.fire(Stepped(finite=finite))
@@ -323,7 +328,7 @@ class CallsMachine(RuleBasedStateMachine):
                 return
             if self.then == "zero_grad, step":
                 self.zero_grad()
-            self.step_now(finite=self.then != "step, norm not finite",
+            self.step_now(finite={"step, norm not finite": False, "step, norm on the device": None}.get(self.then, True),
                           boundary={"step, boundary": True, "step, no boundary": False}.get(self.then))
 
 

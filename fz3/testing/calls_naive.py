@@ -134,9 +134,10 @@ class NaiveCalls:
         first, self.in_backward = not self.in_backward, True
         return [QueueEndOfBackward()] if first else []
 
-    def stepped(self, *, finite: bool = True) -> list:
+    def stepped(self, *, finite: bool | None = True) -> list:
         got, self.got = self.got, set()
         self.windows += 1
-        if not finite:
+        if finite is False:
             return [SkipStep(self.windows)]
-        return [StepOptimizer(tuple(p for p, t in enumerate(self.trainable) if t and p not in got))]
+        return [StepOptimizer(tuple(p for p, t in enumerate(self.trainable) if t and p not in got),
+                              guarded=finite is None)]

@@ -20,6 +20,8 @@ which situations:
                           DeepSpeed's DynamicLossScaler transcribed (scaler_machine.NaiveScaler)
     optimizer offload     fz3/testing/offload_machine.py the sub-groups and the read / step / write
                           schedule of fz3/core/offload.py against a model of the tiers
+    step verdict          fz3/testing/verdict_machine.py a skip decided on the device and read
+                          late (fz3/core/grad/verdict.py) against one read at each boundary
 
 I7 (equivalence to unsharded training) needs real ranks and torch autograd: the parity tests
 (tests/test_parity.py) prove it, not these machines, and the report says so.
@@ -60,7 +62,7 @@ from fz3.testing.regression import regression_test
 
 __all__ = ["verify", "patched", "Report", "MACHINES"]
 
-MACHINES = ("params", "grads", "layout", "calls", "scaler", "offload")
+MACHINES = ("params", "grads", "layout", "calls", "scaler", "offload", "verdict")
 
 INVARIANTS = {
     "I1": "live budget: prefetch never takes live full params past max_live_parameters",
@@ -143,14 +145,16 @@ class Report:
 
 
 NAMES = {"params": "parameter lifecycle", "grads": "gradient lifecycle", "layout": "layout",
-         "calls": "module calls", "scaler": "loss scale", "offload": "optimizer offload"}
+         "calls": "module calls", "scaler": "loss scale", "offload": "optimizer offload",
+         "verdict": "step verdict"}
 
 
 MACHINE_CLASSES = {"params": ("fz3.testing.param_machine", "ParamLifecycleMachine"),
                    "grads": ("fz3.testing.grad_machine", "GradMachine"),
                    "calls": ("fz3.testing.calls_machine", "CallsMachine"),
                    "scaler": ("fz3.testing.scaler_machine", "ScalerMachine"),
-                   "offload": ("fz3.testing.offload_machine", "OffloadMachine")}
+                   "offload": ("fz3.testing.offload_machine", "OffloadMachine"),
+                   "verdict": ("fz3.testing.verdict_machine", "VerdictMachine")}
 LAYOUT_CHECKS = ("round_trip", "gather_round_trip", "reduce_slices")  # of fz3/testing/layout_check.py
 DEFAULT = settings(settings.get_profile("default"), max_examples=100, stateful_step_count=20, deadline=None,
                    suppress_health_check=list(HealthCheck))

@@ -1,0 +1,106 @@
+"""The verdict on the device, as the shell runs it ([Note: the verdict on the device],
+fz3/core/grad/verdict.py): the flag a fused optimizer takes, its copy read later, the lr
+scheduler put back, the WARNING of a step skipped named a step late.
+
+    on_device(optimizer, config, host_step)  None where the verdict may stay on the device, else
+                              why it is read at the boundary (what the engine names once)
+    DeviceVerdict.guard       around the optimizer's step(): `optimizer.found_inf` is 1.0 where
+                              the norm is not finite; each param's grad tested (its max |g|
+                              finite) for the WARNING; the flag's copy to the host started
+    DeviceVerdict.read        the copy, once it has landed (an event's wait: the work queued
+                              after the step goes on)
+    step_scheduler/put_back   the lr scheduler stepped so that it can go back: its state_dict and
+                              the optimizer's group settings kept
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from fz3.config.config import Config
+from fz3.core.grad import scaler
+
+
+def on_device(optimizer: torch.optim.Optimizer, config: Config, *, host_step: bool) -> str | None:
+    """None when the skip of a non-finite step can be decided on the device: a torch optimizer
+    that takes `found_inf` (fused=True Adam, AdamW, SGD or Adagrad: what torch's GradScaler
+    checks, `_step_supports_amp_scaling`). Else why the host reads the verdict at the boundary."""
+    if scaler.dynamic(config):
+        return "fp16's dynamic loss scale moves on the verdict at the boundary"
+    if host_step:
+        return "the optimizer steps on the host (offload_optimizer)"
+    if not getattr(optimizer, "_step_supports_amp_scaling", False) or \
+            not all(g.get("fused") for g in optimizer.param_groups):
+        return (f"{type(optimizer).__module__}.{type(optimizer).__name__} cannot take the verdict as a tensor "
+                "(torch's fused optimizers can: torch.optim.AdamW(..., fused=True), and Adam, SGD, Adagrad)")
+    return None
+
+
+class DeviceVerdict:
+    """The pending step's flag, its copy on the host and what naming its skip needs."""
+
+    def __init__(self, device) -> None:
+        self.device = device  # the shell's Device (fz3/shell/device.py)
+        self.host: torch.Tensor | None = None  # the flag's copy: pinned host memory on an accelerator
+        self.event = None  # recorded after the copy was queued
+        self.norm: torch.Tensor | None = None  # the pending step's norm, as reported
+        self.tested: list[tuple[int, torch.Tensor]] = []  # (ParamId, max |grad| of its partition)
+
+    @contextlib.contextmanager
+    def guard(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor, reported: torch.Tensor,
+              partitions: list) -> None:
+        """optimizer.step() inside it skips on the device where `norm` is not finite."""
+        found_inf = torch.isfinite(norm).logical_not().to(torch.float32)
+        present = [(p, t) for p, t in enumerate(partitions) if t is not None]
+        maxes = torch._foreach_norm([t for _, t in present], float("inf")) if present else []
+        self.tested, self.norm = [(p, m) for (p, _), m in zip(present, maxes)], reported
+        optimizer.found_inf, optimizer.grad_scale = found_inf, None
+        try:
+            yield
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
+        if self.device.type == "cpu":
+            self.host, self.event = found_inf, None
+        else:
+            if self.host is None:
+                self.host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            self.host.copy_(found_inf, non_blocking=True)
+            self.event = self.device.record_event()
+
+    def read(self) -> bool:
+        """Whether the pending step applied (its norm finite). On an accelerator it waits for the
+        copy's event alone, queued right after that step's norm: by the next boundary it has
+        long landed, and the work queued since goes on."""
+        if self.event is not None:
+            self.event.synchronize()
+        return not bool(self.host)
+
+    def first_bad(self) -> list[bool]:
+        """By ParamId with a partition (in `tested` order): whether its grad held a NaN or inf."""
+        return [not bool(torch.isfinite(m)) for _, m in self.tested]
+
+
+def step_scheduler(lr_scheduler, optimizer: torch.optim.Optimizer, lr_kwargs: dict, *, undoable: bool):
+    """lr_scheduler.step(**lr_kwargs); `undoable`: -> what put_back needs (else None)."""
+    kept = None
+    if undoable:
+        state = lr_scheduler.state_dict() if hasattr(lr_scheduler, "load_state_dict") else \
+            {k: v for k, v in vars(lr_scheduler).items() if k != "optimizer"}
+        groups = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
+                  for g in optimizer.param_groups]
+        kept = (copy.deepcopy(state), groups)
+    lr_scheduler.step(**lr_kwargs)
+    return kept
+
+
+def put_back(lr_scheduler, optimizer: torch.optim.Optimizer, kept) -> None:
+    """The lr scheduler and the optimizer's group settings as they were before the step."""
+    state, groups = kept
+    if hasattr(lr_scheduler, "load_state_dict"):
+        lr_scheduler.load_state_dict(state)
+    else:
+        vars(lr_scheduler).update(state)
+    for g, settings in zip(optimizer.param_groups, groups):
+        g.update(settings)
