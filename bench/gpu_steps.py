@@ -15,7 +15,10 @@ on the device, the optimizer stepped on the host (the grads copied to pinned hos
 fz3/core/offload.py `host`) and the params' shards kept there, each gather copying its shards to
 the device; its peak is the device's, without the fp32 masters, the optimizer state and the
 shards. On cpu it runs the same path with Options(host_step=True). `fz3-sharded` is fz3 with every
-param sharded (param_persistence_threshold 0, as FSDP2 shards them); the `-compiled` rows compile
+param sharded (param_persistence_threshold 0, as FSDP2 shards them), and `fz3-fused` that with
+torch's fused AdamW (every other row steps torch's default, foreach on an accelerator), to which
+fz3 leaves the skip of a non-finite step: its step reads nothing of the device ([Note: the
+verdict on the device], fz3/core/grad/verdict.py); the `-compiled` rows compile
 each transformer block with inductor (bench/systems/*_compiled.py; issue #48 point 5 asks
 compiled >= 1.1x eager). Each row also gives the ATen ops one steady step launches and the reads
 of device memory that make the host wait, counted by bench/systems/launch_count.py (on cuda every
@@ -34,14 +37,16 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # systems.* (spawned ranks inherit sys.path)
 
-SYSTEMS = {"fz3": "fz3_z3", "fz3-sharded": "fz3_z3", "fz3-offload": "fz3_z3", "ddp": "ddp", "fsdp2": "fsdp2",
+SYSTEMS = {"fz3": "fz3_z3", "fz3-sharded": "fz3_z3", "fz3-fused": "fz3_z3", "fz3-offload": "fz3_z3", "ddp": "ddp",
+           "fsdp2": "fsdp2",
            "fz3-compiled": "fz3_compiled", "ddp-compiled": "ddp_compiled", "fsdp2-compiled": "fsdp2_compiled"}
 OPTIONS = {"fz3": {"config": {}},
            "fz3-sharded": {"config": {"param_persistence_threshold": 0}},
+           "fz3-fused": {"config": {"param_persistence_threshold": 0}, "fused": True},
            "fz3-offload": {"config": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
                                       "host_step": True}},
            "fz3-compiled": {"config": {}, "compile": "blocks"}}
-EAGER = "fz3,fz3-sharded,fz3-offload,ddp,fsdp2"  # --systems eager: what the CPU half runs (no compiles)
+EAGER = "fz3,fz3-sharded,fz3-fused,fz3-offload,ddp,fsdp2"  # --systems eager: what the CPU half runs (no compiles)
 
 
 def launch(system: str, spec: dict) -> list[dict]:

@@ -2,7 +2,7 @@
 excluded, and c10d's collectives) and the ops that make the host wait for the device, counted
 on rank 0 of 2 gloo ranks, for fz3 (default, and every param sharded), DDP, FSDP2 and DeepSpeed
 ZeRO-3, each stepping torch's foreach AdamW (its default on an accelerator), on the small and
-deep GPTs.
+deep GPTs; and fz3 with fused AdamW, which takes the skip of a non-finite step as a tensor.
 
     python3 bench/launches.py [--models small,deep] [--systems ...]   # sets up bench/.env if missing;
                                                        # writes its section of bench/RESULTS.md and
@@ -26,10 +26,15 @@ if __name__ == "__main__":
     from bench_env import ensure_env
     ensure_env(__file__)
 
-SYSTEMS = {  # every optimizer torch's foreach AdamW, its default on an accelerator
+SYSTEMS = {  # torch's foreach AdamW, its default on an accelerator, but where "fused"
     "fz3": {"module": "fz3_z3", "world": 2, "options": {"config": {}, "foreach": True}},
     "fz3 all sharded": {"module": "fz3_z3", "world": 2,
                         "options": {"config": {"param_persistence_threshold": 0}, "foreach": True}},
+    # fz3 with fused AdamW, which takes the skip of a non-finite step as a tensor: no sync
+    # ([Note: the verdict on the device], fz3/core/grad/verdict.py)
+    "fz3 fused": {"module": "fz3_z3", "world": 2, "options": {"config": {}, "fused": True}},
+    "fz3 all sharded, fused": {"module": "fz3_z3", "world": 2,
+                               "options": {"config": {"param_persistence_threshold": 0}, "fused": True}},
     "ddp": {"module": "ddp", "world": 2, "options": {"foreach": True}},
     "fsdp2": {"module": "fsdp2", "world": 2, "options": {"foreach": True}},
     "deepspeed": {"module": "deepspeed_z3", "world": 2, "options": {"foreach": True}},
@@ -83,7 +88,8 @@ def render(res: dict) -> str:
              "(bench/systems/launch_count.py): launches = ATen ops less views and metadata; syncs = "
              "`_local_scalar_dense` (`.item()`), `equal`, `is_nonzero` (the harness's `loss.item()` is one "
              "of each row; a CPU tensor's `.tolist()` is not seen); collectives are left out (bench/compare.py "
-             "counts them). Every system steps torch's foreach AdamW, as on an accelerator.", "",
+             "counts them). Every system steps torch's foreach AdamW, as on an accelerator, but the \"fused\" "
+             "rows (fused AdamW, to which fz3 leaves the skip of a non-finite step: no read of the grad norm).", "",
              "| model | system | launches | ÷ FSDP2 | syncs | sync ops | most launched |",
              "|---|---|---:|---:|---:|---|---|"]
     for r in res["rows"]:

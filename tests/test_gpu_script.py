@@ -37,8 +37,11 @@ def test_the_cpu_half_writes_its_files(tmp_path):
     suite = ET.parse(tmp_path / "parity.xml").getroot().find("testsuite")
     assert (int(suite.get("tests")), int(suite.get("failures")), int(suite.get("errors"))) == (1, 0, 0)
     rows = json.loads((tmp_path / "steps.json").read_text())
-    assert {r["system"] for r in rows} == {"fz3", "fz3-sharded", "fz3-offload", "ddp", "fsdp2"} and {r["model"] for r in rows} == {"deep"}
+    assert {r["system"] for r in rows} == {"fz3", "fz3-sharded", "fz3-fused", "fz3-offload", "ddp", "fsdp2"} \
+        and {r["model"] for r in rows} == {"deep"}
     assert all(r["median_ms"] > 0 and r["peak_mib"] > 0 and r["launches"] > 0 and r["syncs"] >= 1 for r in rows)
+    syncs = {r["system"]: r["syncs"] for r in rows}  # the harness's loss.item() is one of each
+    assert (syncs["fz3-fused"], syncs["fz3-sharded"], syncs["ddp"]) == (1, 2, 1), syncs  # the verdict on the device
     assert len({round(r["last_loss"], 5) for r in rows}) == 1  # one rank, same data: same training
     assert "| deep | fz3 |" in (tmp_path / "steps.md").read_text()
 
@@ -46,4 +49,4 @@ def test_the_cpu_half_writes_its_files(tmp_path):
 def test_the_step_table_refuses_an_unknown_system():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_steps.py"), "--device", "cpu", "--systems", "fz3,dpp"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "['dpp'] not among ['ddp', 'ddp-compiled', 'fsdp2', 'fsdp2-compiled', 'fz3', 'fz3-compiled', 'fz3-offload', 'fz3-sharded']" in r.stderr
+    assert r.returncode == 2 and "['dpp'] not among ['ddp', 'ddp-compiled', 'fsdp2', 'fsdp2-compiled', 'fz3', 'fz3-compiled', 'fz3-fused', 'fz3-offload', 'fz3-sharded']" in r.stderr

@@ -64,10 +64,11 @@ def make_model(name: str) -> GPT:
     return GPT(MODELS[name][0]).to(device())
 
 
-def make_optimizer(params, foreach: bool | None = None) -> torch.optim.Optimizer:
+def make_optimizer(params, foreach: bool | None = None, fused: bool | None = None) -> torch.optim.Optimizer:
     """torch AdamW with its defaults on CPU (single-tensor loop) for every system; `foreach`:
-    its multi-tensor kernels, the default on an accelerator (bench/launches.py's DDP and FSDP2)."""
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=foreach)
+    its multi-tensor kernels, the default on an accelerator (bench/launches.py's DDP and FSDP2);
+    `fused`: its fused kernel, which takes a skip as a tensor (bench/launches.py's fz3 fused)."""
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=foreach, fused=fused)
 
 
 def plain_step(model, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

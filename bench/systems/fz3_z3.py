@@ -21,8 +21,9 @@ class Fz3:
         else:
             self.model = make_model(spec["model"])
         self.cfg, options = fz3_settings(spec.get("options", {}).get("config", {}))
-        self.engine = fz3.initialize(self.model, make_optimizer(self.model.parameters(),
-                                                                foreach=spec.get("options", {}).get("foreach")),
+        opts = spec.get("options", {})
+        self.engine = fz3.initialize(self.model, make_optimizer(self.model.parameters(), foreach=opts.get("foreach"),
+                                                                fused=opts.get("fused")),
                                      self.cfg, options=options)
         self.before: dict = {}
         self.grad_bytes = 0

@@ -16,7 +16,7 @@ count cannot see them; on CUDA they go through a copy to the host, counted as a 
 harness's own `loss.item()` at the end of each system's step is one sync of every row. An
 optimizer's `state["step"]` counters stay on the host on an accelerator too (torch keeps them on
 the CPU unless capturable or fused), so their reads in torch.optim's `_get_value` are no sync
-and are left out.
+and are left out, as are fz3's reads of its copy of the last step's verdict (HOST_READS).
 """
 from __future__ import annotations
 
@@ -34,12 +34,18 @@ FREE = {"aten::detach", "aten::lift_fresh", "aten::set_", "aten::resize_", "aten
         "profiler::_record_function_enter_new", "profiler::_record_function_exit"}  # FSDP2's record_function
 
 
+HOST_READS = ((os.path.join("optim", "optimizer.py"), "_get_value"),
+              (os.path.join("fz3", "shell", "verdict.py"), "read"))
+
+
 def _step_counter_read() -> bool:
-    """Whether the op runs inside torch.optim's `_get_value`: a read of a step counter, which
-    torch keeps on the host (not capturable, not fused) on an accelerator too."""
+    """Whether the op reads data that is host memory on an accelerator too: a step counter in
+    torch.optim's `_get_value` (torch keeps them on the host unless capturable or fused), or
+    fz3's copy of the last step's verdict (fz3/shell/verdict.py `read`: pinned host memory,
+    waited for by its own event, queued a step before)."""
     f = sys._getframe(2)
     while f is not None:
-        if f.f_code.co_name == "_get_value" and f.f_code.co_filename.endswith(os.path.join("optim", "optimizer.py")):
+        if any(f.f_code.co_name == name and f.f_code.co_filename.endswith(path) for path, name in HOST_READS):
             return True
         f = f.f_back
     return False
