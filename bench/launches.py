@@ -33,8 +33,8 @@ SYSTEMS = {  # torch's foreach AdamW, its default on an accelerator, but where "
     # fz3 with fused AdamW, which takes the skip of a non-finite step as a tensor: no sync
     # ([Note: the verdict on the device], fz3/core/grad/verdict.py)
     "fz3 fused": {"module": "fz3_z3", "world": 2, "options": {"config": {}, "fused": True}},
-    "fz3 all sharded, fused": {"module": "fz3_z3", "world": 2,
-                               "options": {"config": {"param_persistence_threshold": 0}, "fused": True}},
+    "fz3 all sharded fused": {"module": "fz3_z3", "world": 2,
+                              "options": {"config": {"param_persistence_threshold": 0}, "fused": True}},
     "ddp": {"module": "ddp", "world": 2, "options": {"foreach": True}},
     "fsdp2": {"module": "fsdp2", "world": 2, "options": {"foreach": True}},
     "deepspeed": {"module": "deepspeed_z3", "world": 2, "options": {"foreach": True}},
@@ -88,16 +88,18 @@ def render(res: dict) -> str:
              "(bench/systems/launch_count.py): launches = ATen ops less views and metadata; syncs = "
              "`_local_scalar_dense` (`.item()`), `equal`, `is_nonzero` (the harness's `loss.item()` is one "
              "of each row; a CPU tensor's `.tolist()` is not seen); collectives are left out (bench/compare.py "
-             "counts them). Every system steps torch's foreach AdamW, as on an accelerator, but the \"fused\" "
+             "counts them); peer reads = fz3's divergence check reading its peers' descriptors (host tensors, "
+             "over a gloo side group on NCCL and HCCL: a wait for the peers, not the device). Every system steps torch's foreach AdamW, as on an accelerator, but the \"fused\" "
              "rows (fused AdamW, to which fz3 leaves the skip of a non-finite step: no read of the grad norm).", "",
-             "| model | system | launches | ÷ FSDP2 | syncs | sync ops | most launched |",
-             "|---|---|---:|---:|---:|---|---|"]
+             "| model | system | launches | ÷ FSDP2 | syncs | sync ops | peer reads | most launched |",
+             "|---|---|---:|---:|---:|---|---:|---|"]
     for r in res["rows"]:
         fsdp = next((x["launches"] for x in res["rows"] if x["model"] == r["model"] and x["system"] == "fsdp2"), None)
         ratio = f"{r['launches'] / fsdp:.2f}" if fsdp else "–"
         ops = ", ".join(f"{k.split('::')[1]} {n}" for k, n in sorted(r["syncs"].items()))
         top = ", ".join(f"{k.split('::')[1]} {n}" for k, n in r["top"][:5])
-        lines.append(f"| {r['model']} | {r['system']} | {r['launches']} | {ratio} | {r['sync_total']} | {ops} | {top} |")
+        lines.append(f"| {r['model']} | {r['system']} | {r['launches']} | {ratio} | {r['sync_total']} | {ops} | "
+                     f"{r.get('peer_reads', 0)} | {top} |")
     lines += ["", "Raw records: bench/out/launches.json (not in git).", END]
     return "\n".join(lines)
 
