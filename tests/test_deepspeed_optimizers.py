@@ -166,3 +166,15 @@ def test_other_torch_optimizers_are_built_as_deepspeed_looks_them_up(section, cl
     "adagrad" (its own name, any case) is torch's Adagrad without offload."""
     opt = build_optimizer(section, [torch.nn.Parameter(torch.zeros(2))])
     assert type(opt) is cls and all(opt.defaults[k] == v for k, v in section["params"].items())
+
+
+def test_on_an_accelerator_the_fused_adam_is_torchs_fused_one():
+    """fz3.deepspeed.initialize builds FusedAdam's stand-in fused where the device is an
+    accelerator (build_optimizer(fused=True)): it takes the skip of a non-finite step as a tensor
+    ([Note: the verdict on the device]); torch_adam and the other optimizers are left as asked."""
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    assert build_optimizer({"type": "AdamW"}, p, fused=True).defaults["fused"] is True
+    assert build_optimizer({"type": "Adam", "params": {"adam_w_mode": False}}, p, fused=True).defaults["fused"] is True
+    assert not build_optimizer({"type": "AdamW"}, p).defaults["fused"]
+    assert not build_optimizer({"type": "AdamW", "params": {"torch_adam": True}}, p, fused=True).defaults["fused"]
+    assert not build_optimizer({"type": "SGD", "params": {"lr": 0.1}}, p, fused=True).defaults.get("fused")

@@ -74,7 +74,8 @@ def _optimizer(optimizer, settings: Settings, model: nn.Module, model_parameters
                          "\"optimizer\": {\"type\": \"AdamW\", \"params\": {...}} section in the config "
                          "(ZeRO-3 training steps an optimizer on the fp32 master shards)")
     from fz3.deepspeed.optimizers import build_optimizer
-    return build_optimizer(settings.optimizer, params)
+    from fz3.shell.pick import pick_device
+    return build_optimizer(settings.optimizer, params, fused=pick_device().type != "cpu")
 
 
 def _client_and_json(optimizer, section: Mapping[str, object]) -> None:
