@@ -235,3 +235,31 @@ def test_grad_inputs_counts_one_backward_release():
     assert d.st.modules[1].grads_remaining == 1 and d.st.modules[1].active == 1
     with pytest.raises(ValueError):
         d(fetch, 2, forward=True, grad_inputs=-1)
+
+
+def test_the_engine_takes_max_ongoing_fetch_events_and_trains_the_same():
+    """Config.max_ongoing_fetch_events reaches the engine's core (its spec) and changes only when
+    gathers are waited, never the numbers: 1, 2 (DeepSpeed's constant) and 4 train alike."""
+    import torch
+    from torch import nn
+
+    import fz3
+    from fz3 import launch
+
+    def train(rank, world, bound):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+        engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                fz3.Config(param_persistence_threshold=0, prefetch_bucket_size=150,
+                                           max_ongoing_fetch_events=bound))
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            engine.backward(engine(torch.randn(4, 8, generator=g)).square().mean())
+            engine.step()
+        return engine.spec.max_inflight, [m.detach().clone() for m in engine.store.masters]
+
+    runs = {b: launch.run_threads(train, 2, args=(b,)) for b in (1, 2, 4)}
+    for b, ranks in runs.items():
+        assert all(bound == b for bound, _ in ranks)
+        for (_, got), (_, want) in zip(ranks, runs[2]):
+            assert all(torch.equal(x, y) for x, y in zip(got, want))

@@ -109,6 +109,10 @@ class Config:
     # numel of the optimizer's sub-groups: its unit of stepping, and of the disk's reads and
     # writes under offload (a sub-group closes once it reaches this size, as in DeepSpeed)
     sub_group_size: int = 1_000_000_000
+    # gathers in flight at once: a further one first waits the oldest (DeepSpeed's hard-coded
+    # __max_ongoing_fetch_events, 2; fz3/core/param/state.py `gather`). More overlaps more
+    # gathers with compute and holds more gathered buffers
+    max_ongoing_fetch_events: int = 2
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -118,6 +122,7 @@ class Config:
                      "param_persistence_threshold", "model_persistence_threshold"):
             _check_int(name, getattr(self, name), low=0)
         _check_int("reduce_bucket_size", self.reduce_bucket_size, low=1)
+        _check_int("max_ongoing_fetch_events", self.max_ongoing_fetch_events, low=1, what="gathers")
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, low=1)
         for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "prescale_gradients",
                      "managed_gradient_accumulation", "consecutive_hysteresis"):

@@ -47,6 +47,7 @@ class ModelSpec:
     world_size: int  # the ranks each param is split over (its layout: shard_numel)
     replicas: int = 1  # the copies of each shard: world_size x replicas ranks train, each grad is
     # averaged over all of them (stage 0: world_size 1, every rank a replica; fz3/core/stage.py)
+    max_inflight: int = 2  # gathers in flight at once (Config.max_ongoing_fetch_events; param/state.py)
 
     @property
     def ranks(self) -> int:
@@ -80,7 +81,8 @@ def persistent_flags(numels: Sequence[int], persistence_threshold: int,
 
 def build_spec(params: Sequence[tuple[str, int]], modules: Sequence[tuple[str, Sequence[int], bool]],
                *, world_size: int, persistence_threshold: int,
-               model_persistence_threshold: Optional[int] = None, replicas: int = 1) -> ModelSpec:
+               model_persistence_threshold: Optional[int] = None, replicas: int = 1,
+               max_inflight: int = 2) -> ModelSpec:
     """params: (name, numel) per ParamId; modules: (name, param ids, is_leaf) per ModuleId.
 
     A param may belong to several modules (tied weights appear once, with one id). Persistence:
@@ -103,4 +105,4 @@ def build_spec(params: Sequence[tuple[str, int]], modules: Sequence[tuple[str, S
                 raise ValueError(f"module {name!r} names param id {p}; ids run 0..{len(pspecs) - 1}")
         mspecs.append(ModuleSpec(ModuleId(i), name, tuple(ParamId(p) for p in ids), bool(is_leaf),
                                  sum(pspecs[p].numel for p in ids)))
-    return ModelSpec(tuple(pspecs), tuple(mspecs), world_size, replicas)
+    return ModelSpec(tuple(pspecs), tuple(mspecs), world_size, replicas, max_inflight)

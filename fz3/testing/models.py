@@ -76,7 +76,8 @@ class Model:
         threshold, model_threshold = stage.persistence(config)
         shard_world = stage.layout_world(config, self.world_size)
         return build_spec(self.params, self.modules, world_size=shard_world, persistence_threshold=threshold,
-                          model_persistence_threshold=model_threshold, replicas=self.world_size // shard_world)
+                          model_persistence_threshold=model_threshold, replicas=self.world_size // shard_world,
+                          max_inflight=config.max_ongoing_fetch_events)
 
 
 @dataclass(frozen=True)

@@ -284,7 +284,9 @@ class NaiveParams:
             self.status[p], self.handle[p] = INFLIGHT, e.handle
             self.live += self.numel[p]
         self.pass_gathered |= set(ps)
-        assert len(self.outstanding) <= 2, f"{len(self.outstanding)} gathers in flight"
+        assert len(self.outstanding) <= self.config.max_ongoing_fetch_events, (
+            f"{len(self.outstanding)} gathers in flight, past max_ongoing_fetch_events "
+            f"{self.config.max_ongoing_fetch_events}")
 
     def _refresh(self, e: Refresh, kind: str) -> None:
         """The step gathers its persistent and held params again where they lie: they stay

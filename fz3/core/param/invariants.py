@@ -18,7 +18,7 @@ from __future__ import annotations
 from fz3.config.config import Config
 from fz3.core.effects import AllGather
 from fz3.core.ids import ModuleId, Status
-from fz3.core.param.state import MAX_INFLIGHT, Effects, ParamState, unit_of
+from fz3.core.param.state import Effects, ParamState, unit_of
 
 
 class InvariantError(AssertionError):
@@ -33,8 +33,8 @@ def check_state(st: ParamState) -> None:
     spec = st.spec
     live = 0
     handles = {f.handle: f.params for f in st.inflight}
-    if len(st.inflight) > MAX_INFLIGHT:
-        _fail(f"{len(st.inflight)} gathers in flight, at most {MAX_INFLIGHT} allowed")
+    if len(st.inflight) > spec.max_inflight:
+        _fail(f"{len(st.inflight)} gathers in flight, at most {spec.max_inflight} allowed (max_ongoing_fetch_events)")
     for p, s in enumerate(st.params):
         name = spec.params[p].name
         if s.status is not Status.NOT_AVAILABLE:

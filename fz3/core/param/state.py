@@ -19,7 +19,8 @@ from fz3.core.pvec import Log, PVec
 from fz3.core.spec import ModelSpec
 from fz3.core.param.trace import TraceState, initial_trace
 
-MAX_INFLIGHT = 2  # DeepSpeed's __max_ongoing_fetch_events: the oldest gather is waited past this
+MAX_INFLIGHT = 2  # DeepSpeed's __max_ongoing_fetch_events, the default of Config.max_ongoing_fetch_events
+# (ModelSpec.max_inflight): the oldest gather is waited past it
 
 Effects = tuple  # tuple of effect records, in issue order
 
@@ -358,9 +359,9 @@ class Txn:
 def gather(tx: Txn, pids: tuple[ParamId, ...], *, prefetch: bool, forward: bool,
            fetched_for: tuple[int, ...]) -> None:
     """Issue one AllGather for `pids` (all NOT_AVAILABLE, sorted); `fetched_for[i]` is the trace
-    step pids[i] is gathered for. Waits the oldest in-flight gather first if MAX_INFLIGHT are
-    already out (DeepSpeed's __max_ongoing_fetch_events)."""
-    if len(tx.inflight) >= MAX_INFLIGHT:
+    step pids[i] is gathered for. Waits the oldest in-flight gather first if the spec's
+    max_inflight are already out (DeepSpeed's __max_ongoing_fetch_events: MAX_INFLIGHT)."""
+    if len(tx.inflight) >= tx.st.spec.max_inflight:
         wait(tx, tx.inflight[0].handle)
     h = tx.next_handle
     spec, slots, olds, numel = tx.st.spec.params, tx._slots, tx._olds, 0
