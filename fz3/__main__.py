@@ -27,7 +27,7 @@
         check steps --optimizer, not the config's "optimizer" (SGD shows a wrong grad scale,
         which Adam hides).
     python -m fz3 verify [--examples N] [--steps K]
-                         [--machines params,grads,layout,calls,scaler,offload]
+                         [--machines params,grads,layout,calls,scaler,offload,verdict,streams]
                          [--profile hunt|dev|ci|nightly|mutation] [--seed S]
                          [--patch MODULE:FUNCTION=MODULE:FUNCTION ...]
         The Hypothesis machines against their naive models, N examples each (up to K rules per
@@ -99,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                    "or the profile's)")
     v.add_argument("--steps", type=int, default=None, help="most rules per state-machine example (default 20, "
                    "or the profile's)")
-    v.add_argument("--machines", default="params,grads,layout,calls,scaler,offload",
-                   help="comma-separated, of params, grads, layout, calls, scaler, offload (default: all)")
+    v.add_argument("--machines", default="params,grads,layout,calls,scaler,offload,verdict,streams",
+                   help="comma-separated, of params, grads, layout, calls, scaler, offload, verdict, streams "
+                        "(default: all)")
     v.add_argument("--profile", default=None, help="a Hypothesis profile of fz3/testing/profiles.py: hunt (find "
                    "and shrink a bug within a minute), dev, ci, nightly, mutation")
     v.add_argument("--seed", type=int, default=None, help="the same seed draws the same examples (default: random)")

@@ -249,7 +249,7 @@ def test_verify_runs_every_machine_and_says_what_each_invariant_covered():
                 "loss scale"):
         assert int(rows[inv][0].replace(",", "")) > 0, (inv, got.stdout)  # checks ran
     assert rows["I7"][0] == "-" and "tests/test_parity.py" in got.stdout  # said where it is proven
-    for machine in ("params", "grads", "layout", "scaler"):
+    for machine in ("params", "grads", "layout", "scaler", "verdict", "streams"):
         assert int(rows[machine][1].replace(",", "")) >= 15, got.stdout  # examples run
 
 

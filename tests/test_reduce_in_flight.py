@@ -1,5 +1,5 @@
 """A backward holds at most two buckets of grads: the one filling and the one being reduced
-(fz3/interpreters/dist.py MAX_REDUCES_IN_FLIGHT; issue #11).
+(fz3/core/streams.py MAX_REDUCES_IN_FLIGHT; issue #11).
 
 With overlap_comm every reduce is asynchronous; nothing waited for one before the end of the
 backward, so every bucket's grads (and its receive scratch) stayed alive to the end: 6 bytes

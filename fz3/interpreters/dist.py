@@ -31,8 +31,9 @@
 [Note: deferred writes] With overlap_comm a reduce runs while backward goes on, so the
 WritePartition / DropGrads effects that follow a ReduceBucket wait in a queue attached to that
 reduce; they run when it completes: at WaitReduce, or earlier when its buffer is needed again.
-On an accelerator the collectives run on side streams and the compute stream waits on them at
-Wait / WaitReduce; on CPU (gloo) the async Work objects are the only concurrency.
+On an accelerator the collectives run on side streams, ordered by the events fz3/core/streams.py
+places ([Note: streams as effects]): this file runs its ops and decides nothing about streams;
+on CPU (gloo) the streams are inert and the async Work objects are the only concurrency.
 
 Every other flat buffer (gathers, the params' full values, reduce-scatter input, output and
 scratch) comes from a `BufferPool` (fz3/data/pool.py): the same sizes come back every step.
@@ -55,6 +56,7 @@ import torch
 from fz3.config.config import Config
 from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket, DropGrads, Free, FreePartitions,
                               HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WritePartition, ZeroPartitions)
+from fz3.core import streams
 from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import BufferPool
 from fz3.interpreters import accounting, agreement, carriers, p2p, pass_hint, shared_memory
@@ -71,15 +73,6 @@ class _Reduce:
 
     def __init__(self, work, finish, keep) -> None:
         self.work, self.finish, self.deferred, self.keep = work, finish, [], keep
-
-
-MAX_REDUCES_IN_FLIGHT = 1
-"""A bucket's reduce is issued once the previous one completed (it has had a bucket's worth of
-backward to do so). Without a bound every bucket of a backward stayed in flight until its end,
-holding its grads and receive scratch: 6 bytes per param per rank on 2 ranks (the p2p
-reduce-scatter, which holds the grads rather than a bucket buffer; bench/diagnostics/memory.py fit 14.1
-B/param against a theory of 8). DeepSpeed: the reduce stream is synchronized before an IPG
-buffer is reused."""
 
 
 class DistInterpreter:
@@ -103,7 +96,10 @@ class DistInterpreter:
         self.gather_stream = device.new_stream() if self.async_op else None
         self.reduce_stream = device.new_stream() if self.async_op else None
         self.gathers: dict[Handle, tuple] = {}
-        self.reduces: "deque[tuple[BucketId, _Reduce]]" = deque()
+        self.reduces: "deque[tuple[BucketId, _Reduce]]" = deque()  # as self.streams.reduces, with their work
+        self.streams = streams.Streams()  # [Note: streams as effects]
+        self.events: dict[int, object] = {}  # recorded, not yet waited
+        self.before: tuple = ()  # the ops to run as the next collective enters its stream (`on`)
         self.reduced: dict[BucketId, dict[int, torch.Tensor]] = {}
         self.buffers: dict[BucketId, torch.Tensor] = {}
         self.pool: dict[str, list[torch.Tensor]] = {}
@@ -181,9 +177,8 @@ class DistInterpreter:
                 while j < n and type(effects[j]) is WritePartition and effects[j].bucket == e.bucket:
                     j += 1
                 writes, i = effects[i - 1:j], j
-                pending = self._pending(e.bucket)
-                if pending is not None:
-                    pending.deferred.extend(writes)
+                if streams.pending(self.streams, e.bucket):
+                    self._pending(e.bucket).deferred.extend(writes)
                 else:
                     self._write(e.bucket, writes)
                 continue
@@ -202,13 +197,13 @@ class DistInterpreter:
                     self._refresh(ps)
                 case ReduceBucket():
                     self._reduce(e)
-                case DropGrads(bucket=b) if self._pending(b) is not None:
+                case DropGrads(bucket=b) if streams.pending(self.streams, b):
                     self._pending(b).deferred.append(e)
                 case DropGrads(bucket=b):
                     self._drop(b)
                 case WaitReduce():
-                    while self.reduces:
-                        self._complete_oldest()
+                    self.streams, ops = streams.complete_all(self.streams)
+                    self._stream_ops(ops)
                 case ZeroPartitions(params=ps):
                     self.store.ensure_partitions(ps)
                     for p in ps:
@@ -237,26 +232,22 @@ class DistInterpreter:
                                 prefetch=prefetch)
         return shards
 
-    def _landed(self, work) -> None:
-        """Wait a gather's work; on a device the compute stream then waits on the gather stream."""
-        if work is not None:
-            work.wait()
-        if self.gather_stream is not None:
-            self.device.wait_stream(self.device.current_stream(), self.gather_stream)
-
     def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
-        work, fulls, keep = self.gather.gather(ps, self._shards(ps, prefetch))
+        self.streams, ops = streams.gather(self.streams, h, ps)
+        work, fulls, keep = self._launch(ops, lambda: self.gather.gather(ps, self._shards(ps, prefetch)))
         self.gathers[h] = (work, ps, fulls, keep)  # keep: alive until the work completes
 
     def _refresh(self, ps: tuple[int, ...]) -> None:
         if self.agreement is not None:  # the step's, in no pass: unstamped
             self.agreement.stamping = False
+        self.streams, ops = streams.refresh(self.streams, ps)
         try:
-            work, then = self.gather.refresh(ps, self._shards(ps, False), [self.store.full[p] for p in ps])
+            work, then = self._launch(ops, lambda: self.gather.refresh(ps, self._shards(ps, False),
+                                                                        [self.store.full[p] for p in ps]),
+                                      work_done=True)
         finally:
             if self.agreement is not None:
                 self.agreement.stamping = True
-        self._landed(work)
         then()
         self.store.rewritten(ps)
 
@@ -269,7 +260,10 @@ class DistInterpreter:
 
     def _wait(self, h: Handle) -> None:
         work, ps, fulls, _ = self.gathers.pop(h)
-        self._landed(work)
+        if work is not None:
+            work.wait()  # NCCL, HCCL: compute after the collective, on the backend's stream
+        self.streams, ops = streams.gathered(self.streams, h)
+        self._stream_ops(ops)
         for p, full in zip(ps, fulls()):
             self.store.set_full(p, full)
 
@@ -299,8 +293,9 @@ class DistInterpreter:
 
     def _acquire(self, dtype: str) -> torch.Tensor:
         free = self.pool.setdefault(dtype, [])
-        while not free and self.reduces:
-            self._complete_oldest()  # its DropGrads returns a buffer
+        while not free and self.streams.reduces:
+            self.streams, ops = streams.complete(self.streams)  # its DropGrads returns a buffer
+            self._stream_ops(ops)
         if free:
             return free.pop()
         return torch.empty(self.bucket_capacity, dtype=getattr(torch, dtype), device=self.store.device)
@@ -330,16 +325,22 @@ class DistInterpreter:
 
     def _reduce(self, e: ReduceBucket) -> None:
         path = accounting.reduce_path(e, self.reduce_scatter_by)
-        while len(self.reduces) >= MAX_REDUCES_IN_FLIGHT:
-            self._complete_oldest()  # its grads, buffers and scratch are let go
-        grads, buf = self._reduce_inputs(e)
+        reads = (("bucket", e.bucket),) if e.contiguous and e.bucket not in self.held else \
+            tuple(("grad", s.param) for s in e.slots)
+        # the oldest reduce completed first while MAX_REDUCES_IN_FLIGHT are out (its grads,
+        # buffers and scratch let go), then this one on the reduce stream
+        self.streams, ops = streams.reduce(self.streams, e.bucket, reads)
         carrier = self.all_reduce_carrier if path == "all_reduce" else self.reduce_scatter
-        work, finish, keep = carrier.reduce(e, grads, buf)
-        accounting.count_reduce(self.counts, e, path=path, spec=self.spec, element_size=grads[0].element_size())
-        if work is None:
-            self.reduced[e.bucket] = finish()
-        else:
-            self.reduces.append((e.bucket, _Reduce(work, finish, keep)))
+
+        def issue():
+            grads, buf = self._reduce_inputs(e)
+            accounting.count_reduce(self.counts, e, path=path, spec=self.spec, element_size=grads[0].element_size())
+            return carrier.reduce(e, grads, buf)
+        work, finish, keep = self._launch(ops, issue)
+        self.reduces.append((e.bucket, _Reduce(work, finish, keep)))
+        if work is None:  # done already: completed at once, its writes not deferred
+            self.streams, ops = streams.complete(self.streams, e.bucket)
+            self._stream_ops(ops)
 
     def reduce_buffer(self, numel: int, dtype: torch.dtype, capacity: int) -> torch.Tensor:
         """A pooled (numel,) buffer for a reduce, cut from one of `capacity` elements: [Note: one
@@ -403,12 +404,50 @@ class DistInterpreter:
         return None
 
     def _complete_oldest(self) -> None:
+        """The oldest reduce's Completed (fz3/core/streams.py: compute has waited its event): its
+        output taken, and the writes and drops that waited for it run."""
         bucket, pending = self.reduces.popleft()
-        pending.work.wait()
-        if self.reduce_stream is not None:
-            self.device.wait_stream(self.device.current_stream(), self.reduce_stream)
+        if pending.work is not None:
+            pending.work.wait()  # NCCL, HCCL: compute after the collective, on the backend's stream
         self.reduced[bucket] = pending.finish()
         self._run(pending.deferred)
+
+    # ---- streams: [Note: streams as effects] (fz3/core/streams.py) -------------------------------
+
+    def _stream(self, name: str):
+        return self.device.current_stream() if name == streams.C else \
+            self.gather_stream if name == streams.G else self.reduce_stream
+
+    def _stream_ops(self, ops) -> None:
+        for op in ops:
+            match op:
+                case streams.Completed(bucket=b):
+                    assert self.reduces[0][0] == b, (b, self.reduces[0][0])
+                    self._complete_oldest()
+                case _ if self.gather_stream is None:  # overlap_comm off: one stream, nothing to order
+                    pass
+                case streams.Record(stream=name, event=ev):
+                    self.events[ev] = self.device.record_event(self._stream(name))
+                case streams.WaitEvent(stream=name, event=ev):
+                    self._stream(name).wait_event(self.events.pop(ev))
+
+    def _launch(self, ops, issue, *, work_done: bool = False):
+        """Run a collective's ops around `issue()`: the reduces completed first, at once; its
+        stream's wait for compute (Record, WaitEvent) as it enters the stream (`on`, after the
+        copies it queues on compute first); those after its Launch once it is issued (with
+        `work_done`, once its work was waited). -> what `issue` returned."""
+        i = next(i for i, op in enumerate(ops) if type(op) is streams.Launch)
+        self._stream_ops(ops[:i - 2])
+        self.before = ops[i - 2:i]
+        try:
+            out = issue()
+        finally:
+            before, self.before = self.before, ()
+        self._stream_ops(before)  # a carrier that entered no stream (nothing to move)
+        if work_done and out[0] is not None:
+            out[0].wait()
+        self._stream_ops(ops[i + 1:])
+        return out
 
     def _write(self, bucket: BucketId, writes: Sequence[WritePartition]) -> None:
         """[Note: writes in one call] A bucket's WritePartition effects come together, one per
@@ -432,9 +471,12 @@ class DistInterpreter:
         # not contiguous: the reduce released param.grad already ([Note: grads taken at the reduce])
 
     def on(self, stream):
-        """Issue on a side stream that first waits for what compute queued (e.g. shard writes)."""
+        """Issue on a side stream, which first waits for what compute queued (the shards the
+        optimizer wrote, the grads backward wrote, the copies the carrier just made): the ops
+        before the collective's Launch (`_launch`)."""
+        before, self.before = self.before, ()
+        self._stream_ops(before)
         if stream is None:
             return contextlib.nullcontext()
-        self.device.wait_stream(stream, self.device.current_stream())
         return self.device.stream(stream)
 

@@ -40,6 +40,7 @@ class VerdictMachine(RuleBasedStateMachine):
         self.naive_position, self.naive_lrs, self.naive_warned = 0, [], []
         self.naive_skipped, self.naive_applied = 0, False
         note(f"scheduler: {scheduler}")
+        covered("examples", "step verdict")
 
     def _run(self, effects) -> None:
         for e in effects:
@@ -51,10 +52,10 @@ class VerdictMachine(RuleBasedStateMachine):
                 case verdict.PutBackScheduler():
                     assert self.kept is not None, "the scheduler put back without what it was"
                     self.position, self.kept = self.kept, None
-                    covered("verdict", "lr scheduler put back after a skip read late")
+                    covered("late verdict", "lr scheduler put back after a skip read late")
                 case verdict.NameSkipped(step):
                     self.warned.append(step)
-                    covered("verdict", "a skip's WARNING given a step late")
+                    covered("late verdict", "a skip's WARNING given a step late")
 
     def _read(self, *, every_rank: bool) -> None:
         finite = None if not self.v.pending else self.flag
@@ -79,7 +80,7 @@ class VerdictMachine(RuleBasedStateMachine):
         self._run(effects)
         if on_device:
             self.flag = finite
-            covered("verdict", "step taken, verdict on the device" + ("" if finite else " (skipped)"))
+            covered("late verdict", "step taken, verdict on the device" + ("" if finite else " (skipped)"))
         else:
             self.applied = finite
             self.host_skipped += not finite
@@ -99,7 +100,7 @@ class VerdictMachine(RuleBasedStateMachine):
     def user_read(self) -> None:
         note("user reads was_step_applied() / the skipped count")
         if self.v.pending:
-            covered("verdict", "read by the user before the next boundary")
+            covered("late verdict", "read by the user before the next boundary")
         self._read(every_rank=False)
         assert self.host_skipped + self.v.skipped == self.naive_skipped, (
             f"skipped steps read: {self.host_skipped + self.v.skipped}, the naive run's {self.naive_skipped}")

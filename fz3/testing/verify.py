@@ -22,6 +22,10 @@ which situations:
                           schedule of fz3/core/offload.py against a model of the tiers
     step verdict          fz3/testing/verdict_machine.py a skip decided on the device and read
                           late (fz3/core/grad/verdict.py) against one read at each boundary
+    streams               fz3/testing/stream_machine.py  the compute, gather and reduce streams
+                          (fz3/core/streams.py) on vector clocks, under the module-call
+                          machine's passes: reads after writes, nothing let go while a stream
+                          may touch it, the epilogue after every reduce
 
 I7 (equivalence to unsharded training) needs real ranks and torch autograd: the parity tests
 (tests/test_parity.py) prove it, not these machines, and the report says so.
@@ -62,7 +66,7 @@ from fz3.testing.regression import regression_test
 
 __all__ = ["verify", "patched", "Report", "MACHINES"]
 
-MACHINES = ("params", "grads", "layout", "calls", "scaler", "offload", "verdict")
+MACHINES = ("params", "grads", "layout", "calls", "scaler", "offload", "verdict", "streams")
 
 INVARIANTS = {
     "I1": "live budget: prefetch never takes live full params past max_live_parameters",
@@ -80,6 +84,10 @@ INVARIANTS = {
     "loss scale": "fp16's scale grows, halves and spends its hysteresis where DeepSpeed's does",
     "offload": "offloaded sub-groups: one tier at a time, stepped once after their read, within the budget, "
                "the values of a step without offload",
+    "late verdict": "a skip decided on the device and read late: the same lr for every applied step, the same "
+               "counts, each skip's WARNING once",
+    "stream order": "compute, gather and reduce streams: reads after writes, nothing let go while a stream may touch "
+               "it, the epilogue after every reduce",
 }
 NOT_HERE = {"I7": "equivalence to unsharded training: real ranks, proven by tests/test_parity.py"}
 
@@ -146,7 +154,7 @@ class Report:
 
 NAMES = {"params": "parameter lifecycle", "grads": "gradient lifecycle", "layout": "layout",
          "calls": "module calls", "scaler": "loss scale", "offload": "optimizer offload",
-         "verdict": "step verdict"}
+         "verdict": "step verdict", "streams": "streams"}
 
 
 MACHINE_CLASSES = {"params": ("fz3.testing.param_machine", "ParamLifecycleMachine"),
@@ -154,7 +162,8 @@ MACHINE_CLASSES = {"params": ("fz3.testing.param_machine", "ParamLifecycleMachin
                    "calls": ("fz3.testing.calls_machine", "CallsMachine"),
                    "scaler": ("fz3.testing.scaler_machine", "ScalerMachine"),
                    "offload": ("fz3.testing.offload_machine", "OffloadMachine"),
-                   "verdict": ("fz3.testing.verdict_machine", "VerdictMachine")}
+                   "verdict": ("fz3.testing.verdict_machine", "VerdictMachine"),
+                   "streams": ("fz3.testing.stream_machine", "StreamMachine")}
 LAYOUT_CHECKS = ("round_trip", "gather_round_trip", "reduce_slices")  # of fz3/testing/layout_check.py
 DEFAULT = settings(settings.get_profile("default"), max_examples=100, stateful_step_count=20, deadline=None,
                    suppress_health_check=list(HealthCheck))
