@@ -93,14 +93,15 @@ def test_pack_reduce_scatter_into_matches_pack(world_size):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_unpack_gather_into_matches_unpack(world_size):
-    """The in-place unpacking the interpreter uses equals the pure one and writes only `out`."""
+    """The in-place unpacking the interpreter uses (one split_with_sizes_copy into each param's
+    padded full value) equals the pure one and writes only `out`, all of it."""
     g = torch.Generator().manual_seed(world_size)
     numels = (5, 0, 1, 8, 3, 12, 2)
     shards = [[torch.randint(-9, 9, (c.shard_numel(n, world_size),), generator=g).float()
                for n in numels] for _ in range(world_size)]
     gathered = c.sim_all_gather([c.pack_gather(s) for s in shards])[0]
     want = c.unpack_gather(gathered, numels, world_size)
-    out = torch.full((sum(numels),), float("nan"))
+    out = torch.full((c.padded_numel(numels, world_size),), float("nan"))
     got = c.unpack_gather_into(gathered, numels, world_size, out)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert all(x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for x in got)

@@ -50,21 +50,22 @@ def unpack_gather(gathered: torch.Tensor, numels: Sequence[int], world_size: int
 
 def unpack_gather_into(gathered: torch.Tensor, numels: Sequence[int], world_size: int,
                        out: torch.Tensor) -> list[torch.Tensor]:
-    """`unpack_gather` written into a given (sum n_i,) buffer, param after param: one strided
-    copy per param (two when its padding cuts a row), no temporaries. -> views of `out`, (n_i,)
-    each. For the interpreter, which takes `out` from its buffer pool."""
-    rows = gathered.view(world_size, -1)  # (W, S)
-    fulls, col, off = [], 0, 0
-    for n in numels:
-        s = shard_numel(n, world_size)
-        full, rest = divmod(n, s) if s else (0, 0)
-        dst = out[off:off + n]
-        dst[:full * s].view(full, s).copy_(rows[:full, col:col + s])
-        if rest:
-            dst[full * s:].copy_(rows[full, col:col + rest])
-        fulls.append(dst)
-        col, off = col + s, off + n
-    return fulls
+    """`unpack_gather` written into a given buffer of each param's padded full value back to
+    back, (sum W * s_i,), in one op: torch.split_with_sizes_copy of the rank-major rows into
+    (W, s_i) views (FSDP2's all-gather copy-out). -> views of `out`, (n_i,) each (the padding
+    after them). For the interpreter, which takes `out` from its buffer pool."""
+    sizes = [shard_numel(n, world_size) for n in numels]
+    views, off = [], 0
+    for s in sizes:
+        views.append(out[off:off + world_size * s].view(world_size, s))
+        off += world_size * s
+    torch.split_with_sizes_copy(gathered.view(world_size, -1), sizes, dim=1, out=views)
+    return [v.view(-1)[:n] for v, n in zip(views, numels)]
+
+
+def padded_numel(numels: Sequence[int], world_size: int) -> int:
+    """The buffer `unpack_gather_into` writes: every param's W * s_i."""
+    return sum(world_size * shard_numel(n, world_size) for n in numels)
 
 
 def pack_bucket(grads: Tensors) -> torch.Tensor:
@@ -92,21 +93,13 @@ def pack_reduce_scatter(grads: Tensors, world_size: int) -> torch.Tensor:
 
 
 def pack_reduce_scatter_into(grads: Tensors, world_size: int, out: torch.Tensor) -> torch.Tensor:
-    """`pack_reduce_scatter` written into a given (W*S,) buffer: one strided copy per grad, the
-    padding zeroed, no temporaries. For the interpreter, which reuses `out` across steps (a fresh
-    buffer page-faults on every step: bench/RESULTS.md, "fz3 data-plane copies")."""
-    rows = out.view(world_size, -1)  # (W, S)
-    col = 0
-    for g in grads:
-        flat, n = g.reshape(-1), g.numel()
-        s = shard_numel(n, world_size)
-        full, rest = divmod(n, s) if s else (0, 0)
-        rows[:full, col:col + s].copy_(flat[:full * s].view(full, s))
-        if full < world_size and s:
-            rows[full, col:col + rest].copy_(flat[full * s:])
-            rows[full, col + rest:col + s].zero_()
-            rows[full + 1:, col:col + s].zero_()
-        col += s
+    """`pack_reduce_scatter` written into a given (W*S,) buffer in one op: torch._chunk_cat cuts
+    each grad into W chunks of its shard size, zero-padded, rank-major (FSDP2's reduce-scatter
+    copy-in); an empty grad takes no column. For the interpreter, which reuses `out` across
+    steps (a fresh buffer page-faults on every step: bench/RESULTS.md, "fz3 data-plane copies")."""
+    flat = [g.reshape(-1) for g in grads if g.numel()]
+    if flat:
+        torch._chunk_cat(flat, dim=0, num_chunks=world_size, out=out.view(world_size, -1))
     return out
 
 

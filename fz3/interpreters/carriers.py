@@ -299,7 +299,8 @@ def unpack(it: Context, out: torch.Tensor, ps: Sequence[int]) -> list[torch.Tens
     numels = [it.spec.params[p].numel for p in ps]
     if len(ps) == 1:
         return [out[:numels[0]]]  # rank-major of one param: already its flat value
-    return collectives.unpack_gather_into(out, numels, it.world_size, it.take(sum(numels), out.dtype))
+    return collectives.unpack_gather_into(out, numels, it.world_size,
+                                          it.take(collectives.padded_numel(numels, it.world_size), out.dtype))
 
 
 CARRIERS: dict[str, Callable] = {"p2p": P2P, "native": Native, "all_reduce": AllReduce}
