@@ -35,6 +35,11 @@ SYSTEMS = {  # torch's foreach AdamW, its default on an accelerator, but where "
     "fz3 fused": {"module": "fz3_z3", "world": 2, "options": {"config": {}, "fused": True}},
     "fz3 all sharded fused": {"module": "fz3_z3", "world": 2,
                               "options": {"config": {"param_persistence_threshold": 0}, "fused": True}},
+    # the carriers an accelerator runs (NCCL's own collectives): one copy-in and one copy-out a
+    # gather, one copy-in a reduce (torch.cat / split_with_sizes_copy / _chunk_cat)
+    "fz3 native fused": {"module": "fz3_z3", "world": 2,
+                         "options": {"config": {"param_persistence_threshold": 0, "gloo_all_gather": "native",
+                                                "gloo_reduce_scatter": "native"}, "fused": True}},
     "ddp": {"module": "ddp", "world": 2, "options": {"foreach": True}},
     "fsdp2": {"module": "fsdp2", "world": 2, "options": {"foreach": True}},
     "deepspeed": {"module": "deepspeed_z3", "world": 2, "options": {"foreach": True}},

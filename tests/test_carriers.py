@@ -209,15 +209,17 @@ def _route(rank: int, world: int, carrier: str) -> dict:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_interpreter_holds_or_copies_as_the_core_says(world):
-    runs = {c: launch.run_threads(_route, world, args=(c,)) for c in ("p2p", "native")}
+    """p2p sends each grad from where it lies and native packs the held grads in its one copy-in
+    (_chunk_cat): both hold; the all-reduce carrier reduces a flat bucket: it copies."""
+    runs = {c: launch.run_threads(_route, world, args=(c,)) for c in ("p2p", "native", "all_reduce")}
     for r in range(world):
-        held, copied = runs["p2p"][r], runs["native"][r]
-        assert (held["in_place"], copied["in_place"]) == (True, False)
-        assert set(held["placed"]) == {"HoldGrad"} and set(copied["placed"]) == {"CopyToBucket"}
-        assert held["bucket_bytes"] == 0 and copied["bucket_bytes"] > 0, (held, copied)
-        for p, (a, b) in enumerate(zip(held["parts"], copied["parts"])):
-            total = sum(out["sent"][p] for out in runs["p2p"]) / world
-            assert torch.equal(a, b) and torch.equal(a, layout.shard(total, world)[r]), (r, p)
+        copied = runs["all_reduce"][r]
+        assert not copied["in_place"] and set(copied["placed"]) == {"CopyToBucket"} and copied["bucket_bytes"] > 0
+        for held in (runs["p2p"][r], runs["native"][r]):
+            assert held["in_place"] and set(held["placed"]) == {"HoldGrad"} and held["bucket_bytes"] == 0, held
+            for p, (a, b) in enumerate(zip(held["parts"], copied["parts"])):
+                total = sum(out["sent"][p] for out in runs["p2p"]) / world
+                assert torch.equal(a, b) and torch.equal(a, layout.shard(total, world)[r]), (r, p)
 
 
 def _train(rank: int, world: int, coalesce: int, persistence: int) -> dict:

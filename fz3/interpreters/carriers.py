@@ -209,6 +209,8 @@ class P2P(Carrier):
 
 class Native(Carrier):
     name = "native"
+    reads_grads_in_place = True  # its one copy-in (_chunk_cat) packs the held grads where they
+    # lie: a bucket would be a second copy of each grad ([Note: copy or hold], grads.py)
 
     def gather(self, ps: Sequence[int], shards: Sequence[torch.Tensor]):
         it = self.ctx

@@ -423,7 +423,9 @@ def _open(state: GradState, bucket: int) -> Optional[IPGBucket]:
 #
 # [Note: copy or hold] DeepSpeed copies every grad into the contiguous IPG buffer, which one
 # collective then reads. A point-to-point reduce-scatter (gloo's p2p carrier) sends each rank's
-# slice straight from each grad, so the copy would only stage it: with such a carrier
+# slice straight from each grad, and the native one (NCCL, HCCL) packs the grads into its
+# rank-major input in one op (torch._chunk_cat, FSDP2's copy-in), so a bucket copy would only
+# stage them a second time: with such a carrier
 # (`init_grad_state(..., in_place_reduce_scatter=True)`) and reduce_scatter on, a placed grad is
 # held instead (HoldGrad), saving the copy and the bucket's memory. The interpreter says what its
 # carrier does; the choice is made here, where the machines see it (fz3/testing/grad_machine.py).
