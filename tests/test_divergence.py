@@ -33,7 +33,9 @@ class Branchy(nn.Module):
 
     def forward(self, x):
         import torch.distributed as dist
-        branch = dist.get_rank() == self.odd and self.steps >= self.at_step
+        from fz3.interpreters import threads
+        rank = threads.current().rank if threads.current() is not None else dist.get_rank()
+        branch = rank == self.odd and self.steps >= self.at_step
         self.steps += 1
         x = self.b(self.a(x).relu())
         if branch and self.where == "forward":
@@ -43,11 +45,15 @@ class Branchy(nn.Module):
         return self.c(x)
 
 
-def _train(rank: int, world: int, where: str, at_step: int) -> dict:
+NATIVE = {"gloo_all_gather": "native", "gloo_reduce_scatter": "native"}  # the carriers of NCCL and HCCL
+
+
+def _train(rank: int, world: int, where: str, at_step: int, native: bool = False) -> dict:
     import fz3
     model = Branchy(where, world - 1, at_step)
     engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                            fz3.Config(param_persistence_threshold=0, reduce_bucket_size=300))
+                            fz3.Config(param_persistence_threshold=0, reduce_bucket_size=300),
+                            options=fz3.Options(**NATIVE) if native else fz3.Options())
     x = torch.ones(2, 16)
     t0 = time.monotonic()
     try:
@@ -78,6 +84,54 @@ def test_every_rank_raises_instead_of_hanging(world, where, at_step):
         assert "module '" in msg, msg
         assert "These are modules under one parent" not in msg, msg  # siblings under the root: no leaf hint
         _assert_refused_after(out, "ranks diverged")  # a user trying the next batch
+
+
+@pytest.mark.parametrize("where, at_step", [("forward", 0), ("backward", 2)])
+def test_on_the_native_carriers_every_rank_raises_before_using_the_data(where, at_step):
+    """[Note: native collectives checked ahead] The backend's own collectives have no tags: run
+    asynchronously their data is posted beside their descriptors, which the wait compares before
+    the result is used. A rank off the others' path still raises on every rank, in the step it
+    diverged, naming each rank's collective."""
+    outs = launch.run_threads(_train, 2, args=(where, at_step, True))  # gloo's own aborts instead (AHEAD)
+    for rank, out in enumerate(outs):
+        assert out["error"] is not None and out["step"] == at_step and out["seconds"] < 30, out
+        msg = out["error"]
+        assert "ranks diverged" in msg and "before any data of this collective was used" in msg, msg
+        assert all(f"rank {r}: step {at_step + 1}, collective" in msg for r in range(2)), msg
+        _assert_refused_after(out, "ranks diverged")
+
+
+def test_a_native_collective_is_posted_without_waiting_for_its_peers(monkeypatch):
+    """Posted ahead, a collective's descriptors are not waited for at issue (the host runs on):
+    the peers' never arrive here, and nothing blocks until the wait, which names the stall."""
+    from fz3 import DivergenceError
+    from fz3.interpreters import agreement
+    monkeypatch.setenv("FZ3_DIVERGENCE_TIMEOUT", "0.2")
+
+    class Pending:
+        def wait(self, timeout=None):
+            time.sleep(timeout.total_seconds() if timeout else 0)
+            raise RuntimeError("Timed out waiting 200ms for recv operation to complete")
+
+    class Comm(_Comm):
+        def isend(self, t, dst, tag):
+            return Pending()
+        irecv = isend
+
+    ag = agreement.Agreement(Comm(), agreement.describe_with(["w"], ["lin"]))
+    t0 = time.monotonic()
+    posted = ag.ahead(agreement.GATHER, (0,), 4)
+    work = ag.issue(posted, lambda: _Done())
+    assert time.monotonic() - t0 < 0.1 and ag.unresolved == [posted]  # nothing waited yet
+    with pytest.raises(DivergenceError, match="did not reach a collective"):
+        work.wait()
+    with pytest.raises(DivergenceError):  # out of step for good
+        ag.ahead(agreement.GATHER, (0,), 4)
+
+
+class _Done:
+    def wait(self):
+        return True
 
 
 def test_the_message_names_what_each_rank_was_about_to_gather():

@@ -34,8 +34,12 @@ No data meant for another collective is ever received:
   so data moves only between ranks that are at the same collective; the descriptors are compared
   when the collective is waited, before its result is used (`Guarded`). This adds no round trip:
   the descriptors travel beside the data ([Note: descriptors beside the data]).
-- Native collectives (gloo's own, NCCL, HCCL) have no tags: they wait for the descriptors at
-  issue, before their data is posted (`check`).
+- Native collectives (gloo's own, NCCL, HCCL) have no tags. Run asynchronously (overlap_comm),
+  their descriptors are posted and their data right after (`ahead`); the descriptors are
+  compared when the collective is waited, before its result is used, or at the latest when the
+  optimizer step ends ([Note: native collectives checked ahead]). Run synchronously, they wait
+  for the descriptors at issue, before their data is posted (`check`): a mismatched synchronous
+  collective would block the host before any comparison.
 - The grad norm's all-reduce is itself the exchange: its one float64 rides in the descriptor
   message (`all_reduce_sum`), so it costs no more than the all-reduce it replaces.
 
@@ -135,6 +139,7 @@ class Agreement:
         self.phase: Callable[[], int] = lambda: 0  # this rank's pass now (pass_hint.phase_reader)
         self.stamping = True  # gathers and reduces carry `phase()` (off: the step's refresh)
         self.seconds = 0.0  # spent checking (bench/diagnostics/divergence_overhead.py reports it)
+        self.unresolved: list[Posted] = []  # posted `ahead`, oldest first, not yet compared
 
     @classmethod
     def for_transport(cls, comm: Transport, describe: Callable[[Sequence[int]], str]) -> "Agreement | None":
@@ -145,8 +150,24 @@ class Agreement:
         return cls(comm.side(), describe)
 
     def next_step(self) -> None:
+        """The optimizer step is over: every exchange still unresolved is compared now (a
+        native collective posted `ahead` and never waited, the grad norm's all-reduce)."""
+        self.settle()
         self.step += 1
         self.seq = 0
+
+    def ahead(self, kind: int, params: Sequence[int], numel: int) -> "Posted":
+        """[Note: native collectives checked ahead] Post this native collective's descriptors
+        without waiting for the peers': its data may be posted at once, and `resolve` (at its
+        wait, at any later resolve, at the step's end) compares them before any of it is used."""
+        posted = self.post(kind, params, numel)._replace(ahead=True)
+        self.unresolved.append(posted)
+        return posted
+
+    def settle(self) -> None:
+        """Compare every exchange posted `ahead` and not yet resolved, oldest first."""
+        while self.unresolved:
+            self.resolve(self.unresolved[0])
 
     def check(self, kind: int, params: Sequence[int], numel: int) -> "Posted":
         """Raise DivergenceError unless every rank is about to run this same collective; -> its
@@ -189,11 +210,14 @@ class Agreement:
         return Guarded(self, posted, work)
 
     def issue(self, posted: "Posted", post: Callable[[], object]):
-        """Post the native collective `posted` describes, whose descriptors agreed: `post()` ->
-        its work, or None when it ran synchronously. A failure of the post or of the work's wait
-        is a DivergenceError naming it (`lost`: a peer left mid-collective), not a raw one."""
+        """Post the native collective `posted` describes (its descriptors agreed, or were posted
+        `ahead`): `post()` -> its work, or None when it ran synchronously. A failure of the post
+        or of the work's wait is a DivergenceError naming it (`lost`: a peer left mid-collective),
+        not a raw one. Posted ahead, its wait compares the descriptors first (Guarded)."""
         work = _data(self, posted, post)
-        return None if work is None else Watched(self, posted, work)
+        if work is None:
+            return None
+        return Guarded(self, posted, work) if posted.ahead else Watched(self, posted, work)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """The SUM over ranks of a one-element CPU float64 tensor, in its descriptor exchange:
@@ -210,12 +234,20 @@ class Agreement:
         return t.copy_(total.reshape(t.shape))
 
     def resolve(self, posted: "Posted") -> None:
-        """Wait for the peers' descriptors; raise DivergenceError unless they equal this rank's.
-        After a DivergenceError the ranks are out of step for good: every later call raises it."""
+        """Wait for the peers' descriptors; raise DivergenceError unless they equal this rank's
+        (and those of every exchange posted `ahead` before it, first: the first divergence is
+        the one named). After a DivergenceError the ranks are out of step for good: every later
+        call raises it."""
         if self.failed is not None:
             raise self.failed
         try:
-            self._resolve(posted)
+            while self.unresolved:
+                first = self.unresolved.pop(0)
+                self._resolve(first)
+                if first is posted:
+                    return
+            if not posted.ahead:  # (one posted ahead and gone from the list was compared already)
+                self._resolve(posted)
         except DivergenceError as e:
             self.fail(e)
             raise
@@ -249,9 +281,12 @@ class Agreement:
                     "it at the same point of its program, not under `if master_process:`." if called else
                     passes or "Every rank must run the same modules, in the same order, with the same params "
                               "requiring grad.")
+            stopped = ("fz3 stopped before any data of this collective was used (the backend's own collectives "
+                       "have no tags: it was posted beside its descriptors)." if posted.ahead else
+                       "fz3 stopped before any data of this collective was received.")
             raise DivergenceError(f"ranks diverged (seen on rank {self.rank}; ranks {sorted(differ)} differ from "
-                                  f"it): each rank's next collective is\n{lines}\n{rule} fz3 stopped before any "
-                                  "data of this collective was received." + (f"\n{hint}" if hint else ""))
+                                  f"it): each rank's next collective is\n{lines}\n{rule} {stopped}"
+                                  + (f"\n{hint}" if hint else ""))
 
     def lost(self, j: int | None, error: BaseException, waited: float, posted: "Posted") -> DivergenceError:
         """The error for a wait on rank `j` (None: some peer) that failed `waited` seconds in,
@@ -334,6 +369,7 @@ class Posted(NamedTuple):
     recvs: dict
     sends: list
     tag: int
+    ahead: bool = False  # a native collective posted before its descriptors were compared (`ahead`)
 
 
 def describe_with(names: Sequence[str], owner: Sequence[str | Sequence[str]]) -> Callable[[Sequence[int]], str]:

@@ -62,6 +62,14 @@ class Context(NamedTuple):
     counts: Optional[Counter] = None  # the interpreter's counters: p2p_sends
 
 
+AHEAD = ("nccl", "hccl", "threads")
+"""The backends whose asynchronous native collectives post their data before their descriptors
+are compared (`Agreement.ahead`): a mismatched one waits on the device (NCCL, HCCL) or in a
+rendezvous (ranks as threads) until the wait names the divergence. gloo's own aborts the
+process on a size mismatch (gloo::EnforceNotMet, in its transport thread), so there the
+descriptors are compared first."""
+
+
 class Carrier:
     """Shared by the three: the context it runs in (pool, transport, check, streams)."""
 
@@ -73,11 +81,15 @@ class Carrier:
         self.ctx = ctx
 
     def check(self, kind: int, params: Sequence[int], numel: int):
-        """Collectives without tags wait for the ranks' descriptors before posting data; -> the
-        descriptors (None when unchecked), for `issue`."""
-        if self.ctx.agreement is not None:
-            return self.ctx.agreement.check(kind, params, numel)
-        return None
+        """Collectives without tags: run asynchronously on a backend of AHEAD, their descriptors
+        are posted and compared at the wait (`Agreement.ahead`: the host never waits for its
+        peers at issue); else the ranks' descriptors are waited for before any data is posted.
+        -> the descriptors (None when unchecked), for `issue`."""
+        ag = self.ctx.agreement
+        if ag is None:
+            return None
+        return ag.ahead(kind, params, numel) if self.ctx.async_op and self.ctx.comm.backend in AHEAD else \
+            ag.check(kind, params, numel)
 
     def issue(self, posted, post: Callable[[], object]):
         """post() the collective (-> its work, None when synchronous); checked (`posted`), a

@@ -359,6 +359,8 @@ class DistInterpreter:
             self.comm.all_reduce(t)
         elif t.numel() == 1 and t.dtype == torch.float64 and t.device.type == "cpu":
             return self.agreement.all_reduce_sum(t)  # the descriptor exchange carries it
+        elif t.device.type != "cpu":  # the device's norm, never read on the host: compared later
+            self.agreement.issue(self.agreement.ahead(kind, (), t.numel()), lambda: self.comm.all_reduce(t))
         else:
             self.agreement.issue(self.agreement.check(kind, (), t.numel()), lambda: self.comm.all_reduce(t))
         return t
