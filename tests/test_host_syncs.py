@@ -15,7 +15,8 @@ ATen op), less the reads of data that is host memory on an accelerator too:
   before: [Note: the verdict on the device], fz3/core/grad/verdict.py).
 
 With an optimizer that takes the verdict as a tensor (torch's fused=True AdamW here) a steady
-step reads nothing. With one that cannot (torch's foreach and for-loop implementations refuse
+step reads nothing, fp16's dynamic loss scale included (kept on the device:
+fz3/shell/device_scale.py; its move read a step late, `scale_read`). With one that cannot (torch's foreach and for-loop implementations refuse
 `found_inf`), the boundary reads it: one read, `finite(norm)` (fz3/interpreters/dist.py), which
 fz3 names once at initialize on an accelerator. The teeth: one `.item()` or `.tolist()` added to
 the clipping is seen and named."""
@@ -37,7 +38,8 @@ READS = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"}
 HOST = {(os.path.join("torch", "optim", "optimizer.py"), "_get_value"),
         (os.path.join("fz3", "interpreters", "agreement.py"), "_resolve"),
         (os.path.join("fz3", "interpreters", "agreement.py"), "all_reduce_sum"),
-        (os.path.join("fz3", "shell", "verdict.py"), "read")}
+        (os.path.join("fz3", "shell", "verdict.py"), "read"),
+        (os.path.join("fz3", "shell", "verdict.py"), "scale_read")}
 
 
 def _where() -> str | None:
@@ -115,6 +117,8 @@ CONFIGS = {
     "all sharded, clipped": fz3.Config(param_persistence_threshold=0, gradient_clipping=1.0),
     "bf16, accumulation": fz3.Config(compute_dtype="bf16", gradient_accumulation_steps=2,
                                      param_persistence_threshold=0),
+    "fp16, dynamic loss scale": fz3.Config(compute_dtype="fp16", param_persistence_threshold=0,
+                                           loss_scale_window=2),  # it grows in the counted step
 }
 
 

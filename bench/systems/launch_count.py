@@ -37,7 +37,8 @@ FREE = {"aten::detach", "aten::lift_fresh", "aten::set_", "aten::resize_", "aten
 
 
 HOST_READS = ((os.path.join("optim", "optimizer.py"), "_get_value"),
-              (os.path.join("fz3", "shell", "verdict.py"), "read"))
+              (os.path.join("fz3", "shell", "verdict.py"), "read"),
+              (os.path.join("fz3", "shell", "verdict.py"), "scale_read"))
 PEER_READS = ((os.path.join("fz3", "interpreters", "agreement.py"), "_resolve"),
               (os.path.join("fz3", "interpreters", "agreement.py"), "all_reduce_sum"))
 

@@ -65,6 +65,7 @@ from fz3.core.events import (BackwardEnded, Enter, GradReady, GradsZeroed, Leave
 from fz3.config.config import Config
 from fz3.core.grad.epilogue import at_boundary
 from fz3.core.grad import scaler, verdict
+from fz3.core.grad.scaler import LossScale
 from fz3.core.grad.verdict import Verdict
 from fz3.core.grad.grads import init_grad_state
 from fz3.core.hook_effects import (HOOK_EFFECTS, BeginPass, ClearGradDue, EndOfBackward, EndPass, GradDue, GradIn,
@@ -90,6 +91,7 @@ from fz3.config.options import Options
 from fz3.data.store import DTYPES, TensorStore
 from fz3.shell.surface import BatchSizes, DeepSpeedSurface
 from fz3.shell.tables import read_tables
+from fz3.shell.device_scale import DeviceScale
 from fz3.shell.verdict import DeviceVerdict, on_device, put_back, step_scheduler
 
 
@@ -163,7 +165,8 @@ class Engine(DeepSpeedSurface):
         self.zero_grad_undo = zero_grad.install(self, (model, optimizer))  # [Note: zero_grad in a window]
         # fp16's loss scale (fz3/core/grad/scaler.py): a cell of its own, beside the core's
         # ([Note: the scaler's count]); DeepSpeed's names for it on the optimizer
-        self.loss_scale = scaler.initial_scale(config)
+        self._loss_scale = scaler.initial_scale(config)
+        self.device_scale = None
         self._overflow = False  # the last boundary's grads were not finite (DeepSpeed's optimizer.overflow)
         # [Note: the verdict on the device] (fz3/core/grad/verdict.py): None where the optimizer
         # takes the norm's flag, else why the boundary reads it (said once on an accelerator)
@@ -171,6 +174,11 @@ class Engine(DeepSpeedSurface):
         self.verdict, self.verdict_call, self.scheduler_kept = Verdict(), -1, None
         self.device_verdict = DeviceVerdict(device)
         log.verdict_on_host(self, self.verdict_on_host)
+        # fp16's dynamic scale with the verdict: on the device too, read when asked (device_scale.py)
+        self.device_scale = DeviceScale.of(self._loss_scale, device.torch_device) \
+            if scaler.dynamic(config) and self.verdict_on_host is None else None
+        self.scale_moved = None  # this step's (old, new, at_min) DeviceScales, for the guard
+        self.scale_error: scaler.LossScaleError | None = None  # read a step late, raised at the boundary
         optimizer_names.add_names(optimizer, self)
     def _take_units(self) -> None:
         """What follows from the fetch units (the tables' modules): the interpreter, the core
@@ -518,7 +526,10 @@ class Engine(DeepSpeedSurface):
         if self.offload is not None:  # a sub-group at a time, the offloaded ones from disk and back
             self.offload.step(no_grad)
             return
-        with (self.device_verdict.guard(self.optimizer, self.grad_norm, self.norm_reported, self.store.partitions)
+        found_inf, moved = self.scale_moved if self.scale_moved is not None else (None, None)
+        self.scale_moved = None
+        with (self.device_verdict.guard(self.optimizer, self.grad_norm, self.norm_reported, self.store.partitions,
+                                        found_inf, moved)
               if guarded else contextlib.nullcontext()):
             self.flat_steps.step(no_grad)  # the optimizer's own step(), its groups flat ([Note: flat steps])
         self.store.refresh_shards()
@@ -550,6 +561,8 @@ class Engine(DeepSpeedSurface):
         fp16 loss overflows where DeepSpeed's does: fz3/core/grad/scaler.py); else the loss as it
         is. For a backward of your own: `engine.scale(loss).backward()`. DeepSpeed: engine.scale
         and engine.backward (scale_wrt_gas)."""
+        if self.device_scale is not None:  # the same bits, the scale never read
+            return self.device_scale.loss(loss, self.config.gradient_accumulation_steps)
         factor = scaler.loss_factor(self.loss_scale, config=self.config)
         if factor is None:
             return loss
@@ -569,8 +582,9 @@ class Engine(DeepSpeedSurface):
         self._end_unreported_backward()  # a bare loss.backward() of that kind counts before the boundary
         self.step_applied, self.in_step = False, True
         try:
-            self.apply(StepCalled(boundary=self.boundary_override,
-                                  loss_scale=scaler.unscale_by(self.loss_scale, config=self.config)))
+            # the scale on the device: the core divides by W alone, _step_at_boundary by the scale
+            unscale = 1.0 if self.device_scale is not None else scaler.unscale_by(self.loss_scale, config=self.config)
+            self.apply(StepCalled(boundary=self.boundary_override, loss_scale=unscale))
             boundary = at_boundary(replay.view(self.cell).grads, config=self.config)  # a flag: no shift
             if boundary:
                 self._step_at_boundary(lr_kwargs)
@@ -580,26 +594,43 @@ class Engine(DeepSpeedSurface):
 
     def _step_at_boundary(self, lr_kwargs: dict | None) -> None:
         self.read_verdict(every_rank=True)  # the last step's, if left to the device
+        ds = self.device_scale
+        if ds is not None:  # unscaled by the scale this step leaves if it applies, as the core would
+            # (a power of two: dividing by W, then by it, is dividing by W x it; device_scale.py)
+            unscale = ds.unscale_by(self.config)
+            torch._foreach_div_(self.store.segment_grads(), unscale)
         # the first shard_world ranks hold one copy of every partition (stage 0: rank 0's whole grads)
         self.grad_norm = norm = global_grad_norm(self.store, self.interp.all_reduce_sum,
                                                  counted=self.rank < self.shard_world)
-        self.norm_reported = norm * scaler.reported_norm_factor(self.loss_scale, config=self.config)
+        self.norm_reported = norm * (scaler.reported_norm_factor(self.loss_scale, config=self.config) if ds is None
+                                     else 1.0 if self.config.stage == 3 else unscale / ds.scale)
         # [Note: the verdict on the device]: None, the optimizer takes the flag; else one sync
         finite = None if self.verdict_on_host is None else self.interp.finite(norm)
         self._overflow = finite is False
+        if ds is not None:
+            found_inf = torch.isfinite(norm).logical_not().to(torch.float32)
+            self.device_scale, at_min = ds.update(found_inf, self.config)
+            self.scale_moved = (found_inf, (ds, self.device_scale, at_min))
         leaf_own = self.call_tables.leaf_own
         # got == window, micro_step, applied: relations and flags, exact in the view
         got = self.interp.any_rank(calls.leaf_grads_seen(replay.view(self.cell)))  # () without leaves
-        try:  # (the verdict is on the host wherever the scale moves: verdict.on_device)
-            scale = scaler.update_scale(self.loss_scale, finite is False, config=self.config)
+        try:  # (the scale on the device moved above; it raises here what the last step's read found)
+            if ds is not None and self.scale_error is not None:
+                error, self.scale_error = self.scale_error, None
+                raise error
+            scale = None if ds is not None else \
+                scaler.update_scale(self.loss_scale, finite is False, config=self.config)
         except scaler.LossScaleError:
-            # skipped, as DeepSpeed
+            # skipped, as DeepSpeed; the scale as it was
+            if ds is not None:
+                self.device_scale, self.scale_moved = ds, None
             self.apply(Stepped(finite=False, leaf_grads=frozenset(p for p, g in zip(leaf_own, got) if g)))
             raise
         self.apply(Stepped(finite=finite, leaf_grads=frozenset(p for p, g in zip(leaf_own, got) if g)))
-        if scaler.dynamic(self.config) and (not finite or scale.scale != self.loss_scale.scale):
-            log.loss_scale(self, self.loss_scale, scale, overflow=not finite)
-        self.loss_scale = scale
+        if ds is None:
+            if scaler.dynamic(self.config) and (not finite or scale.scale != self.loss_scale.scale):
+                log.loss_scale(self, self.loss_scale, scale, overflow=not finite)
+            self.loss_scale = scale
         self.step_applied = replay.view(self.cell).grads.applied
         self.verdict, effects = verdict.taken(self.verdict, step=self.optimizer_steps, finite=finite,
                                               scheduler=self.lr_scheduler is not None)
@@ -614,11 +645,18 @@ class Engine(DeepSpeedSurface):
         rank's alone."""
         if not (self.verdict.pending or (every_rank and self.verdict.owed)):
             return
-        finite = self.device_verdict.read() if self.verdict.pending else None
+        step = self.verdict.pending
+        finite = self.device_verdict.read() if step else None
         if finite is False and self.verdict_call == self.micro_steps - 1:  # no step() since: its counts
             self.step_applied, self._overflow = False, True
         self.verdict, effects = verdict.read(self.verdict, finite, every_rank=every_rank)
         self._verdict_effects(effects, {})
+        if step and self.device_scale is not None:  # fp16's scale of that step, read with its flag
+            at_min, (s0, h0), (s1, h1) = self.device_verdict.scale_read()
+            if at_min:  # raised by the next boundary's step(), as the host's at its own
+                self.scale_error = scaler.at_minimum(self.config)
+            elif not finite or s1 != s0:
+                log.loss_scale(self, LossScale(s0, 0, h0), LossScale(s1, 0, h1), overflow=not finite, step=step)
 
     def _verdict_effects(self, effects, lr_kwargs: dict) -> None:
         for e in effects:
@@ -628,6 +666,8 @@ class Engine(DeepSpeedSurface):
                                                          undoable=undoable)
                 case verdict.PutBackScheduler():
                     put_back(self.lr_scheduler, self.optimizer, self.scheduler_kept)
+                case verdict.NameSkipped() if scaler.dynamic(self.config):
+                    pass  # fp16's overflow: the scaler's business, logged as it moves (log.loss_scale)
                 case verdict.NameSkipped(step):
                     dv = self.device_verdict
                     bad = self.interp.any_rank(tuple(dv.first_bad()) if dv.tested else ())
@@ -649,6 +689,20 @@ class Engine(DeepSpeedSurface):
         DeepSpeed: was_step_applied."""
         self.read_verdict(every_rank=False)
         return self.step_applied
+
+    @property
+    def loss_scale(self) -> LossScale:
+        """fp16's scale record (fz3/core/grad/scaler.py); read off the device where it lives there."""
+        if self.device_scale is None:
+            return self._loss_scale
+        self.read_verdict(every_rank=False)
+        return self.device_scale.read()
+
+    @loss_scale.setter
+    def loss_scale(self, state: LossScale) -> None:
+        self._loss_scale = state
+        if self.device_scale is not None:
+            self.device_scale = DeviceScale.of(state, self.store.device)
 
     @property
     def overflow(self) -> bool:

@@ -21,6 +21,7 @@
              save_16bit_model writes nothing (DeepSpeed: INFO)
     INFO     rank 0, fp16 with a dynamic loss scale: each overflow (the step skipped, the scale
              halved or the hysteresis spent) and each growth of the scale, in DeepSpeed's words
+             (with the scale on the device, at the next boundary)
 
 The DEBUG line costs nothing unless DEBUG is enabled for "fz3"; the WARNING check is one integer
 comparison per pass.
@@ -158,20 +159,23 @@ def verdict_on_host(engine, why: str | None) -> None:
              "step, so the host cannot run ahead of the %s): %s", engine.accelerator.type, why)
 
 
-def loss_scale(engine, old, new, *, overflow: bool) -> None:
+def loss_scale(engine, old, new, *, overflow: bool, step: int | None = None) -> None:
     """Rank 0's INFO when fp16's loss scale moves (fz3/core/grad/scaler.py), in DeepSpeed's
-    words (it logs them at INFO too: an overflow is the dynamic scaler at work, not an error)."""
+    words (it logs them at INFO too: an overflow is the dynamic scaler at work, not an error).
+    `step`: the optimizer step it moved at (with the scale on the device this comes a step late:
+    [Note: the verdict on the device]); the engine's last one if None."""
     if engine.rank != 0:
         return
+    step = engine.optimizer_steps if step is None else step
     if not overflow:
         LOG.info("fz3: no overflow in %d steps: loss scale %s -> %s", engine.config.loss_scale_window,
                  _scale(old.scale), _scale(new.scale))
     elif new.scale != old.scale:
         LOG.info("fz3: OVERFLOW! optimizer step %d skipped. Attempted loss scale: %s, reducing to %s",
-                 engine.optimizer_steps, _scale(old.scale), _scale(new.scale))
+                 step, _scale(old.scale), _scale(new.scale))
     else:
         LOG.info("fz3: OVERFLOW! optimizer step %d skipped. Attempted loss scale: %s, but hysteresis is %d. "
-                 "Reducing hysteresis to %d", engine.optimizer_steps, _scale(old.scale), old.hysteresis,
+                 "Reducing hysteresis to %d", step, _scale(old.scale), old.hysteresis,
                  new.hysteresis)
 
 

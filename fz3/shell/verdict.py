@@ -20,15 +20,12 @@ import copy
 import torch
 
 from fz3.config.config import Config
-from fz3.core.grad import scaler
 
 
 def on_device(optimizer: torch.optim.Optimizer, config: Config, *, host_step: bool) -> str | None:
     """None when the skip of a non-finite step can be decided on the device: a torch optimizer
     that takes `found_inf` (fused=True Adam, AdamW, SGD or Adagrad: what torch's GradScaler
     checks, `_step_supports_amp_scaling`). Else why the host reads the verdict at the boundary."""
-    if scaler.dynamic(config):
-        return "fp16's dynamic loss scale moves on the verdict at the boundary"
     if host_step:
         return "the optimizer steps on the host (offload_optimizer)"
     if not getattr(optimizer, "_step_supports_amp_scaling", False) or \
@@ -50,9 +47,12 @@ class DeviceVerdict:
 
     @contextlib.contextmanager
     def guard(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor, reported: torch.Tensor,
-              partitions: list) -> None:
-        """optimizer.step() inside it skips on the device where `norm` is not finite."""
-        found_inf = torch.isfinite(norm).logical_not().to(torch.float32)
+              partitions: list, found_inf: torch.Tensor | None = None, scale=None) -> None:
+        """optimizer.step() inside it skips on the device where `norm` is not finite (`found_inf`,
+        if made already). `scale`: fp16's (old, new, at_min) DeviceScales of this step, copied
+        beside the flag so that the read a step late logs the move and raises at the minimum."""
+        if found_inf is None:
+            found_inf = torch.isfinite(norm).logical_not().to(torch.float32)
         present = [(p, t) for p, t in enumerate(partitions) if t is not None]
         maxes = torch._foreach_norm([t for _, t in present], float("inf")) if present else []
         self.tested, self.norm = [(p, m) for (p, _), m in zip(present, maxes)], reported
@@ -61,12 +61,15 @@ class DeviceVerdict:
             yield
         finally:
             del optimizer.found_inf, optimizer.grad_scale
+        flags = found_inf.reshape(1) if scale is None else torch.stack(
+            [found_inf.double(), scale[2].double(), scale[0].scale.double(), scale[0].hysteresis.double(),
+             scale[1].scale.double(), scale[1].hysteresis.double()])
         if self.device.type == "cpu":
-            self.host, self.event = found_inf, None
+            self.host, self.event = flags, None
         else:
-            if self.host is None:
-                self.host = torch.empty((), dtype=torch.float32, pin_memory=True)
-            self.host.copy_(found_inf, non_blocking=True)
+            if self.host is None or self.host.shape != flags.shape or self.host.dtype != flags.dtype:
+                self.host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self.host.copy_(flags, non_blocking=True)
             self.event = self.device.record_event()
 
     def read(self) -> bool:
@@ -75,7 +78,13 @@ class DeviceVerdict:
         long landed, and the work queued since goes on."""
         if self.event is not None:
             self.event.synchronize()
-        return not bool(self.host)
+        return not bool(self.host[0])
+
+    def scale_read(self) -> tuple[bool, tuple[float, int], tuple[float, int]]:
+        """After `read`, fp16's: (at its minimum and overflowed again, (old scale, hysteresis),
+        (new scale, hysteresis))."""
+        at_min, s0, h0, s1, h1 = self.host[1:].tolist()
+        return bool(at_min), (s0, int(h0)), (s1, int(h1))
 
     def first_bad(self) -> list[bool]:
         """By ParamId with a partition (in `tested` order): whether its grad held a NaN or inf."""

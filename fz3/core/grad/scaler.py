@@ -40,6 +40,10 @@ divides by `unscale_by`, the scale after this step's update if the step applies 
 step's grads are not used). With the default loss_scale_window of 1000 it is one step in a
 thousand.
 
+With a fused optimizer the same transition runs on the device, in tensor ops over the same
+record (fz3/shell/device_scale.py, held to `update_scale` by property_tests/test_device_scale.py):
+[Note: the verdict on the device], fz3/core/grad/verdict.py.
+
 DeepSpeed: runtime/fp16/loss_scaler.py DynamicLossScaler.update_scale and LossScaler (static).
 """
 from __future__ import annotations
@@ -86,12 +90,7 @@ def update_scale(state: LossScale, overflow: bool, *, config: Config) -> LossSca
     if overflow:
         if config.hysteresis == 1 or hysteresis == 1:
             if scale == config.min_loss_scale:
-                raise LossScaleError(
-                    f"fp16: the grads overflowed again at the minimum loss scale {config.min_loss_scale!r} "
-                    "(fp16.min_loss_scale), so the scale cannot halve: the model's grads do not fit fp16 at "
-                    "any allowed scale. Lower fp16.min_loss_scale, lower the learning rate or the loss's size, "
-                    "or train in bf16 ('bf16': {'enabled': true}). DeepSpeed stops here too: 'Current loss scale "
-                    "already at minimum - cannot decrease scale anymore. Exiting run.'")
+                raise at_minimum(config)
             return LossScale(max(scale / 2, float(config.min_loss_scale)), 0, hysteresis)
         return LossScale(scale, 0, hysteresis - 1)
     if config.consecutive_hysteresis:
@@ -99,6 +98,17 @@ def update_scale(state: LossScale, overflow: bool, *, config: Config) -> LossSca
     if good == config.loss_scale_window:
         return LossScale(scale * 2, 1, config.hysteresis)
     return LossScale(scale, good % config.loss_scale_window + 1, hysteresis)
+
+
+def at_minimum(config: Config) -> LossScaleError:
+    """The error of an overflow at min_loss_scale (raised at once on the host, a step late with
+    the scale on the device: fz3/shell/device_scale.py)."""
+    return LossScaleError(
+        f"fp16: the grads overflowed again at the minimum loss scale {config.min_loss_scale!r} "
+        "(fp16.min_loss_scale), so the scale cannot halve: the model's grads do not fit fp16 at "
+        "any allowed scale. Lower fp16.min_loss_scale, lower the learning rate or the loss's size, "
+        "or train in bf16 ('bf16': {'enabled': true}). DeepSpeed stops here too: 'Current loss scale "
+        "already at minimum - cannot decrease scale anymore. Exiting run.'")
 
 
 def unscale_by(state: LossScale, *, config: Config) -> float:

@@ -25,10 +25,15 @@ What hangs on the verdict, on the host:
                         the read and given at the next boundary (NameSkipped), where every rank
                         is, since finding that param is a collective
 
+fp16's dynamic loss scale moves on the verdict: with it on the device too, the scale, its good
+steps and hysteresis are device tensors updated by the flag (fz3/shell/device_scale.py, held
+to scaler.update_scale), and its INFO lines, and the LossScaleError of an overflow at the
+minimum scale, come with the read, a step late.
+
 Where the optimizer cannot take the flag (torch's foreach and for-loop implementations refuse
-it, as does any other optimizer), and where the host needs the verdict at once (fp16's dynamic
-loss scale, offload's step on the host), the boundary reads it (Stepped(finite=True|False)):
-one sync a step, which the engine names once on an accelerator (fz3/shell/log.py).
+it, as does any other optimizer), and where the host needs the verdict at once (offload's step
+on the host), the boundary reads it (Stepped(finite=True|False)): one sync a step, which the
+engine names once on an accelerator (fz3/shell/log.py).
 
 The machine: fz3/testing/verdict_machine.py, against a run that reads every verdict at once.
 """
