@@ -14,7 +14,9 @@
 #   4. DIR/steps.md (+ steps.json): bench/gpu_steps.py, fz3 (default, every param sharded, the
 #      optimizer and params offloaded to the host) against DDP and FSDP2 on the device (the deep
 #      narrow and the small GPTs): step time, peak device memory, the ops a steady step launches
-#      and its host syncs
+#      and its host syncs; a torch.profiler trace of one step of fz3 (every param sharded, foreach
+#      and fused AdamW) and FSDP2 (DIR/trace-*.json) and the share of its communication hidden
+#      behind compute
 #
 #   --out DIR   where the files go (default: $OUT if set, else bench/out/gpu)
 #   --cpu       the CPU half (FZ3_DEVICE=cpu, gloo): what CI runs (tests/test_gpu_script.py)
@@ -25,7 +27,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
 out="${OUT:-bench/out/gpu}"; device=cuda; quick=0; compiled=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -90,7 +92,7 @@ if [ "$compiled" = 1 ]; then
   out="$out/compiled"; mkdir -p "$out"
   sizes+=(--systems fz3,ddp,fsdp2,fz3-compiled,ddp-compiled,fsdp2-compiled --rounds 1)
 else
-  sizes+=(--systems eager)
+  sizes+=(--systems eager --trace)
 fi
 python3 bench/gpu_steps.py --device "$device" "${sizes[@]}" --out "$out" > "$out/steps.log" 2>&1
 steps=$?

@@ -23,7 +23,10 @@ each transformer block with inductor (bench/systems/*_compiled.py; issue #48 poi
 compiled >= 1.1x eager). Each row also gives the ATen ops one steady step launches and the reads
 of device memory that make the host wait, counted by bench/systems/launch_count.py (on cuda every
 such read is a real sync; the harness's own loss.item() is one of each row); not for the compiled
-rows, whose graphs a dispatch mode makes torch.compile run eagerly.
+rows, whose graphs a dispatch mode makes torch.compile run eagerly. `--trace`: one more launch
+of each system of TRACED, its first steady step under torch.profiler (DIR/trace-MODEL-SYSTEM.json,
+for Perfetto) and the share of that step's communication kernels that ran while compute kernels
+did (bench/systems/overlap.py; on cpu the host's ops stand in, not a figure to report).
 Writes DIR/steps.json and DIR/steps.md.
 """
 from __future__ import annotations
@@ -47,6 +50,7 @@ OPTIONS = {"fz3": {"config": {}},
                                       "host_step": True}},
            "fz3-compiled": {"config": {}, "compile": "blocks"}}
 EAGER = "fz3,fz3-sharded,fz3-fused,fz3-offload,ddp,fsdp2"  # --systems eager: what the CPU half runs (no compiles)
+TRACED = ("fz3-sharded", "fz3-fused", "fsdp2")  # --trace: a profiled step of each (issue #48 point 5)
 
 
 def launch(system: str, spec: dict) -> list[dict]:
@@ -63,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=os.path.join(HERE, "out", "gpu"))
+    ap.add_argument("--trace", action="store_true",
+                    help=f"one more launch of each of {', '.join(TRACED)} per model: a torch.profiler trace of one "
+                         "steady step (DIR/trace-MODEL-SYSTEM.json) and the share of its communication hidden "
+                         "behind compute")
     args = ap.parse_args(argv)
     systems = (EAGER if args.systems == "eager" else args.systems).split(",")
     bad = [s for s in systems if s not in SYSTEMS]
@@ -93,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
                                     "count_launches": not compiled, "options": OPTIONS.get(system, {})})[0]
             peak = stats.get("peak_device_bytes", stats.get("peak_rss", 0))
             counted = stats["launches"] if not compiled else {"launches": None, "sync_total": None, "syncs": {}}
-            rows.append({"model": model, "system": system, "device": args.device,
+            overlap = None
+            if args.trace and system in TRACED:
+                path = os.path.join(args.out, f"trace-{model}-{system}.json")
+                overlap = launch(system, {"model": model, "warmup": 3, "steps": 1, "mode": "time", "trace": path,
+                                          "options": OPTIONS.get(system, {})})[0]["overlap"]
+            rows.append({"model": model, "system": system, "device": args.device, "overlap": overlap,
                          "launches": counted["launches"], "syncs": counted["sync_total"],
                          "sync_ops": counted["syncs"],
                          "median_ms": statistics.median(medians[system]), "launch_medians_ms": medians[system],
@@ -102,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "steps.json"), "w") as f:
         json.dump(rows, f, indent=1)
     lines = ["| model | system | median step ms | launch medians | ÷ DDP | ÷ FSDP2 | peak MiB | launches | syncs "
-             "| last loss |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| comm hidden | last loss |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         def ratio(to: str) -> str:
             base = next((x["median_ms"] for x in rows if x["model"] == row["model"] and x["system"] == to), None)
@@ -111,11 +124,19 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {row['model']} | {row['system']} | {row['median_ms']:.1f} | "
                      f"{' / '.join(f'{t:.1f}' for t in row['launch_medians_ms'])} | {ratio('ddp')} | "
                      f"{ratio('fsdp2')} | {row['peak_mib']:.0f} ({row['peak_kind']}) | {row['launches'] or '–'} | "
-                     f"{'–' if row['syncs'] is None else row['syncs']} | {row['last_loss']:.6f} |")
+                     f"{'–' if row['syncs'] is None else row['syncs']} | {_hidden(row['overlap'])} | "
+                     f"{row['last_loss']:.6f} |")
     with open(os.path.join(args.out, "steps.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def _hidden(overlap: dict | None) -> str:
+    """'62 % of 1.3 ms' (the share of the traced step's communication run beside compute)."""
+    if not overlap or overlap["hidden_fraction"] is None:
+        return "–"
+    return f"{overlap['hidden_fraction'] * 100:.0f} % of {overlap['comm_us'] / 1e3:.2f} ms"
 
 
 if __name__ == "__main__":

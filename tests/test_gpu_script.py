@@ -32,7 +32,8 @@ def test_the_cpu_half_writes_its_files(tmp_path):
     r = run("--cpu", "--quick", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert {p.name for p in tmp_path.iterdir()} == {"env.txt", "parity.txt", "parity.xml", "steps.json",
-                                                    "steps.log", "steps.md"}
+                                                    "steps.log", "steps.md", "trace-deep-fz3-sharded.json",
+                                                    "trace-deep-fz3-fused.json", "trace-deep-fsdp2.json"}
     assert "fz3 picks cpu backend gloo" in (tmp_path / "env.txt").read_text()
     suite = ET.parse(tmp_path / "parity.xml").getroot().find("testsuite")
     assert (int(suite.get("tests")), int(suite.get("failures")), int(suite.get("errors"))) == (1, 0, 0)
@@ -40,6 +41,10 @@ def test_the_cpu_half_writes_its_files(tmp_path):
     assert {r["system"] for r in rows} == {"fz3", "fz3-sharded", "fz3-fused", "fz3-offload", "ddp", "fsdp2"} \
         and {r["model"] for r in rows} == {"deep"}
     assert all(r["median_ms"] > 0 and r["peak_mib"] > 0 and r["launches"] > 0 and r["syncs"] >= 1 for r in rows)
+    traced = {r["system"]: r["overlap"] for r in rows if r["overlap"] is not None}
+    assert set(traced) == {"fz3-sharded", "fz3-fused", "fsdp2"}, traced
+    for system in ("fz3-sharded", "fz3-fused"):  # (FSDP2 at world 1 on gloo runs no collective)
+        assert traced[system]["comm_events"] > 0 and 0 <= traced[system]["hidden_fraction"] <= 1, traced
     syncs = {r["system"]: r["syncs"] for r in rows}  # the harness's loss.item() is one of each
     assert (syncs["fz3-fused"], syncs["fz3-sharded"], syncs["ddp"]) == (1, 2, 1), syncs  # the verdict on the device
     assert len({round(r["last_loss"], 5) for r in rows}) == 1  # one rank, same data: same training

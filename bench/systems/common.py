@@ -10,6 +10,9 @@ measured steps, per-rank bytes of params / grads / optimizer state after the las
 RSS (run it with MALLOC_MMAP_THRESHOLD_ set, in its own launch: it slows steps). mode
 "launches", or spec["count_launches"] in another mode: the first step after the warm-up runs
 under systems/launch_count.py's op counter (bench/launches.py, bench/gpu_steps.py).
+spec["trace"] (a path): rank 0's first steady step runs under torch.profiler, its chrome trace
+written there and the share of its communication hidden behind compute reported
+(systems/overlap.py; bench/gpu_steps.py --trace).
 """
 from __future__ import annotations
 
@@ -191,6 +194,8 @@ def worker(rank: int, world: int, system: str, spec: dict) -> dict:
             from systems.launch_count import LaunchCount
             with LaunchCount() as launches:
                 loss = sysobj.step(x, y)
+        elif spec.get("trace") and i == warmup and rank == 0:  # the first steady step, profiled
+            loss = _profiled(sysobj, x, y, spec["trace"])
         else:
             loss = sysobj.step(x, y)
         times.append(time.perf_counter() - t0)
@@ -210,7 +215,23 @@ def worker(rank: int, world: int, system: str, spec: dict) -> dict:
         out["extra"] = sysobj.extra(steps)
     if launches is not None:
         out["launches"] = launches.snapshot()
+    if spec.get("trace") and rank == 0:
+        from systems.overlap import hidden
+        out["overlap"] = hidden(spec["trace"])
     return out
+
+
+def _profiled(sysobj, x, y, path: str) -> float:
+    """One step under torch.profiler (the device's kernels too), its chrome trace written to
+    `path` (bench/gpu_steps.py --trace; systems/overlap.py reads it)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        loss = sysobj.step(x, y)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    return loss
 
 
 class Plain:
