@@ -6,7 +6,7 @@ the same transition is written in tensor ops over the scale, the good steps and 
 left as 0-dim device tensors, driven by the norm's `found_inf` flag instead of a bool the host
 read: `update` returns the next state and whether the scale was at its minimum and overflowed
 again (LossScaleError, raised once that flag is read, a step late).
-property_tests/test_device_scale.py holds it to `scaler.update_scale` step by step.
+property_tests/test_scale_on_device.py holds it to `scaler.update_scale` step by step.
 
     DeviceScale.of(state, device)   the tensors of a LossScale
     loss(loss, gas)                 engine.scale's loss / gas x scale, in the loss's dtype

@@ -41,7 +41,7 @@ step's grads are not used). With the default loss_scale_window of 1000 it is one
 thousand.
 
 With a fused optimizer the same transition runs on the device, in tensor ops over the same
-record (fz3/shell/device_scale.py, held to `update_scale` by property_tests/test_device_scale.py):
+record (fz3/shell/device_scale.py, held to `update_scale` by property_tests/test_scale_on_device.py):
 [Note: the verdict on the device], fz3/core/grad/verdict.py.
 
 DeepSpeed: runtime/fp16/loss_scaler.py DynamicLossScaler.update_scale and LossScaler (static).
