@@ -12,7 +12,6 @@ scale halves, spends its hysteresis and grows back (loss_scale_window 2).
 """
 from __future__ import annotations
 
-
 import logging
 
 import pytest
@@ -21,6 +20,7 @@ from torch import nn
 
 import fz3
 from fz3 import launch
+from fz3.core.grad.scaler import LossScale
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -99,16 +99,11 @@ def test_an_overflow_at_the_minimum_scale_raises_as_deepspeed_a_step_later():
 
 
 def test_a_checkpoint_keeps_the_device_scale(tmp_path):
-    def run(rank: int, world: int):
-        out = _train(rank, world, False)
-        return out["scale"][-1]
-    saved = launch.run_threads(run, 2)
-
     def save_and_load(rank: int, world: int):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
         engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), fused=True), fz3.Config(**CONFIG))
-        engine.loss_scale = fz3_loss_scale(32.0, 1, 1)
+        engine.loss_scale = LossScale(32.0, 1, 1)
         engine.save_checkpoint(str(tmp_path), tag="t")
         model2 = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
         other = fz3.initialize(model2, torch.optim.AdamW(model2.parameters(), fused=True), fz3.Config(**CONFIG))
@@ -116,17 +111,10 @@ def test_a_checkpoint_keeps_the_device_scale(tmp_path):
         return tuple(other.loss_scale), float(other.device_scale.scale)
     for scale, on_device in launch.run_threads(save_and_load, 2):
         assert scale == (32.0, 1, 1) and on_device == 32.0
-    assert all(len(s) == 3 for s in saved)
-
-
-def fz3_loss_scale(scale: float, good: int, hysteresis: int):
-    from fz3.core.grad.scaler import LossScale
-    return LossScale(scale, good, hysteresis)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_the_loss_is_scaled_as_a_python_float_scales_it(dtype):
-    from fz3.core.grad.scaler import LossScale
     from fz3.shell.device_scale import DeviceScale
     g = torch.Generator().manual_seed(0)
     for scale in (1.0, 2.0 ** 8, 2.0 ** 15, 2.0 ** 16, 0.5):
@@ -134,6 +122,3 @@ def test_the_loss_is_scaled_as_a_python_float_scales_it(dtype):
         want = loss / 3 * scale
         got = DeviceScale.of(LossScale(scale, 0, 2), torch.device("cpu")).loss(loss, 3)
         assert got.dtype == want.dtype and torch.equal(got, want), (scale, got, want)
-
-
-

@@ -134,9 +134,10 @@ def freed(ps: tuple[ParamId, ...]) -> tuple:
     return tuple(Release(("full", p)) for p in ps)
 
 
-def reduce(st: Streams, b: BucketId, reads: tuple, *, max_reduces: int = MAX_REDUCES_IN_FLIGHT
+def reduce(st: Streams, b: BucketId, reads: tuple = (), *, max_reduces: int = MAX_REDUCES_IN_FLIGHT
            ) -> tuple[Streams, tuple]:
-    """The reduce of bucket `b`, reading `reads` (its grads, or its bucket buffer)."""
+    """The reduce of bucket `b`, reading `reads` (its grads, or its bucket buffer: what the
+    stream machine checks; the interpreter has no use for them)."""
     ops: tuple = ()
     while len(st.reduces) >= max_reduces:
         st, done = complete(st)

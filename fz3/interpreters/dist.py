@@ -325,11 +325,9 @@ class DistInterpreter:
 
     def _reduce(self, e: ReduceBucket) -> None:
         path = accounting.reduce_path(e, self.reduce_scatter_by)
-        reads = (("bucket", e.bucket),) if e.contiguous and e.bucket not in self.held else \
-            tuple(("grad", s.param) for s in e.slots)
         # the oldest reduce completed first while MAX_REDUCES_IN_FLIGHT are out (its grads,
         # buffers and scratch let go), then this one on the reduce stream
-        self.streams, ops = streams.reduce(self.streams, e.bucket, reads)
+        self.streams, ops = streams.reduce(self.streams, e.bucket)
         carrier = self.all_reduce_carrier if path == "all_reduce" else self.reduce_scatter
 
         def issue():

@@ -63,7 +63,6 @@ class DeviceScale(NamedTuple):
                                  torch.where(refill, full, self.hysteresis))
         good = torch.where(overflow, torch.zeros_like(self.good),
                            torch.where(grow, torch.ones_like(self.good), self.good % config.loss_scale_window + 1))
-        # at the minimum the host raises and leaves the state: so here
-        keep = at_min
-        return DeviceScale(torch.where(keep, self.scale, scale), torch.where(keep, self.good, good),
-                           torch.where(keep, self.hysteresis, hysteresis)), at_min
+        # at the minimum the host raises and leaves the state as it was: so does this one
+        return DeviceScale(torch.where(at_min, self.scale, scale), torch.where(at_min, self.good, good),
+                           torch.where(at_min, self.hysteresis, hysteresis)), at_min

@@ -86,7 +86,8 @@ from fz3.shell.memory import memory_stats
 from fz3.shell.saved import SavedParams
 from fz3.shell.flat_step import FlatSteps, group_runs
 from fz3.shell.offload import OptimizerOffload, store_layout
-from fz3.shell.optim import bind_optimizer, check_scheduler, clip_grad_norm, first_nonfinite, global_grad_norm
+from fz3.shell.optim import (bind_optimizer, check_scheduler, clip_grad_norm, first_flagged, first_nonfinite,
+                             global_grad_norm)
 from fz3.config.options import Options
 from fz3.data.store import DTYPES, TensorStore
 from fz3.shell.surface import BatchSizes, DeepSpeedSurface
@@ -166,7 +167,6 @@ class Engine(DeepSpeedSurface):
         # fp16's loss scale (fz3/core/grad/scaler.py): a cell of its own, beside the core's
         # ([Note: the scaler's count]); DeepSpeed's names for it on the optimizer
         self._loss_scale = scaler.initial_scale(config)
-        self.device_scale = None
         self._overflow = False  # the last boundary's grads were not finite (DeepSpeed's optimizer.overflow)
         # [Note: the verdict on the device] (fz3/core/grad/verdict.py): None where the optimizer
         # takes the norm's flag, else why the boundary reads it (said once on an accelerator)
@@ -177,7 +177,8 @@ class Engine(DeepSpeedSurface):
         # fp16's dynamic scale with the verdict: on the device too, read when asked (device_scale.py)
         self.device_scale = DeviceScale.of(self._loss_scale, device.torch_device) \
             if scaler.dynamic(config) and self.verdict_on_host is None else None
-        self.scale_moved = None  # this step's (old, new, at_min) DeviceScales, for the guard
+        # this step's found_inf and, in fp16, its (old, new, at_min) DeviceScales: for the guard
+        self.step_flag: tuple | None = None
         self.scale_error: scaler.LossScaleError | None = None  # read a step late, raised at the boundary
         optimizer_names.add_names(optimizer, self)
     def _take_units(self) -> None:
@@ -526,10 +527,8 @@ class Engine(DeepSpeedSurface):
         if self.offload is not None:  # a sub-group at a time, the offloaded ones from disk and back
             self.offload.step(no_grad)
             return
-        found_inf, moved = self.scale_moved if self.scale_moved is not None else (None, None)
-        self.scale_moved = None
-        with (self.device_verdict.guard(self.optimizer, self.grad_norm, self.norm_reported, self.store.partitions,
-                                        found_inf, moved)
+        flag, self.step_flag = self.step_flag, None
+        with (self.device_verdict.guard(self.optimizer, *flag, self.norm_reported, self.store.partitions)
               if guarded else contextlib.nullcontext()):
             self.flat_steps.step(no_grad)  # the optimizer's own step(), its groups flat ([Note: flat steps])
         self.store.refresh_shards()
@@ -607,10 +606,13 @@ class Engine(DeepSpeedSurface):
         # [Note: the verdict on the device]: None, the optimizer takes the flag; else one sync
         finite = None if self.verdict_on_host is None else self.interp.finite(norm)
         self._overflow = finite is False
-        if ds is not None:
+        if finite is None:  # the flag the optimizer takes (and, in fp16, the scale's move on it)
             found_inf = torch.isfinite(norm).logical_not().to(torch.float32)
-            self.device_scale, at_min = ds.update(found_inf, self.config)
-            self.scale_moved = (found_inf, (ds, self.device_scale, at_min))
+            moved = None
+            if ds is not None:
+                self.device_scale, at_min = ds.update(found_inf, self.config)
+                moved = (ds, self.device_scale, at_min)
+            self.step_flag = (found_inf, moved)
         leaf_own = self.call_tables.leaf_own
         # got == window, micro_step, applied: relations and flags, exact in the view
         got = self.interp.any_rank(calls.leaf_grads_seen(replay.view(self.cell)))  # () without leaves
@@ -623,7 +625,7 @@ class Engine(DeepSpeedSurface):
         except scaler.LossScaleError:
             # skipped, as DeepSpeed; the scale as it was
             if ds is not None:
-                self.device_scale, self.scale_moved = ds, None
+                self.device_scale, self.step_flag = ds, None
             self.apply(Stepped(finite=False, leaf_grads=frozenset(p for p, g in zip(leaf_own, got) if g)))
             raise
         self.apply(Stepped(finite=finite, leaf_grads=frozenset(p for p, g in zip(leaf_own, got) if g)))
@@ -669,10 +671,9 @@ class Engine(DeepSpeedSurface):
                 case verdict.NameSkipped() if scaler.dynamic(self.config):
                     pass  # fp16's overflow: the scaler's business, logged as it moves (log.loss_scale)
                 case verdict.NameSkipped(step):
-                    dv = self.device_verdict
-                    bad = self.interp.any_rank(tuple(dv.first_bad()) if dv.tested else ())
-                    first = next((p for (p, _), b in zip(dv.tested, bad) if b), None)
-                    log.skipped_step(self, step, None if first is None else self.tables.names[first], dv.norm)
+                    first = first_flagged(self.device_verdict.nonfinite(), self.interp.any_rank)
+                    log.skipped_step(self, step, None if first is None else self.tables.names[first],
+                                     self.device_verdict.norm)
 
     def grads_zeroed(self) -> None:
         """The user's zero_grad() (the engine's, the model's or the optimizer's): the core drops

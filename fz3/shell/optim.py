@@ -101,8 +101,13 @@ def first_nonfinite(store: TensorStore, any_rank: Callable[[tuple[bool, ...]], t
     """The first param, in model order, whose averaged grad holds a NaN or an inf on some rank
     (None: no partition does). A second pass over the partitions, run only once the norm was
     found not finite; `any_rank` ORs the flags over ranks (every rank gets the same answer)."""
-    bad = tuple(part is not None and not bool(torch.isfinite(part).all()) for part in store.partitions)
-    return next((p for p, b in enumerate(any_rank(bad)) if b), None)
+    return first_flagged(tuple(part is not None and not bool(torch.isfinite(part).all()) for part in store.partitions),
+                         any_rank)
+
+
+def first_flagged(flags: tuple[bool, ...], any_rank: Callable[[tuple[bool, ...]], tuple[bool, ...]]) -> int | None:
+    """The first ParamId flagged on some rank (`flags` by ParamId, this rank's), None if none."""
+    return next((p for p, b in enumerate(any_rank(flags)) if b), None)
 
 
 def clip_grad_norm(store: TensorStore, max_norm: float, norm: torch.Tensor) -> None:

@@ -4,9 +4,9 @@ scheduler put back, the WARNING of a step skipped named a step late.
 
     on_device(optimizer, config, host_step)  None where the verdict may stay on the device, else
                               why it is read at the boundary (what the engine names once)
-    DeviceVerdict.guard       around the optimizer's step(): `optimizer.found_inf` is 1.0 where
-                              the norm is not finite; each param's grad tested (its max |g|
-                              finite) for the WARNING; the flag's copy to the host started
+    DeviceVerdict.guard       around the optimizer's step(): `optimizer.found_inf` is the flag
+                              (1.0 where the norm is not finite); each param's grad tested (its
+                              max |g| finite) for the WARNING; the flag's copy to the host started
     DeviceVerdict.read        the copy, once it has landed (an event's wait: the work queued
                               after the step goes on)
     step_scheduler/put_back   the lr scheduler stepped so that it can go back: its state_dict and
@@ -43,19 +43,20 @@ class DeviceVerdict:
         self.host: torch.Tensor | None = None  # the flag's copy: pinned host memory on an accelerator
         self.event = None  # recorded after the copy was queued
         self.norm: torch.Tensor | None = None  # the pending step's norm, as reported
+        self.params = 0  # the params of the pending step's partitions
         self.tested: list[tuple[int, torch.Tensor]] = []  # (ParamId, max |grad| of its partition)
 
     @contextlib.contextmanager
-    def guard(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor, reported: torch.Tensor,
-              partitions: list, found_inf: torch.Tensor | None = None, scale=None) -> None:
-        """optimizer.step() inside it skips on the device where `norm` is not finite (`found_inf`,
-        if made already). `scale`: fp16's (old, new, at_min) DeviceScales of this step, copied
-        beside the flag so that the read a step late logs the move and raises at the minimum."""
-        if found_inf is None:
-            found_inf = torch.isfinite(norm).logical_not().to(torch.float32)
+    def guard(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, scale, reported: torch.Tensor,
+              partitions: list) -> None:
+        """optimizer.step() inside it skips on the device where `found_inf` (the norm not finite)
+        is 1. `scale`: fp16's (old, new, at_min) DeviceScales of this step (None outside fp16),
+        copied beside the flag so that the read a step late logs the move and raises at the
+        minimum."""
         present = [(p, t) for p, t in enumerate(partitions) if t is not None]
         maxes = torch._foreach_norm([t for _, t in present], float("inf")) if present else []
         self.tested, self.norm = [(p, m) for (p, _), m in zip(present, maxes)], reported
+        self.params = len(partitions)
         optimizer.found_inf, optimizer.grad_scale = found_inf, None
         try:
             yield
@@ -86,9 +87,15 @@ class DeviceVerdict:
         at_min, s0, h0, s1, h1 = self.host[1:].tolist()
         return bool(at_min), (s0, int(h0)), (s1, int(h1))
 
-    def first_bad(self) -> list[bool]:
-        """By ParamId with a partition (in `tested` order): whether its grad held a NaN or inf."""
-        return [not bool(torch.isfinite(m)) for _, m in self.tested]
+    def nonfinite(self) -> tuple[bool, ...]:
+        """By ParamId: whether its grad partition held a NaN or an inf at the pending step (one
+        read, on the rare path of a skip)."""
+        flags = [False] * self.params
+        if self.tested:
+            for (p, _), bad in zip(self.tested, torch.stack([m for _, m in self.tested]).isfinite()
+                                   .logical_not().tolist()):
+                flags[p] = bad
+        return tuple(flags)
 
 
 def step_scheduler(lr_scheduler, optimizer: torch.optim.Optimizer, lr_kwargs: dict, *, undoable: bool):
