@@ -131,6 +131,31 @@ def test_the_step_refreshes_persistent_params_in_place_by_one_layout():
         assert first and all(r.keys() == first.keys() and all(r[k] is first[k] for k in r) for r in out["reduces"])
 
 
+def _sharded_steps(rank: int, world: int) -> list[dict]:
+    """The p2p carrier's gather plans after each of three steps, every param sharded."""
+    import fz3
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            fz3.Config(param_persistence_threshold=0))
+    plans = []
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()
+        plans.append(dict(engine.interp.gather.gather_plans))
+    return plans
+
+
+def test_a_gathers_spans_are_planned_once_per_param_set():
+    """p2p.GatherPlan: the spans of a gather of the same params are made the first time and
+    reused every later time; only the slices of the new full values are made again. (The first
+    step gathers module by module, the next ones as the recorded trace prefetches.)"""
+    for plans in launch.run_threads(_sharded_steps, 2):
+        assert plans[1] and plans[1].keys() == plans[2].keys()
+        for a, b in zip(plans, plans[1:]):
+            assert all(b[k] is a[k] for k in a), (a, b)
+
+
 def _stale_graph(rank: int, world: int) -> str:
     """A graph built before a step, backwarded after it: -> the error, or "no error"."""
     import fz3

@@ -248,3 +248,38 @@ def test_takes_of_one_size_ask_one_buffer_each(monkeypatch):
     assert len(asked) == 300 and pool.hits == 300 and pool.misses == 100, (len(asked), pool.hits, pool.misses)
     held.append(pool.take(32, torch.float32))  # all 100 in use: one look at each, then a miss
     assert len(asked) == 400 and pool.misses == 101
+
+
+def test_one_gather_asks_each_buffer_once(monkeypatch):
+    """[Note: pool bookkeeping]: a gather's full values are taken as one batch (take_many). With
+    100 buffers of its size all in use, a batch of 100 asks each of them once, then makes 100
+    new ones, where taking them one at a time asked 100, 101, ..., 199 (14,950); a batch of 100
+    after they were all freed asks 100 and hits 100, as single takes would."""
+    from fz3.data import pool as pool_module
+    pool = BufferPool(torch.device("cpu"), limit_bytes=1 << 30)
+    held = pool.take_many([32] * 100, torch.float32)
+    asked: list[int] = []
+    real = pool_module._users
+    monkeypatch.setattr(pool_module, "_users", lambda t: asked.append(t.numel()) or real(t))
+    more = pool.take_many([32] * 100, torch.float32)  # all 100 in use
+    assert len(asked) == 100 and pool.misses == 200 and pool.hits == 0, (len(asked), pool.misses)
+    assert len({t.data_ptr() for t in held + more}) == 200  # nobody's buffer handed out twice
+    del held[:], more[:]
+    asked.clear()
+    again = pool.take_many([32] * 100 + [7], torch.float32)
+    assert len(asked) == 100 and pool.hits == 100 and pool.misses == 201, (len(asked), pool.hits, pool.misses)
+    assert [t.numel() for t in again] == [32] * 100 + [7]
+
+
+def test_full_values_below_min_bytes_are_plain_tensors():
+    """[Note: small buffers unpooled]: take_many hands out a plain tensor below `min_bytes` (the
+    heap's allocator reuses that memory itself), neither kept nor counted; `take` (a
+    collective's scratch) pools whatever its size."""
+    pool = BufferPool(torch.device("cpu"), limit_bytes=1 << 30, min_bytes=1024)
+    small, big = pool.take_many([255, 256], torch.float32)  # 1020 and 1024 bytes
+    assert [ptr(t) for t in pool.kept()] == [ptr(big)] and small.numel() == 255
+    assert pool.bytes == 1024 and (pool.hits, pool.misses) == (0, 1)
+    half = pool.take_many([511, 512], torch.bfloat16)  # the bound is in bytes, whatever the dtype
+    assert [t.numel() for t in pool.kept()] == [256, 512] and half[1].dtype == torch.bfloat16
+    scratch = pool.take(10, torch.float32)
+    assert pool.bytes == 1024 + 1024 + 40 and scratch.numel() == 10

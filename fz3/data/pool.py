@@ -33,12 +33,21 @@ since the last `trim()`, so sizes that will not come again do not stay.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Sequence
 
 import torch
 
 from fz3.data.pages import advise_huge
 
 Key = tuple[int, torch.dtype]
+
+MIN_POOLED_BYTES = 1 << 16
+"""[Note: small buffers unpooled] What the pool saves is the page faults of fresh memory from the
+OS. A buffer below glibc's mmap threshold (128 KiB unless tuned) comes from the heap, where the
+allocator reuses freed chunks itself: pooling a param's full value that small saved nothing and
+cost its bookkeeping, a take and a discard per param (the deep narrow GPT, every param sharded:
+196 params of at most 16 KiB, ~1.5 ms of a 37 ms step on one rank, issue #48). The interpreter
+pools full values from 64 KiB; a collective's scratch (one a collective) whatever its size."""
 
 
 def _users(t: torch.Tensor) -> int:
@@ -69,8 +78,9 @@ class BufferPool:
     only, or taken again between the two (a param's full value, freed and gathered again),
     stays kept."""
 
-    def __init__(self, device: torch.device, limit_bytes: int, huge_pages: bool = False) -> None:
+    def __init__(self, device: torch.device, limit_bytes: int, huge_pages: bool = False, min_bytes: int = 0) -> None:
         self.device, self.limit = device, limit_bytes
+        self.min_bytes = min_bytes  # a smaller full value is a plain tensor: [Note: small buffers unpooled]
         self.huge_pages = huge_pages  # a new buffer of 32 MiB or more: [Note: huge pages for fresh buffers]
         # LRU key order; per size, id -> buffer, in the order last looked at (oldest first)
         self.buffers: "OrderedDict[Key, OrderedDict[int, torch.Tensor]]" = OrderedDict()
@@ -138,26 +148,69 @@ class BufferPool:
         return dropped
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A (numel,) tensor of dtype, contents undefined, that nobody else is using."""
-        key = (numel, dtype)
-        held = self.buffers.get(key)
-        if held is not None:
-            self.buffers.move_to_end(key)
-            for _ in range(len(held)):  # [Note: pool bookkeeping]: the front, to the back
-                i = next(iter(held))
-                held.move_to_end(i)
-                t = held[i]
-                if _users(t) == 0:
-                    self.hits += 1
-                    self.untaken.pop(i, None)
-                    return t.view(-1)
-        self.misses += 1
+        """A (numel,) tensor of dtype, contents undefined, that nobody else is using: pooled
+        whatever its size (a collective's scratch, one a collective)."""
+        got = self._free_of((numel, dtype), 1)
+        if got:
+            return got[0]
         self.trim(stale_only=True)
+        return self._fresh(numel, dtype)
+
+    def take_many(self, numels: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        """`take` of each of `numels` (one gather's full values), each size's buffers asked at
+        most once for the whole batch ([Note: pool bookkeeping]): taken one at a time, each
+        take asked again every buffer the batch's earlier takes of its size had just handed
+        out, all in use, which cost the deep narrow GPT, every param sharded, 4,753 asks and
+        ~6 ms a step (98 params of 32 elements in one gather, issue #48). A value below
+        `min_bytes` is a plain tensor ([Note: small buffers unpooled])."""
+        out: list = [None] * len(numels)
+        wanted: dict[int, list[int]] = {}
+        small = self.min_bytes // dtype.itemsize
+        for i, n in enumerate(numels):
+            if n < small:  # [Note: small buffers unpooled]
+                out[i] = torch.empty(n, dtype=dtype, device=self.device)
+            else:
+                wanted.setdefault(n, []).append(i)
+        missed: list[int] = []
+        for numel, slots in wanted.items():
+            got = self._free_of((numel, dtype), len(slots))
+            for i, t in zip(slots, got):
+                out[i] = t
+            missed += slots[len(got):]
+        if missed:
+            self.trim(stale_only=True)
+            for i in missed:
+                out[i] = self._fresh(numels[i], dtype)
+        return out
+
+    def _free_of(self, key: Key, most: int) -> list[torch.Tensor]:
+        """Up to `most` free buffers of size `key`, each asked once, from the front of its
+        queue; each one asked goes to the back."""
+        held = self.buffers.get(key)
+        if held is None:
+            return []
+        self.buffers.move_to_end(key)
+        got = []
+        for _ in range(len(held)):  # [Note: pool bookkeeping]: the front, to the back
+            if len(got) == most:
+                break
+            i = next(iter(held))
+            held.move_to_end(i)
+            t = held[i]
+            if _users(t) == 0:
+                self.hits += 1
+                self.untaken.pop(i, None)
+                got.append(t.view(-1))  # the view is a user: asked again, it is in use
+        return got
+
+    def _fresh(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A miss: a new buffer, kept if it fits."""
+        self.misses += 1
         t = torch.empty(numel, dtype=dtype, device=self.device)
         if self.huge_pages:
             advise_huge(t)
         if self._make_room(numel * t.element_size()):
-            self._keep(key, t)
+            self._keep((numel, dtype), t)
         return t.view(-1)
 
     def _make_room(self, size: int) -> bool:

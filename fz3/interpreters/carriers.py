@@ -51,6 +51,7 @@ class Context(NamedTuple):
     async_op: bool  # overlap_comm: collectives return work to wait on later
     agreement: Optional[agreement.Agreement]  # the divergence check; None: unchecked
     take: Callable[[int, torch.dtype], torch.Tensor]  # a buffer of that numel from the pool
+    take_many: Callable[[Sequence[int], torch.dtype], list[torch.Tensor]]  # one of each numel
     reduce_buffer: Callable[[int, torch.dtype, int], torch.Tensor]  # (numel, dtype, capacity)
     on: Callable[[object], ContextManager]  # run on that stream (None: the current one)
     gather_stream: object
@@ -121,6 +122,7 @@ class P2P(Carrier):
         self.tags = itertools.count(1)  # message tags unchecked: the same sequence on every rank (SPMD)
         self.grouped: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}  # params -> groups
         self.reduce_layouts: dict[tuple[int, ...], p2p.ReduceLayout] = {}  # params -> where a reduce's bytes go
+        self.gather_plans: dict[tuple[int, ...], p2p.GatherPlan] = {}  # params -> a gather's spans
         self.layout: Optional[p2p.GatherLayout] = None  # the last refresh's, of these params:
         self.layout_key: tuple[int, ...] = ()
         self.layout_params: frozenset[int] = frozenset()
@@ -145,6 +147,17 @@ class P2P(Carrier):
         if got is None:
             spec = self.ctx.spec.params
             got = self.grouped[key] = messages.groups([spec[p].numel for p in key], small=self.ctx.coalesce_numel)
+        return got
+
+    def gather_plan(self, params: Sequence[int]) -> p2p.GatherPlan:
+        """The spans a gather of `params` moves (p2p.GatherPlan), made once per param set, as its
+        groups are."""
+        key = tuple(params)
+        got = self.gather_plans.get(key)
+        if got is None:
+            it = self.ctx
+            got = self.gather_plans[key] = p2p.GatherPlan([it.spec.params[p].numel for p in key], it.rank,
+                                                          it.world_size, self.groups(key))
         return got
 
     def reduce_layout(self, params: Sequence[int]) -> p2p.ReduceLayout:
@@ -183,8 +196,8 @@ class P2P(Carrier):
         it = self.ctx
         # a buffer per param: freeing one frees its memory (a flat buffer for the batch would
         # live until the last of its params is freed)
-        fulls = [it.take(it.spec.params[p].numel, shards[0].dtype) for p in ps]
-        layout = p2p.GatherLayout(fulls, it.rank, it.world_size, self.groups(ps))
+        fulls = it.take_many([it.spec.params[p].numel for p in ps], shards[0].dtype)
+        layout = p2p.GatherLayout(fulls, it.rank, it.world_size, self.groups(ps), self.gather_plan(ps))
         return self._gather_into(ps, shards, fulls, layout), (lambda: fulls), None
 
     def _gather_into(self, ps: Sequence[int], shards: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor],
@@ -203,7 +216,8 @@ class P2P(Carrier):
         it = self.ctx
         key, layout = tuple(ps), self.layout
         if layout is None or key != self.layout_key or not layout.same_fulls(fulls):
-            layout = self.layout = p2p.GatherLayout(fulls, it.rank, it.world_size, self.groups(key))
+            layout = self.layout = p2p.GatherLayout(fulls, it.rank, it.world_size, self.groups(key),
+                                                    self.gather_plan(key))
             self.layout_key, self.layout_params = key, frozenset(key)
         return self._gather_into(ps, shards, fulls, layout), _nothing
 

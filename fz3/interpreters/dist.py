@@ -58,7 +58,7 @@ from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket,
                               HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core import streams
 from fz3.core.ids import BucketId, Handle
-from fz3.data.pool import BufferPool
+from fz3.data.pool import MIN_POOLED_BYTES, BufferPool
 from fz3.interpreters import accounting, agreement, carriers, p2p, pass_hint, shared_memory
 from fz3.interpreters.protocol import Capabilities
 from fz3.interpreters.transport import Transport
@@ -138,14 +138,15 @@ class DistInterpreter:
         reduce = self.scratch_capacity if self.reduce_scatter_by == "p2p" else (W + 1) * self.shard_capacity
         limit = min((live + inputs + reduce) * elem, 3 * total * elem) + (64 << 20) \
             if store.device.type == "cpu" else 0
-        self.buffers_pool = BufferPool(store.device, limit_bytes=limit, huge_pages=options.huge_pages)
+        self.buffers_pool = BufferPool(store.device, limit_bytes=limit, huge_pages=options.huge_pages,
+                                       min_bytes=MIN_POOLED_BYTES)
         # [Note: shared-memory carrier] the P2P carrier's large messages, on one host
         p2p_comm = shared_memory.for_carrier(transport, options.shared_memory and "p2p" in (self.gather_by,
                                                                                              self.reduce_scatter_by))
         ctx = carriers.Context(self.shard_rank, W, self.spec, p2p_comm, self.async_op, self.agreement,
-                               self.buffers_pool.take, self.reduce_buffer, self.on, self.gather_stream,
-                               self.reduce_stream, self.bucket_capacity, self.shard_capacity, self.scratch_capacity,
-                               options.gloo_coalesce_numel, self.counts)
+                               self.buffers_pool.take, self.buffers_pool.take_many, self.reduce_buffer, self.on,
+                               self.gather_stream, self.reduce_stream, self.bucket_capacity, self.shard_capacity,
+                               self.scratch_capacity, options.gloo_coalesce_numel, self.counts)
         # a layout of one rank among several (stage 0) gathers nothing from the others: its shards
         # are whole (alone, W = 1, the chosen carrier has no peers to ask either)
         local = self.shard_world == 1 < self.world_size
@@ -253,10 +254,10 @@ class DistInterpreter:
 
     def _free(self, ps: tuple[int, ...], refetch: bool) -> None:
         self.gather.forget(ps)
-        for p in ps:
-            if not refetch:  # next gathered in the next pass: the memory goes now
+        if not refetch:  # next gathered in the next pass: the memory goes now
+            for p in ps:
                 self.buffers_pool.discard(self.store.params[p].data)
-            self.store.free(p)
+        self.store.free_many(ps)
 
     def _wait(self, h: Handle) -> None:
         work, ps, fulls, _ = self.gathers.pop(h)
@@ -264,8 +265,7 @@ class DistInterpreter:
             work.wait()  # NCCL, HCCL: compute after the collective, on the backend's stream
         self.streams, ops = streams.gathered(self.streams, h)
         self._stream_ops(ops)
-        for p, full in zip(ps, fulls()):
-            self.store.set_full(p, full)
+        self.store.set_fulls(ps, fulls())
 
     # ---- gradients ------------------------------------------------------------------------------
 

@@ -76,32 +76,52 @@ def _defaults(groups, take, n: int):
     return groups, take or (lambda numel, dtype: torch.empty(numel, dtype=dtype))
 
 
+class GatherPlan:
+    """What a GatherLayout needs of the params' sizes alone: this rank's span of each, and per
+    peer per message group the spans it receives. The trace gathers the same params every step
+    into new full values, so the carrier makes this once per param set (issue #48: ~1.7 ms of
+    the deep narrow GPT's step, every param sharded, went to making it again)."""
+
+    __slots__ = ("own", "own_numel", "peers", "receives")
+
+    def __init__(self, numels: Sequence[int], rank: int, world_size: int, groups: Sequence[Sequence[int]]) -> None:
+        self.own = [rank_span(n, rank, world_size) for n in numels]
+        self.own_numel = [hi - lo for lo, hi in self.own]
+        self.peers = [j for j in range(world_size) if j != rank]
+        # per peer per group with elements: (peer, numel, alone (one param) or packed, [(i, lo, hi) ...])
+        self.receives: list[tuple[int, int, bool, list[tuple[int, int, int]]]] = []
+        for j in self.peers:
+            for g in groups:
+                spans = [(i, *rank_span(numels[i], j, world_size)) for i in g]
+                n = sum(hi - lo for _, lo, hi in spans)
+                if n:
+                    self.receives.append((j, n, len(g) == 1, spans))
+
+
 class GatherLayout:
     """Where `all_gather` puts every byte for given full values: this rank's span of each, and
     per peer per message group the span it receives into (a group of one param) or the spans a
-    staged group is copied out to. Made from the full values alone, so a gather into the same
-    full values again (the step's refresh of the persistent params, effects.Refresh) reuses it:
-    none of its ~5 slices and spans per param are made again (issue #27: 980 rank_span calls a
-    step on the deep narrow GPT)."""
+    staged group is copied out to. Made from the full values and their plan (GatherPlan), so a
+    gather into the same full values again (the step's refresh of the persistent params,
+    effects.Refresh) reuses it: none of its ~5 slices and spans per param are made again
+    (issue #27: 980 rank_span calls a step on the deep narrow GPT)."""
 
     __slots__ = ("fulls", "groups", "own", "own_numel", "peers", "receives")
 
     def __init__(self, fulls: Sequence[torch.Tensor], rank: int, world_size: int,
-                 groups: Sequence[Sequence[int]]) -> None:
+                 groups: Sequence[Sequence[int]], plan: Optional[GatherPlan] = None) -> None:
+        if plan is None:
+            plan = GatherPlan([f.numel() for f in fulls], rank, world_size, groups)
         self.fulls, self.groups = list(fulls), groups
-        spans = [rank_span(f.numel(), rank, world_size) for f in fulls]
-        self.own = [f[lo:hi] for f, (lo, hi) in zip(fulls, spans)]
-        self.own_numel = [hi - lo for lo, hi in spans]
-        self.peers = [j for j in range(world_size) if j != rank]
+        self.own = [f[lo:hi] for f, (lo, hi) in zip(fulls, plan.own)]
+        self.own_numel = plan.own_numel
+        self.peers = plan.peers
         # per peer per group with elements: (peer, numel, the full's span it lands in (alone) or
         # None (packed), the spans a packed group is copied out to)
         self.receives: list[tuple[int, int, Optional[torch.Tensor], list[torch.Tensor]]] = []
-        for j in self.peers:
-            for g in groups:
-                parts = [fulls[i][slice(*rank_span(fulls[i].numel(), j, world_size))] for i in g]
-                n = sum(t.numel() for t in parts)
-                if n:
-                    self.receives.append((j, n, parts[0] if len(g) == 1 else None, parts))
+        for j, n, alone, spans in plan.receives:
+            parts = [fulls[i][lo:hi] for i, lo, hi in spans]
+            self.receives.append((j, n, parts[0] if alone else None, parts))
 
     def same_fulls(self, fulls: Sequence[torch.Tensor]) -> bool:
         """Made for these very full values (the same tensors, in order)."""

@@ -63,11 +63,21 @@ class PostBackward(PreBackward):
     every op of the call: the module's params may be released then."""
 
 
+ONE_ARG = pytree.flatten(((None,), {}))[1]
+"""The spec of a call's (args, kwargs) with one positional argument, a tensor, and no keywords:
+most module calls (every Linear and LayerNorm of a transformer)."""
+
+
 def flatten(tree: Any) -> tuple[list, Any]:
     """A structure's leaves and its spec: tuple, list, dict, namedtuple, dataclass, ModelOutput,
     any type registered with torch.utils._pytree, nested (fz3/shell/pytree.py)."""
     if isinstance(tree, torch.Tensor):
-        return [tree], None  # the common case, without the walk
+        return [tree], None  # the common cases, without the walk: an output, ...
+    if type(tree) is tuple and len(tree) == 2:  # ... and a call's (args, kwargs) of one tensor
+        args, kwargs = tree
+        if type(args) is tuple and len(args) == 1 and type(kwargs) is dict and not kwargs \
+                and isinstance(args[0], torch.Tensor):
+            return [args[0]], ONE_ARG
     return pytree.flatten(tree)
 
 
@@ -87,6 +97,12 @@ def wrap_tensors(tree: Any, fn: type[torch.autograd.Function], on_backward: Call
 def wrap_leaves(tree: Any, leaves: list, treedef: Any, fn: type[torch.autograd.Function],
                 on_backward: Callable[[], None]) -> tuple[Any, bool]:
     """`wrap_tensors` on a tree already flattened (`leaves` is consumed)."""
+    if len(leaves) == 1 and (treedef is None or treedef is ONE_ARG):  # one tensor: [Note: identity] holds
+        x = leaves[0]
+        if not (isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()):
+            return tree, False
+        out = fn.apply(on_backward, x)[0]
+        return (out if treedef is None else ((out,), {})), True
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not idx or not torch.is_grad_enabled():
         return tree, False
