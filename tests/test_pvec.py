@@ -103,3 +103,20 @@ def test_log_random_histories():
         xs = [rng.randrange(100) for _ in range(rng.randrange(3))]
         versions.append((log.extend(xs), want + xs))
     assert all(list(log) == want and len(log) == len(want) for log, want in versions)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_log_equality_against_lists(seed):
+    """[Note: log comparisons]: two lineages extended side by side, mostly alike (a replayed
+    pass's log against the recorded one), sometimes branched from an older version or apart by
+    one item, compared after every extend and at random older versions: Log == is list ==
+    whatever the pairs compared before."""
+    rng = random.Random(seed)
+    a, b = [(Log(), [])], [(Log(), [])]
+    for _ in range(400):
+        for side in (a, b):
+            log, want = side[-1] if rng.random() < 0.9 else rng.choice(side)
+            xs = [rng.randrange(3) for _ in range(rng.randrange(3))]
+            side.append((log.extend(xs), want + xs))
+        for (x, wx), (y, wy) in [(a[-1], b[-1]), (rng.choice(a), rng.choice(b)), (a[-1], rng.choice(a))]:
+            assert (x == y) == (wx == wy), (wx, wy)

@@ -116,6 +116,17 @@ class PVec(Generic[T]):
         return f"PVec({list(self)!r})"
 
 
+# [Note: log comparisons] A Log's list only grows: the items below a version's length never
+# change (`extend` from an older version copies its prefix into a new list). So once two lists
+# compared equal up to n, they stay equal up to n, and the next comparison of the same two
+# lists looks only past it. A replayed pass compares its saved-param log with the recorded one at
+# each Leave (117 a step on the deep narrow GPT, every param sharded, up to 393 items each:
+# ~3 us a Leave, issue #48); remembering the last pair makes that the items added since. The
+# pair is held (not by id), so neither list can be freed and its id reused while remembered;
+# it is one tuple, replaced whole, so ranks run as threads never read half of another's.
+_SEEN_EQUAL: list = [(None, None, 0)]  # [(list a, list b, n)]: a[:n] == b[:n]
+
+
 class Log(Generic[T]):
     """Persistent append-only sequence: `extend` returns a new version, leaving this one.
 
@@ -157,10 +168,21 @@ class Log(Generic[T]):
     def __eq__(self, other: object) -> bool:
         # the lengths first: a replayed Leave compares the pass's saved-param log with the
         # recorded one at every call it answers (replay.advance); both are empty where no pass
-        # frees a param (calls.saves_matter)
+        # frees a param (calls.saves_matter). Then only what the last comparison of the same
+        # two lists did not see ([Note: log comparisons])
         if not isinstance(other, Log) or self._n != other._n:
             return False
-        return self._n == 0 or list(self) == list(other)
+        n = self._n
+        if n == 0:
+            return True
+        a, b = self._items, other._items
+        memo = _SEEN_EQUAL[0]  # one read: thread ranks share it
+        seen = memo[2] if memo[0] is a and memo[1] is b else 0
+        if n > seen:
+            if a[seen:n] != b[seen:n]:
+                return False
+            _SEEN_EQUAL[0] = (a, b, n)
+        return True
 
     __hash__ = None  # type: ignore[assignment]
 

@@ -374,9 +374,11 @@ class Engine(DeepSpeedSurface):
         # ([Note: inert modules], fz3/core/calls.py), so they are not walked
         if grad and not self.call_tables.inert[m]:
             flat = flatten(tree)
-        return self._call_event(Enter(module=m, grad=grad, grad_inputs=flat is not None and needs_grad(flat[0]),
-                                      recomputing=recomputing, training=module.training,
-                                      saved=self.saved.position()), tree, flat)
+        out = self.apply(Enter(module=m, grad=grad, grad_inputs=flat is not None and needs_grad(flat[0]),
+                               recomputing=recomputing, training=module.training, saved=self.saved.position()),
+                         tree, flat)
+        self.running[0] = m  # the call just opened is the innermost (calls.running), no lookup needed
+        return out
 
     def _post_forward(self, module, args, kwargs, output):
         if id(module) in self.quiet_ids and self.quiet_calls.pop():
@@ -421,8 +423,11 @@ class Engine(DeepSpeedSurface):
 
         def hook(param: nn.Parameter) -> None:
             e = engine()
-            e.apply(GradReady(param=p, dtype=str(param.grad.dtype).removeprefix("torch."),
-                              graph_task=e._graph_task()))
+            dtype = param.grad.dtype
+            name = _DTYPE_NAMES.get(dtype)
+            if name is None:
+                name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+            e.apply(GradReady(param=p, dtype=name, graph_task=e._graph_task()))
         return hook
 
     def _graph_task(self) -> int:
@@ -748,6 +753,9 @@ class Engine(DeepSpeedSurface):
 
     def param_status(self, param: nn.Parameter) -> str:
         return Status(self.params_state.status(self.param_ids[id(param)])).name
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # a grad's dtype -> its name in GradReady ("float32")
 
 
 def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
