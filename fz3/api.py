@@ -11,7 +11,9 @@ from fz3.build import meta
 from fz3.data.shards import shard_of
 from fz3.shell import log, registry
 from fz3.shell.pick import check_group_backend, pick_device
-from fz3.interpreters import threads
+from fz3.core import stage
+from fz3.interpreters import groups, threads
+from fz3.shell import hybrid
 from fz3.interpreters.dist import DistInterpreter
 from fz3.interpreters.transport import Transport, TorchTransport
 from fz3.io import optimizer_state
@@ -27,7 +29,7 @@ class Engine(ValueMovers, lifecycle.Engine):
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None,
-               lr_scheduler=None, *, group=None, options: Options | None = None) -> Engine:
+               lr_scheduler=None, *, group=None, options: Options | None = None, mesh=None) -> Engine:
     """Shard `model` over the default process group and rebind `optimizer` (built on
     model.parameters()) to this rank's fp32 master shards. Every rank must call it.
     `lr_scheduler` (built on `optimizer`) is stepped by `engine.step()` at each accumulation
@@ -35,6 +37,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     (the gloo carriers, debug checks; fz3/config/options.py).
     Inside fz3.launch.run_threads the rank is a thread of one process: the thread's transport
     (fz3/interpreters/threads.py) stands in for the process group.
+    `mesh`: FSDP2's 2-D DeviceMesh (replicate, shard) for hybrid sharding, the same as
+    Config(shard_group_size=mesh.size(1)) ([Note: hybrid sharding], fz3/core/stage.py).
     DeepSpeed: deepspeed.initialize(model=..., optimizer=..., config=...) at stage 3."""
     if config is None:
         config = Config()
@@ -64,6 +68,12 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     elif device.torch_device.type != "cpu":
         raise RuntimeError(f"fz3.launch.run_threads runs on CPU only; this rank picked {device.torch_device} "
                            "(set FZ3_DEVICE=cpu)")
+    if mesh is not None:
+        config = config.replace(shard_group_size=hybrid.from_mesh(mesh, config, transport.world_size))
+    stage.layout_world(config, transport.world_size)  # a group size that does not divide the world: its error
+    axes = groups.axes(transport, config.shard_group_size)
+    if axes is None:  # under torchrun on several nodes, say how to keep the gathers on one
+        log.flat_across_nodes(transport.rank, transport.world_size, config)
     device.set_device()
     if meta.has_meta(model):  # built on torch.device("meta"): one module at a time (meta.py)
         if isinstance(transport, threads.ThreadTransport):
@@ -77,7 +87,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
                     options=options,
                     interpreter=lambda store: DistInterpreter(store, config=config, device=device,
                                                               transport=transport, options=options,
-                                                              training=lambda: model.training))
+                                                              training=lambda: model.training, axes=axes))
     optimizer_state.install(engine)  # optimizer.state_dict() / load_state_dict(): unsharded, or an error
     registry.register(engine)
     log.initialized(engine)

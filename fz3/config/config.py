@@ -113,6 +113,12 @@ class Config:
     # __max_ongoing_fetch_events, 2; fz3/core/param/state.py `gather`). More overlaps more
     # gathers with compute and holds more gathered buffers
     max_ongoing_fetch_events: int = 2
+    # hybrid sharding (FSDP2's HSDP): params, grads, fp32 masters and optimizer state are
+    # sharded within each group of this many consecutive ranks and replicated across the
+    # groups; grads are reduced within the group, then across the groups. 0: one group of the
+    # whole world (flat ZeRO-3). It must divide the world size ([Note: hybrid sharding],
+    # fz3/core/stage.py)
+    shard_group_size: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -124,6 +130,14 @@ class Config:
         _check_int("reduce_bucket_size", self.reduce_bucket_size, low=1)
         _check_int("max_ongoing_fetch_events", self.max_ongoing_fetch_events, low=1, what="gathers")
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, low=1)
+        _check_int("shard_group_size", self.shard_group_size, low=0, what="ranks")
+        if self.shard_group_size == 1:
+            raise ValueError("Config.shard_group_size=1 splits no param: every rank would hold everything, which is "
+                             "stage 0 (data parallel); use Config(stage=0), or a group of 2 or more ranks")
+        if self.shard_group_size and self.stage == 0:
+            raise ValueError(f"Config.shard_group_size={self.shard_group_size} shards within groups of ranks, but at "
+                             "stage 0 nothing is sharded (every rank holds everything): use stage 1, 2 or 3, or "
+                             "leave shard_group_size at 0")
         for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "prescale_gradients",
                      "managed_gradient_accumulation", "consecutive_hysteresis"):
             if not isinstance(getattr(self, name), bool):

@@ -159,6 +159,8 @@ class ReduceBucket(NamedTuple):
     slots: tuple[Slot, ...]  # in bucket (offset) order
     contiguous: bool
     predivide: float = 1.0  # each grad / this before the SUM (fz3.core.grad.grads.grad_predivide)
+    across: int = 1  # hybrid sharding: then each partition all-reduced over this many groups, the
+    # ranks holding the same shard (1: no second axis; [Note: hybrid sharding], fz3/core/stage.py)
 
 
 @record

@@ -65,5 +65,29 @@ def persistence(config: Config) -> tuple[int, Optional[int]]:
 
 
 def layout_world(config: Config, world_size: int) -> int:
-    """The ranks a param is split over: 1 where the optimizer is whole (stage 0), else all."""
-    return 1 if policy(config).optimizer_whole else world_size
+    """The ranks a param is split over: 1 where the optimizer is whole (stage 0), a group of
+    `shard_group_size` under hybrid sharding, else all ([Note: hybrid sharding])."""
+    if policy(config).optimizer_whole:
+        return 1
+    S = config.shard_group_size
+    if not S or S == world_size:
+        return world_size
+    if world_size % S:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"Config.shard_group_size={S} does not divide the world of {world_size} ranks: the world "
+                         f"is shard_group_size x replica groups, so use one of {divisors} (0: flat, one group of all)")
+    return S
+
+
+# [Note: hybrid sharding] With shard_group_size S < W (FSDP2's HSDP), the ranks form R = W / S
+# groups of S consecutive ranks (group g: ranks g*S .. g*S + S - 1; a node under torchrun). A
+# param's layout is over its group: rank r holds shard r % S, the same bytes as rank r % S of
+# every other group, so the spec's world_size is S and its replicas R. Gathers move bytes only
+# within the group. A grad is reduced within the group (the bucket's reduce-scatter, or its
+# all-reduce on the allreduce path), then its partition across the R groups, one all-reduce
+# over the ranks that hold the same shard (ReduceBucket.across): each element once per axis.
+# The mean divides by all W ranks (spec.ranks). Everything that must agree world-wide does:
+# the divergence check's descriptors go to every rank, and the grad norm is the first group's,
+# read by every rank alike (after the all-reduce across, every group's partitions are equal).
+# Checkpoints are written by the first group (one copy of each shard), in the layout of S ranks,
+# and load under any other. DeepSpeed 0.19.8 removed its hybrid mode (MiCS).

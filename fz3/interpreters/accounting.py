@@ -13,6 +13,8 @@ bytes are the real run's by construction.
                                  values, padding included)
     count_reduce(counts, ...)    reduce, reduce_<path>, reduced_bytes (the flat bucket for an
                                  all-reduce; W x the partitions' bytes for a reduce-scatter)
+    count_across(counts, ...)    reduce_across, across_bytes: hybrid sharding's all-reduce of a
+                                 bucket's partitions across the groups
     p2p_sends(...)               the messages a point-to-point gather or reduce posts on one rank:
                                  one per peer per message group with elements for it
                                  (fz3/interpreters/p2p.py; counted as p2p_sends)
@@ -74,6 +76,13 @@ def count_reduce(counts: Counter, e: ReduceBucket, *, path: str, spec: ModelSpec
     counts["reduce"] += 1
     counts[f"reduce_{path}"] += 1
     counts["reduced_bytes"] += numel * element_size
+
+
+def count_across(counts: Counter, *, numel: int, element_size: int, replicas: int) -> None:
+    """One all-reduce of a bucket's partitions, `numel` elements, across `replicas` groups
+    (hybrid sharding: ReduceBucket.across): reduce_across, across_bytes (the tensor reduced)."""
+    counts["reduce_across"] += 1
+    counts["across_bytes"] += numel * element_size
 
 
 def p2p_sends(numels: Sequence[int], groups: Sequence[Sequence[int]], rank: int, world_size: int, *,

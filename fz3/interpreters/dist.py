@@ -59,7 +59,7 @@ from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket,
 from fz3.core import streams
 from fz3.core.ids import BucketId, Handle
 from fz3.data.pool import MIN_POOLED_BYTES, BufferPool
-from fz3.interpreters import accounting, agreement, carriers, p2p, pass_hint, shared_memory
+from fz3.interpreters import accounting, agreement, carriers, groups, p2p, pass_hint, shared_memory
 from fz3.interpreters.protocol import Capabilities
 from fz3.interpreters.transport import Transport
 from fz3.config.options import Options
@@ -67,22 +67,29 @@ from fz3.data.store import TensorStore
 
 
 class _Reduce:
-    """One reduce in flight: its work, what to do when it completes, and what waited for it."""
+    """One reduce in flight: its work, what to do when it completes, and what waited for it;
+    `effect`: its ReduceBucket."""
 
-    __slots__ = ("work", "finish", "deferred", "keep")
+    __slots__ = ("work", "finish", "deferred", "keep", "effect")
 
-    def __init__(self, work, finish, keep) -> None:
-        self.work, self.finish, self.deferred, self.keep = work, finish, [], keep
+    def __init__(self, work, finish, keep, effect) -> None:
+        self.work, self.finish, self.deferred, self.keep, self.effect = work, finish, [], keep, effect
 
 
 class DistInterpreter:
     def __init__(self, store: TensorStore, *, config: Config, device, transport: Transport,
-                 options: Options = Options(), training: Callable[[], bool] = lambda: True) -> None:
+                 options: Options = Options(), training: Callable[[], bool] = lambda: True,
+                 axes: Optional[groups.Axes] = None) -> None:
         """`transport` moves the bytes (fz3/interpreters/transport.py): torch.distributed on a
         process group, or a rank of a ThreadWorld (N ranks in one process); `options` picks the
         gloo carriers (fz3/config/options.py); `training()`: the model's train mode, which the
-        divergence check's descriptors carry ([Note: rank-only evaluation], pass_hint.py)."""
+        divergence check's descriptors carry ([Note: rank-only evaluation], pass_hint.py).
+        `axes`: under hybrid sharding, this rank's group and its replica set (groups.py): the
+        gathers and reduces run in the group, the reduce across groups on the replica set, and
+        everything else (the divergence check, the norm, the buffers) on the whole world."""
         self.store, self.config, self.device, self.comm = store, config, device, transport
+        self.group_comm = transport if axes is None else axes.shard
+        self.replica_comm = None if axes is None else axes.replica
         self.rank, self.world_size = transport.rank, transport.world_size  # the group's
         # the layout's: the ranks each param is split over, and this rank's place among them (the
         # group at stages 1-3; one rank at stage 0, whose gathers then move nothing: stage.py)
@@ -141,8 +148,8 @@ class DistInterpreter:
         self.buffers_pool = BufferPool(store.device, limit_bytes=limit, huge_pages=options.huge_pages,
                                        min_bytes=MIN_POOLED_BYTES)
         # [Note: shared-memory carrier] the P2P carrier's large messages, on one host
-        p2p_comm = shared_memory.for_carrier(transport, options.shared_memory and "p2p" in (self.gather_by,
-                                                                                             self.reduce_scatter_by))
+        p2p_comm = shared_memory.for_carrier(self.group_comm, options.shared_memory and "p2p" in (self.gather_by,
+                                                                                                   self.reduce_scatter_by))
         ctx = carriers.Context(self.shard_rank, W, self.spec, p2p_comm, self.async_op, self.agreement,
                                self.buffers_pool.take, self.buffers_pool.take_many, self.reduce_buffer, self.on,
                                self.gather_stream, self.reduce_stream, self.bucket_capacity, self.shard_capacity,
@@ -335,7 +342,7 @@ class DistInterpreter:
             accounting.count_reduce(self.counts, e, path=path, spec=self.spec, element_size=grads[0].element_size())
             return carrier.reduce(e, grads, buf)
         work, finish, keep = self._launch(ops, issue)
-        self.reduces.append((e.bucket, _Reduce(work, finish, keep)))
+        self.reduces.append((e.bucket, _Reduce(work, finish, keep, e)))
         if work is None:  # done already: completed at once, its writes not deferred
             self.streams, ops = streams.complete(self.streams, e.bucket)
             self._stream_ops(ops)
@@ -409,8 +416,27 @@ class DistInterpreter:
         bucket, pending = self.reduces.popleft()
         if pending.work is not None:
             pending.work.wait()  # NCCL, HCCL: compute after the collective, on the backend's stream
-        self.reduced[bucket] = pending.finish()
+        reduced = pending.finish()
+        if pending.effect.across > 1:
+            reduced = self._across(pending.effect, reduced)
+        self.reduced[bucket] = reduced
         self._run(pending.deferred)
+
+    def _across(self, e: ReduceBucket, reduced: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """[Note: hybrid sharding] The bucket's partitions, reduced within the group, all-reduced
+        over the ranks that hold the same shards (one per group): one all-reduce of them
+        back to back, checked like every collective."""
+        params = [s.param for s in e.slots]
+        parts = [reduced[p] for p in params]
+        flat = torch.cat(parts)
+        ag = self.agreement
+        if ag is None:
+            self.replica_comm.all_reduce(flat)
+        else:
+            ag.issue(ag.check(agreement.ACROSS, params, flat.numel()), lambda: self.replica_comm.all_reduce(flat))
+        accounting.count_across(self.counts, numel=flat.numel(), element_size=flat.element_size(),
+                                replicas=self.replica_comm.world_size)
+        return dict(zip(params, flat.split([t.numel() for t in parts])))
 
     # ---- streams: [Note: streams as effects] (fz3/core/streams.py) -------------------------------
 

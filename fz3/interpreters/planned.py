@@ -93,6 +93,10 @@ class PlanInterpreter:
                                             element_size=getattr(torch, e.dtype).itemsize)
                     if path == "p2p":
                         self._count_sends([s.param for s in e.slots], gather=False)
+                    if e.across > 1:  # [Note: hybrid sharding]: the partitions, back to back
+                        accounting.count_across(self.counts, numel=sum(self.spec.params[s.param].shard_numel
+                                                                       for s in e.slots),
+                                                element_size=getattr(torch, e.dtype).itemsize, replicas=e.across)
                     if not e.contiguous:  # the reduce takes param.grad (dist.py)
                         for s in e.slots:
                             self.store.params[s.param].grad = None

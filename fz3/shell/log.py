@@ -9,6 +9,8 @@
              grad norm is read on the host (one sync a step), why ([Note: the verdict on the
              device], fz3/core/grad/verdict.py)
     INFO     at engine.compile(), rank 0: the backend and the modules compiled
+    INFO     at fz3.initialize, rank 0, under a launcher whose world spans several nodes, with one
+             flat group: how to shard within each node (Config.shard_group_size)
     DEBUG    after each optimizer step, every rank: gathers (on demand / prefetched), bytes
              gathered and reduced, reduces, the trace's state and invalidations, peak live params,
              and the compiler's graphs, graph breaks and frames compiled (what the step added)
@@ -58,10 +60,13 @@ def initialized(engine) -> None:
     if engine.interp.capabilities.shared_memory:  # fz3/interpreters/shared_memory.py
         gather_by, reduce_by = (f"{c} (large messages through shared memory)" if c == "p2p" else c
                                 for c in (gather_by, reduce_by))
-    LOG.info("fz3: %d ranks on %s, backend %s (all-gather by %s, reduce-scatter by %s); %d params "
+    hybrid = (f" as {spec.replicas} groups of {spec.world_size} (hybrid sharding: gathers within a group, grads "
+              "reduced within it and then across the groups)" if spec.replicas > 1 and spec.world_size > 1 else "")
+    LOG.info("fz3: %d ranks%s on %s, backend %s (all-gather by %s, reduce-scatter by %s); %d params "
              "sharded (%s elements), %d persistent (%s elements); per rank: param shards %s, grad "
              "partitions %s; glibc's heap policy: %s; config differences from the defaults: %s",
-             engine.world_size, engine.accelerator.torch_device, engine.accelerator.backend, gather_by, reduce_by,
+             engine.world_size, hybrid, engine.accelerator.torch_device, engine.accelerator.backend, gather_by,
+             reduce_by,
              len(spec.params) - len(persistent), f"{sum(p.numel for p in spec.params if not p.persistent):,}",
              len(persistent), f"{sum(p.numel for p in persistent):,}", human_bytes(shards), human_bytes(grads),
              f"{chosen} set" if (chosen := heap.user_choice(os.environ)) else "its own (dynamic)", changed)
@@ -148,6 +153,20 @@ def skipped_step(engine, step: int, first: str | None, norm) -> None:
                 "weights, the optimizer state and the lr scheduler did not change (skipped steps: %d). "
                 "A NaN or inf loss on any rank reaches every rank through the reduce.", engine.rank,
                 step, float(norm), where, engine.skipped)
+
+
+def flat_across_nodes(rank: int, world_size: int, config) -> None:
+    """Rank 0's INFO, once, under a launcher that says the world spans several nodes
+    (LOCAL_WORLD_SIZE < WORLD_SIZE) while every gather spans the world: how to keep them within
+    a node ([Note: hybrid sharding], fz3/core/stage.py)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if rank != 0 or not local.isdigit() or not 0 < int(local) < world_size or world_size % int(local) \
+            or config.stage == 0:
+        return
+    LOG.info("fz3: the %d ranks span %d nodes of %s (LOCAL_WORLD_SIZE) and every gather and reduce spans all of "
+             "them (flat ZeRO-3); fz3.Config(shard_group_size=%s) shards within each node and replicates across "
+             "nodes (hybrid sharding: gathers stay on the node, one all-reduce of the grad shards crosses nodes)",
+             world_size, world_size // int(local), local, local)
 
 
 def verdict_on_host(engine, why: str | None) -> None:

@@ -94,7 +94,25 @@ EXTRA_CONFIGS: dict[str, Config] = {
 }
 
 
+# hybrid sharding (issue #49) on 6 ranks as 3 groups of 2 and as 2 groups of 3
+# (tests/test_hybrid_sharding.py): the p2p carriers and DeepSpeed's defaults (every param
+# sharded, AdamW), bf16 with clipping (SGD), the all-reduce path within the groups, and the
+# DeepSpeed JSON (everything persistent)
+HYBRID_CONFIGS: dict[str, Config] = {
+    "hybrid": Config(param_persistence_threshold=0, shard_group_size=2, **_C),
+    "hybrid_bf16_clip": CONFIGS["bf16"].replace(shard_group_size=2, gradient_clipping=0.5),
+    "hybrid_allreduce": Config(param_persistence_threshold=0, shard_group_size=2, reduce_scatter=False,
+                               reduce_bucket_size=64, **_C),
+    "hybrid3": Config(param_persistence_threshold=0, shard_group_size=3, **_C),
+    "hybrid3_bf16_clip": CONFIGS["bf16"].replace(shard_group_size=3, gradient_clipping=0.5),
+}
+
+
 def config_named(name: str) -> Config:
+    if name == "hybrid_ds":
+        return config_named("ds_defaults").replace(shard_group_size=2)
+    if name in HYBRID_CONFIGS:
+        return HYBRID_CONFIGS[name]
     if name == "ds_defaults":
         import warnings
         with warnings.catch_warnings():
@@ -112,7 +130,7 @@ def configs_for(model: str) -> tuple[str, ...]:
 
 
 OPTIMIZERS = {"sync_allreduce": "sgd", "bf16": "sgd", "bf16_comm_fp32": "sgd",
-              "prescale": "sgd"}  # the others: "adamw"
+              "prescale": "sgd", "hybrid_bf16_clip": "sgd", "hybrid3_bf16_clip": "sgd"}  # the others: "adamw"
 
 
 def optimizer_for(config_name: str) -> str:
@@ -230,12 +248,14 @@ class Result:
 
 # ---- the rank side -------------------------------------------------------------------------------
 
-def worker(rank: int, world_size: int, models: tuple[str, ...], probes: bool) -> dict:
-    """Every (model, config) of `models` in this process group, then the API probes."""
+def worker(rank: int, world_size: int, models: tuple[str, ...], probes: bool,
+           configs: Optional[tuple[str, ...]] = None) -> dict:
+    """Every (model, config) of `models` in this process group (`configs`, or each model's
+    configs_for), then the API probes."""
     torch.manual_seed(0)
     out: dict = {}
     for model in models:
-        for cname in configs_for(model):
+        for cname in configs if configs is not None else configs_for(model):
             try:
                 out[(model, cname)] = train(model, cname, rank, world_size)
             except Exception:  # noqa: BLE001 - reported per combination, see the module doc
@@ -340,14 +360,16 @@ def api_probes(rank: int, world_size: int) -> dict:
 
 
 def run_world(world_size: int, models: tuple[str, ...], *, probes: bool = True,
-              timeout: float = 600, threads: bool = False) -> dict:
+              timeout: float = 600, threads: bool = False, configs: Optional[tuple[str, ...]] = None) -> dict:
     """One launch: -> rank 0's results; every rank's losses under key (model, config, 'losses').
-    threads=True: the ranks are threads of this process (fz3.launch.run_threads)."""
+    threads=True: the ranks are threads of this process (fz3.launch.run_threads). `configs`: the
+    config names every model runs (None: its configs_for)."""
     from fz3 import launch
+    args = (tuple(models), probes, configs)
     if threads:
-        per_rank = launch.run_threads(worker, world_size, args=(tuple(models), probes), timeout_s=timeout)
+        per_rank = launch.run_threads(worker, world_size, args=args, timeout_s=timeout)
     else:
-        per_rank = launch.run(worker, world_size=world_size, args=(tuple(models), probes), timeout=timeout)
+        per_rank = launch.run(worker, world_size=world_size, args=args, timeout=timeout)
     out = per_rank[0]
     out["rank_losses"] = {k: [r[k].losses for r in per_rank] for k in out if isinstance(k, tuple)}
     out["rank_not_available"] = {k: sum((r[k].not_available for r in per_rank), [])

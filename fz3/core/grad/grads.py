@@ -311,8 +311,10 @@ def write_mode(pg: ParamGrad, window: int) -> WriteMode:
 
 def _reduce(state: GradState, bucket: BucketId, dtype: str, slots: tuple[Slot, ...],
             contiguous: bool, config: Config) -> tuple[GradState, tuple[GradEffect, ...]]:
+    spec = state.spec  # the second axis where a layout of several ranks has replicas ([Note: hybrid sharding])
     effects: list[GradEffect] = [ReduceBucket(bucket, dtype, config.reduce_path, slots, contiguous,
-                                              grad_predivide(state.spec.ranks, config))]
+                                              grad_predivide(spec.ranks, config),
+                                              across=spec.replicas if spec.world_size > 1 else 1)]
     params = state.params
     for slot in slots:
         pg = params[slot.param]

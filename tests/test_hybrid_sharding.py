@@ -1,0 +1,364 @@
+"""Hybrid sharding (issue #49): Config(shard_group_size=S) shards within groups of S consecutive
+ranks and replicates across the W / S groups ([Note: hybrid sharding], fz3/core/stage.py).
+
+    parity       6 thread ranks as 3 groups of 2 and 2 groups of 3 against one process
+                 (tests/support/parity.py's models and tolerances): the p2p carriers, bf16 with
+                 clipping, the all-reduce path within the groups, the DeepSpeed JSON; with
+                 gradient accumulation, a scheduler and forward-only passes between steps; and 4
+                 gloo ranks as 2 groups of 2 on a GPT
+    the links    on thread ranks, every data message of a gather or an in-group reduce stays in
+                 its group, and the reduce across groups goes only between the ranks that hold
+                 the same shard; the all-reduce across runs once per bucket
+    errors       a group size that does not divide the world, 1, stage 0, a mesh fz3 cannot run
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from fz3 import launch
+from tests.support import parity
+
+pytestmark = pytest.mark.timeout(600)
+
+FP32 = dict(rtol=1e-5, atol=1e-6)  # tests/test_parity.py says why
+BF16_LOSS = dict(rtol=2e-2, atol=2e-3)
+BF16_PARAM = dict(rtol=2e-2, atol=6e-3)
+CONFIGS = ("hybrid", "hybrid_bf16_clip", "hybrid_allreduce", "hybrid_ds", "hybrid3", "hybrid3_bf16_clip")
+MODELS = ("gpt", "frozen", "external")
+W = 6  # the parity models' global batch (6) over 3 groups of 2 and 2 groups of 3
+
+
+@functools.lru_cache(maxsize=None)
+def _six_ranks() -> dict:
+    return parity.run_world(W, MODELS, probes=False, timeout=500, threads=True, configs=CONFIGS)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model: str, optimizer: str, clip: float):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return parity.reference(model, W, optimizer, clip=clip)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("cname", CONFIGS)
+def test_groups_of_six_ranks_train_as_one_process(model, cname):
+    res = _six_ranks()
+    cfg = parity.config_named(cname)
+    S = cfg.shard_group_size
+    key, where = (model, cname), f"{model} / {cname} / {W // S} groups of {S}"
+    assert not res["rank_errors"][key], f"{where}: a rank raised\n" + res["rank_errors"][key][0]
+    r, ref = res[key], _reference(model, parity.optimizer_for(cname), cfg.gradient_clipping)
+    loss_tol, param_tol = (FP32, FP32) if cfg.compute_dtype == "fp32" else (BF16_LOSS, BF16_PARAM)
+    got = torch.tensor(res["rank_losses"][key], dtype=torch.float64).T  # (micro-step, rank)
+    torch.testing.assert_close(got, torch.tensor(ref.losses, dtype=torch.float64), **loss_tol,
+                               msg=lambda m: f"{where}: losses\n{m}")
+    got = torch.tensor(res["rank_eval_losses"][key], dtype=torch.float64).T
+    torch.testing.assert_close(got, torch.tensor(ref.eval_losses, dtype=torch.float64), **loss_tol,
+                               msg=lambda m: f"{where}: forward-only losses\n{m}")
+    # the norm spans the world (each shard counted once, not once per group), before clipping
+    torch.testing.assert_close(torch.tensor(r.grad_norms, dtype=torch.float64),
+                               torch.tensor(ref.grad_norms, dtype=torch.float64), **loss_tol,
+                               msg=lambda m: f"{where}: get_global_grad_norm()\n{m}")
+    assert r.lrs == ref.lrs, (where, r.lrs, ref.lrs)
+    assert list(r.state) == list(ref.state), f"{where}: state_dict keys differ"
+    for name, want in ref.state.items():
+        torch.testing.assert_close(r.state[name], want.float(), **param_tol,
+                                   msg=lambda m: f"{where}: {name} after {parity.STEPS} steps\n{m}")
+    assert not res["rank_not_available"][key], (where, res["rank_not_available"][key][:5])
+    # one all-reduce across the groups per reduce within them
+    assert r.stats["reduce_across"] == r.stats["reduce"] > 0, (where, r.stats["reduce_across"], r.stats["reduce"])
+
+
+def _links(rank: int, world: int, S: int) -> dict:
+    """A few steps of a small model on thread ranks: which ranks each data message went between,
+    by the transport namespace it went under (groups.SubTransport's tags)."""
+    import fz3
+    from fz3.interpreters import threads
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 3))
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            fz3.Config(param_persistence_threshold=0, shard_group_size=S))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(world, 6, generator=g)
+        engine.backward(engine(x[rank:rank + 1]).pow(2).sum())
+        engine.step()
+    sent = Counter()  # this rank's sends, all posted by now
+    for (src, dst, tag), n in threads.current().world.sends.items():
+        if src == rank:
+            sent[(tag[0][0] if isinstance(tag, tuple) else "world", src, dst)] += n
+    return {"sent": sent, "stats": engine.stats(), "shard": (engine.shard_rank, engine.shard_world)}
+
+
+@pytest.mark.parametrize("world,S", [(4, 2), (6, 3), (6, 2), (8, 4)])
+def test_gathers_stay_in_their_group_and_the_reduce_across_links_replicas(world, S):
+    outs = launch.run_threads(_links, world, args=(S,))
+    assert [o["shard"] for o in outs] == [(r % S, S) for r in range(world)]
+    sent = sum((o["sent"] for o in outs), Counter())
+    shard = {(src, dst) for (name, src, dst) in sent if name == "shard"}
+    replica = {(src, dst) for (name, src, dst) in sent if name == "replica"}
+    assert shard and all(src // S == dst // S for src, dst in shard), sorted(shard)
+    assert replica and all(src % S == dst % S for src, dst in replica), sorted(replica)
+    for o in outs:
+        st = o["stats"]
+        assert st["reduce_across"] == st["reduce"] > 0 and st["across_bytes"] > 0, st
+
+
+def _flat_and_hybrid(rank: int, world: int) -> dict:
+    """The same model trained flat and as 2 groups: the consolidated weights."""
+    import fz3
+    out = {}
+    for name, S in (("flat", 0), ("hybrid", 2)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+        engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                fz3.Config(param_persistence_threshold=0, shard_group_size=S,
+                                           gradient_accumulation_steps=2, gradient_clipping=0.1))
+        g = torch.Generator().manual_seed(2)
+        for _ in range(6):
+            x = torch.randn(world * 3, 5, generator=g)
+            engine.backward(engine(x[rank * 3:(rank + 1) * 3]).sin().sum())
+            engine.step()
+        out[name] = engine.full_state_dict()
+    return out
+
+
+def test_hybrid_trains_as_flat_zero3():
+    for out in launch.run_threads(_flat_and_hybrid, 4):
+        for k, v in out["flat"].items():
+            torch.testing.assert_close(out["hybrid"][k], v, **FP32)
+
+
+def _bad(rank: int, world: int, kind: str) -> str:
+    import fz3
+    model = nn.Linear(2, 2)
+    try:
+        if kind == "divide":
+            fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config(shard_group_size=3))
+        else:
+            fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config(), mesh=MESHES[kind])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+class _Mesh:
+    """What fz3 reads of a DeviceMesh: its shape and its ranks (mesh.mesh)."""
+
+    def __init__(self, ranks):
+        self.mesh = torch.tensor(ranks)
+        self.shape = tuple(self.mesh.shape)
+
+
+MESHES = {"1d": _Mesh([0, 1, 2, 3]), "size": _Mesh([[0, 1], [2, 3], [4, 5]]), "order": _Mesh([[0, 2], [1, 3]])}
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("divide", ["shard_group_size=3", "does not divide the world of 4 ranks", "[1, 2, 4]"]),
+    ("1d", ["2-D DeviceMesh", "(replicate, shard)", "(4,)"]),
+    ("size", ["3 x 2 = 6 ranks", "world's 4"]),
+    ("order", ["consecutive ranks", "[0, 2, 1, 3]", "init_device_mesh(device, (2, 2))"]),
+])
+def test_bad_groups_are_refused_in_the_users_words(kind, words):
+    for said in launch.run_threads(_bad, 4, args=(kind,)):
+        assert all(w in said for w in words), said
+
+
+def test_a_group_of_one_and_stage_0_are_refused():
+    import fz3
+    with pytest.raises(ValueError, match="shard_group_size=1 splits no param.*stage=0"):
+        fz3.Config(shard_group_size=1)
+    with pytest.raises(ValueError, match="shard_group_size=2 shards within groups.*at stage 0 nothing is sharded"):
+        fz3.Config(stage=0, shard_group_size=2)
+    with pytest.raises(TypeError, match="shard_group_size must be an int"):
+        fz3.Config(shard_group_size=2.0)
+
+
+def _mesh_run(rank: int, world: int) -> tuple:
+    import fz3
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config(),
+                            mesh=_Mesh([[0, 1], [2, 3]]))
+    return engine.config.shard_group_size, engine.shard_world
+
+
+def test_a_mesh_of_two_by_two_is_shard_group_size_two():
+    assert launch.run_threads(_mesh_run, 4) == [(2, 2)] * 4
+
+
+def _flat_log(rank: int, world: int, local: str, S: int) -> list[str]:
+    import os
+    import fz3
+    os.environ["LOCAL_WORLD_SIZE"] = local
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logger = logging.getLogger("fz3")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        model = nn.Linear(2, 2)
+        fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config(shard_group_size=S))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    return [r for r in records if "LOCAL_WORLD_SIZE" in r]
+
+
+def test_a_flat_group_across_nodes_says_how_to_shard_within_one():
+    said = launch.run(_flat_log, world_size=4, args=("2", 0), timeout=120)
+    assert len(said[0]) == 1 and "span 2 nodes of 2" in said[0][0] and "shard_group_size=2" in said[0][0], said[0]
+    assert said[1:] == [[], [], []]  # rank 0 only
+    assert launch.run(_flat_log, world_size=4, args=("2", 2), timeout=120)[0] == []  # already hybrid
+    assert launch.run(_flat_log, world_size=4, args=("4", 0), timeout=120)[0] == []  # one node
+
+
+GAS, STEPS, BATCH = 2, 3, 8  # the gloo GPT runs: accumulation 2, 3 optimizer steps, 8 sequences a micro-step
+GPT_CONFIGS = {
+    "fp32": dict(gradient_accumulation_steps=GAS, gradient_clipping=0.5, param_persistence_threshold=0),
+    "bf16": dict(gradient_accumulation_steps=GAS, gradient_clipping=0.5, param_persistence_threshold=0,
+                 compute_dtype="bf16"),
+    "deepspeed": {"train_micro_batch_size_per_gpu": BATCH // 4, "gradient_accumulation_steps": GAS,
+                  "gradient_clipping": 0.5, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 64}},
+}
+
+
+def _gpt():
+    from gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=64, d_model=32, n_head=4, n_layer=2, seq=16))
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum: Adam turns the last-bit differences of a near-zero grad (the sums over
+    ranks run in another order) into lr-sized steps (tests/support/parity.py optimizer_for)."""
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _gpt_batch(i: int):
+    from gpt import markov_batch
+    return markov_batch(i, batch=BATCH, seq=16, vocab=64)
+
+
+def _gpt_gloo(rank: int, world: int) -> dict:
+    """The GPT trained on 2 groups of 2 gloo ranks under each of GPT_CONFIGS: every micro-step's
+    loss and the consolidated weights."""
+    import fz3
+    from gpt import loss_fn
+    out = {}
+    per = BATCH // world
+    for name, fields in GPT_CONFIGS.items():
+        model = _gpt()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "accepts but does not use: train_micro_batch_size_per_gpu"
+            config = fz3.Config.from_deepspeed(fields) if name == "deepspeed" else fz3.Config(**fields)
+        engine = fz3.initialize(model, _sgd(model), config.replace(shard_group_size=2))
+        losses = []
+        for i in range(STEPS * GAS):
+            x, y = _gpt_batch(i)
+            loss = loss_fn(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[name] = (losses, {k: v.float() for k, v in engine.full_state_dict().items()},
+                     engine.stats()["reduce_across"])
+    return out
+
+
+def _gpt_reference(world: int) -> tuple[list[list[float]], dict]:
+    """One process: each rank's slice's loss, backward of loss / (W * GAS), clip, SGD."""
+    from gpt import loss_fn
+    model = _gpt()
+    opt = _sgd(model)
+    per, losses = BATCH // world, []
+    for step in range(STEPS):
+        for i in range(step * GAS, (step + 1) * GAS):
+            x, y = _gpt_batch(i)
+            row = []
+            for r in range(world):
+                loss = loss_fn(model(x[r * per:(r + 1) * per]), y[r * per:(r + 1) * per])
+                (loss / (world * GAS)).backward()
+                row.append(loss.item())
+            losses.append(row)
+        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return losses, model.state_dict()
+
+
+def test_two_groups_of_two_gloo_ranks_train_a_gpt_as_one_process():
+    outs = launch.run(_gpt_gloo, world_size=4, timeout=300)
+    want_losses, want_state = _gpt_reference(4)
+    for name in GPT_CONFIGS:
+        loss_tol, param_tol = (BF16_LOSS, BF16_PARAM) if name == "bf16" else (FP32, FP32)
+        got = torch.tensor([o[name][0] for o in outs], dtype=torch.float64).T  # (micro-step, rank)
+        torch.testing.assert_close(got, torch.tensor(want_losses, dtype=torch.float64), **loss_tol,
+                                   msg=lambda m: f"{name}: losses\n{m}")
+        state = outs[0][name][1]
+        for k, v in want_state.items():
+            torch.testing.assert_close(state[k], v, **param_tol, msg=lambda m: f"{name}: {k}\n{m}")
+        assert all(o[name][2] >= STEPS for o in outs), [o[name][2] for o in outs]
+
+
+def _save(rank: int, world: int, path: str, S: int) -> dict:
+    import fz3
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))
+    engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            fz3.Config(param_persistence_threshold=0, shard_group_size=S))
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        engine.backward(engine(torch.randn(world, 5, generator=g)[rank:rank + 1]).pow(2).sum())
+        engine.step()
+    engine.save_checkpoint(path)
+    return {"params": engine.full_state_dict(), "optimizer": engine.full_optimizer_state_dict()}
+
+
+def _load(rank: int, world: int, path: str, S: int) -> dict:
+    import fz3
+    torch.manual_seed(1)  # other weights: the checkpoint must replace them all
+    model = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))
+    engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            fz3.Config(param_persistence_threshold=0, shard_group_size=S))
+    engine.load_checkpoint(path)
+    return {"params": engine.full_state_dict(), "optimizer": engine.full_optimizer_state_dict()}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("saved,loaded", [((4, 2), (4, 0)), ((4, 0), (4, 2)), ((6, 3), (2, 0)), ((4, 2), (6, 3)),
+                                          ((6, 2), (6, 3))])
+def test_a_checkpoint_loads_under_any_layout_bit_for_bit(tmp_path, saved, loaded):
+    """(world, shard_group_size): a checkpoint written by one layout (the first group writes one
+    copy of each shard) loads under another, flat or hybrid, any world size: the same weights and
+    optimizer state, bit for bit."""
+    path = str(tmp_path / "ckpt")
+    before = launch.run_threads(_save, saved[0], args=(path, saved[1]))[0]
+    for after in launch.run_threads(_load, loaded[0], args=(path, loaded[1])):
+        assert _same(after["params"], before["params"]), "weights"
+        assert _same(after["optimizer"], before["optimizer"]), "optimizer state"
+    # and it consolidates in one process, as a flat one does (python -m fz3.consolidate)
+    from fz3.consolidate import fp32_state_dict
+    assert _same(fp32_state_dict(path)[0], before["params"])
