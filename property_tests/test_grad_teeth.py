@@ -16,8 +16,9 @@ from hypothesis.stateful import run_state_machine_as_test
 from fz3.core.grad import epilogue, grads
 from fz3.core.stage import STAGES
 from fz3.core.effects import CopyToBucket, HoldGrad
-from fz3.core.spec import shard_numel
+from fz3.core.spec import ModelSpec, shard_numel
 from fz3.data import collectives, layout
+from fz3.interpreters import simulated
 from fz3.interpreters.simulated import SimulationError
 from fz3.testing.grad_machine import GradMachine
 from fz3.testing.grad_naive import EDGES, PATHS, divisor, run_scenario, scenarios
@@ -91,6 +92,18 @@ BUGS = {  # name: (module, attribute, replacement, error types, message)
 }
 
 
+_real_reduce = simulated.SimulatedWorld._reduce
+
+
+def reduce_across_twice(world, e):
+    """Planted (the interpreter's side): a bucket reduced across the groups twice, as a carrier
+    whose own reduce already spanned the world and then ran the one across would."""
+    _real_reduce(world, e)
+    if e.across > 1:
+        world.reduced.pop(e.bucket)
+        _real_reduce(world, e)
+
+
 _real_zero_grads = epilogue.zero_grads
 
 
@@ -124,9 +137,21 @@ WINDOW_BUGS = {
 }
 
 
-@pytest.mark.parametrize("bug", sorted(BUGS) + sorted(WINDOW_BUGS))
+# hybrid sharding ([Note: hybrid sharding], fz3/core/stage.py): only the machine draws groups
+GROUP_BUGS = {
+    "no reduce across the groups": (
+        grads, "reduce_across", lambda spec: 1, AssertionError, "I3|the groups since the last check"),
+    "the mean over one group, not the world": (
+        ModelSpec, "ranks", property(lambda spec: spec.world_size), AssertionError, "I3"),
+    "each partition reduced across twice": (
+        simulated.SimulatedWorld, "_reduce", reduce_across_twice, (AssertionError, SimulationError),
+        "I3|the groups since the last check|reduced twice"),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS) + sorted(WINDOW_BUGS) + sorted(GROUP_BUGS))
 def test_machine_catches(bug, monkeypatch):
-    module, attr, fn, errors, msg = BUGS.get(bug) or WINDOW_BUGS[bug]
+    module, attr, fn, errors, msg = BUGS.get(bug) or WINDOW_BUGS.get(bug) or GROUP_BUGS[bug]
     monkeypatch.setattr(module, attr, fn)
     with pytest.raises(errors, match=msg):
         run_state_machine_as_test(GradMachine, settings=STRICT)

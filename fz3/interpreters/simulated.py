@@ -7,7 +7,11 @@
 
 Every rank runs every effect (the core is rank-agnostic, I6); collectives are the `sim_*`
 functions of fz3.data.collectives, so a gather is the concatenation of all ranks' shards and a
-reduce is a SUM over ranks. The interpreter decides nothing: an effect that the store cannot
+reduce is a SUM over ranks. Under hybrid sharding (a spec with replicas: [Note: hybrid
+sharding], fz3/core/stage.py) the ranks are R groups of the layout's S: a gather concatenates
+its own group's shards, a reduce sums within each group, and a ReduceBucket with `across` then
+sums each partition over the ranks holding it, one per group; `reduced_on` counts each param's
+reduces on each axis. The interpreter decides nothing: an effect that the store cannot
 honour (waiting a handle never issued, reducing grads never placed, a slot past the bucket's
 capacity) raises SimulationError, which is how tests catch a core that emits nonsense.
 
@@ -23,6 +27,7 @@ divided by the effect's predivide first; partitions keep their dtype (a write ca
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -50,8 +55,13 @@ class SimulatedWorld:
                  shards: Optional[Sequence[Sequence[torch.Tensor]]] = None,
                  dtype: torch.dtype = torch.float32,
                  grad_dtypes: Optional[Sequence[torch.dtype]] = None) -> None:
-        self.spec, self.config, self.world_size = spec, config, spec.world_size
+        # [Note: hybrid sharding]: the layout's S ranks in each of R groups (a layout of one rank,
+        # stage 0, is one rank standing for all: its reduces span the world, as the engine's do)
+        self.shard_world = spec.world_size
+        self.groups = spec.replicas if spec.world_size > 1 else 1
+        self.spec, self.config, self.world_size = spec, config, self.shard_world * self.groups
         ranks = range(self.world_size)
+        self.reduced_on: dict[str, Counter] = {"within": Counter(), "across": Counter()}  # param -> reduces
         if shards is None:
             shards = [[torch.zeros(p.shard_numel, dtype=dtype) for p in spec.params] for _ in ranks]
         self.shards: list[list[torch.Tensor]] = [list(s) for s in shards]
@@ -69,9 +79,11 @@ class SimulatedWorld:
     @classmethod
     def from_params(cls, spec: ModelSpec, params: Sequence[torch.Tensor], *, config: Config
                     ) -> "SimulatedWorld":
-        """Shard full params (one tensor per ParamId) over the spec's world size."""
+        """Shard full params (one tensor per ParamId) over the spec's world size (each group
+        holds the same shards)."""
         w = spec.world_size
-        shards = [[layout.shard_of(t, r, w) for t in params] for r in range(w)]
+        groups = spec.replicas if w > 1 else 1
+        shards = [[layout.shard_of(t, r % w, w) for t in params] for r in range(w * groups)]
         dtype = params[0].dtype if params else torch.float32
         return cls(spec, config=config, shards=shards, dtype=dtype)
 
@@ -134,9 +146,7 @@ class SimulatedWorld:
             if p in self.full[0] or any(p in g[0] for g in self.inflight.values()):
                 raise SimulationError(f"AllGather of param {p}, which is already gathered or "
                                       "in flight")
-        numels = [self.spec.params[p].numel for p in params]
-        outs = collectives.gather_world([[s[p] for p in params] for s in self.shards], numels)
-        self.inflight[handle] = [dict(zip(params, out)) for out in outs]
+        self.inflight[handle] = [dict(zip(params, out)) for out in self._gather(params)]
 
     def _wait(self, handle: Handle) -> None:
         if handle not in self.inflight:
@@ -149,10 +159,19 @@ class SimulatedWorld:
         for p in params:
             if p not in self.full[0]:
                 raise SimulationError(f"Refresh of param {p}, which is not gathered")
-        numels = [self.spec.params[p].numel for p in params]
-        outs = collectives.gather_world([[s[p] for p in params] for s in self.shards], numels)
-        for full, out in zip(self.full, outs):
+        for full, out in zip(self.full, self._gather(params)):
             full.update(zip(params, out))
+
+    def _members(self) -> list[range]:
+        """Each group's ranks: S consecutive ones."""
+        S = self.shard_world
+        return [range(g * S, (g + 1) * S) for g in range(self.groups)]
+
+    def _gather(self, params: tuple[ParamId, ...]) -> list[list[torch.Tensor]]:
+        """Every rank's full values of `params`, gathered from its own group's shards."""
+        numels = [self.spec.params[p].numel for p in params]
+        return [out for ranks in self._members()
+                for out in collectives.gather_world([[self.shards[r][p] for p in params] for r in ranks], numels)]
 
     def _free(self, params: tuple[ParamId, ...]) -> None:
         for full in self.full:
@@ -187,23 +206,36 @@ class SimulatedWorld:
             raise SimulationError(f"bucket {e.bucket} reduced twice")
         inputs = [[g / e.predivide for g in self._slot_grads(r, e)]
                   for r in range(self.world_size)]  # [rank][slot]
-        if e.path == "allreduce":
-            end = max((s.offset + s.numel for s in e.slots), default=0)
-            flats = [self.buckets[e.bucket][r][:end] / e.predivide if e.contiguous else
-                     collectives.pack_bucket(inputs[r]) for r in range(self.world_size)]
-            outs = collectives.sim_all_reduce(flats)
-            spans = [(s.offset, s.numel) for s in e.slots]
-            parts = [collectives.slice_allreduced(o, spans, r, self.world_size)
-                     for r, o in enumerate(outs)]
-            order = list(e.slots)
-        else:
-            order = sorted(e.slots, key=lambda s: s.param)
-            idx = [e.slots.index(s) for s in order]
-            packed = [collectives.pack_reduce_scatter([inputs[r][i] for i in idx], self.world_size)
-                      for r in range(self.world_size)]
-            outs = collectives.sim_reduce_scatter(packed)
-            parts = [collectives.unpack_reduce_scatter(o, [s.numel for s in order], self.world_size)
-                     for o in outs]
+        S = self.shard_world
+        parts: list[list[torch.Tensor]] = []  # [rank][slot in `order`]
+        for ranks in self._members():  # within each group ([Note: hybrid sharding])
+            if e.path == "allreduce":
+                end = max((s.offset + s.numel for s in e.slots), default=0)
+                flats = [self.buckets[e.bucket][r][:end] / e.predivide if e.contiguous else
+                         collectives.pack_bucket(inputs[r]) for r in ranks]
+                outs = collectives.sim_all_reduce(flats)
+                spans = [(s.offset, s.numel) for s in e.slots]
+                parts += [collectives.slice_allreduced(o, spans, i, S) for i, o in enumerate(outs)]
+                order = list(e.slots)
+            else:
+                order = sorted(e.slots, key=lambda s: s.param)
+                idx = [e.slots.index(s) for s in order]
+                packed = [collectives.pack_reduce_scatter([inputs[r][i] for i in idx], S) for r in ranks]
+                outs = collectives.sim_reduce_scatter(packed)
+                parts += [collectives.unpack_reduce_scatter(o, [s.numel for s in order], S) for o in outs]
+        for s in order:
+            self.reduced_on["within"][s.param] += 1
+        if e.across > 1:  # then across the groups: the ranks holding the same shard, in rank order
+            if e.across != self.groups:
+                raise SimulationError(f"{e}: all-reduced across {e.across} groups, but there are {self.groups}")
+            for i in range(S):
+                holders = range(i, self.world_size, S)
+                for j in range(len(order)):
+                    total = collectives.sim_all_reduce([parts[r][j] for r in holders])
+                    for r, t in zip(holders, total):
+                        parts[r][j] = t
+            for s in order:
+                self.reduced_on["across"][s.param] += 1
         self.reduced[e.bucket] = {s.param: [parts[r][i] for r in range(self.world_size)]
                                   for i, s in enumerate(order)}
 

@@ -28,6 +28,8 @@ grads in place, for a bucket then reduced on the reduce_scatter path. Reuse it:
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
 from hypothesis import note
@@ -57,10 +59,14 @@ class GradMachine(RuleBasedStateMachine):
                 gas=st.integers(1, 4), overlap=st.booleans(), seed=st.integers(0, 2**32 - 1),
                 managed=st.sampled_from([True, True, True, False]), stage=st.sampled_from([3, 3, 2, 1]),
                 comm=st.sampled_from(COMMS), prescale=st.booleans(),
-                predivide=st.sampled_from(PREDIVIDES), in_place=st.booleans(), data=st.data())
+                predivide=st.sampled_from(PREDIVIDES), in_place=st.booleans(),
+                groups=st.sampled_from([1, 1, 2, 3]), data=st.data())
     def setup(self, params: list[tuple[int, str]], world_size: int, path: str, gas: int,
               overlap: bool, seed: int, managed: bool, stage: int, comm: str | None, prescale: bool, predivide: float,
-              in_place: bool, data: st.DataObject) -> None:
+              in_place: bool, groups: int, data: st.DataObject) -> None:
+        # hybrid sharding: `groups` groups of `world_size` ranks (a layout of several ranks only)
+        self.groups = groups if world_size > 1 else 1
+        self.ranks = world_size * self.groups
         bucket = data.draw(bucket_sizes([n for n, _ in params]), label="reduce_bucket_size")
         self.hold = data.draw(st.one_of(st.just(0), bucket_sizes([n for n, _ in params])), label="hold_budget")
         self.config = Config(reduce_bucket_size=bucket, gradient_accumulation_steps=gas,
@@ -68,23 +74,44 @@ class GradMachine(RuleBasedStateMachine):
                              overlap_comm=overlap, communication_data_type=comm,
                              prescale_gradients=prescale, gradient_predivide_factor=predivide,
                              **PATHS[path])
-        self.multiple = grad_multiple(self.config, world_size)
+        self.multiple = grad_multiple(self.config, self.ranks)
         self.dtypes = [d for _, d in params]
         tdtypes = [DTYPES[d] for d in self.dtypes]
-        spec = grad_spec([n for n, _ in params], world_size)
+        spec = grad_spec([n for n, _ in params], world_size, self.groups)
         self.path, self.in_place = path, in_place
         self.state = grads.init_grad_state(spec, in_place_reduce_scatter=in_place, hold_budget=self.hold)
         self.world = SimulatedWorld(spec, config=self.config, grad_dtypes=tdtypes)
-        self.naive = NaiveGrads([n for n, _ in params], tdtypes, world_size)
+        self.naive = NaiveGrads([n for n, _ in params], tdtypes, self.ranks, shard_world=world_size)
+        self.axes_seen = self._axes()
         self.gen = torch.Generator().manual_seed(seed)
         self.task, self.seen, self.reported, self.log_start = 0, set(), [], 0
         self.older = False  # a step() off the boundary took grads into the window
         self.at_boundary = stage < 2  # grads wait in param.grad for the boundary's step()
         self.waiting: set[int] = set()  # ... and which do
-        note(f"W={world_size} params={params} path={path} in_place_reduce_scatter={in_place} "
-             f"hold_budget={self.hold} {self.config}")
-        self.situation = f"{path}, W={world_size}, {gas} micro-step{'s' if gas > 1 else ''}"
+        note(f"W={self.ranks} ({self.groups} group(s) of {world_size}) params={params} path={path} "
+             f"in_place_reduce_scatter={in_place} hold_budget={self.hold} {self.config}")
+        self.situation = (f"{path}, W={world_size}" + (f" x {self.groups} groups" if self.groups > 1 else "")
+                          + f", {gas} micro-step{'s' if gas > 1 else ''}")
         covered("examples", "gradient lifecycle")
+
+    def _axes(self) -> tuple[dict, dict]:
+        return dict(self.world.reduced_on["within"]), dict(self.world.reduced_on["across"])
+
+    def _check_axes(self, log: list) -> None:
+        """[Note: hybrid sharding] Each slot of each ReduceBucket in `log` (the reduces since the
+        last check, which check_reduce_log holds to the grads reported) was reduced once within
+        its group and, with several groups, once across them; nothing else was."""
+        before, now = self.axes_seen, self._axes()
+        self.axes_seen = now
+        slots = Counter(s.param for e in log if isinstance(e, ReduceBucket) for s in e.slots)
+        for axis, old, new in (("within", before[0], now[0]), ("across", before[1], now[1])):
+            want = dict(slots) if axis == "within" or self.groups > 1 else {}
+            got = {p: new.get(p, 0) - old.get(p, 0) for p in set(new) | set(old)}
+            got = {p: n for p, n in got.items() if n}
+            assert got == want, (f"reduces {axis} the groups since the last check: {got}, not once per slot "
+                                 f"{want} ({self.groups} group(s))")
+        if self.groups > 1:
+            covered("reduced once", f"within and across {self.groups} groups")
 
     def _run(self, effects: tuple) -> None:
         note(f"  -> {list(effects)}")
@@ -172,6 +199,7 @@ class GradMachine(RuleBasedStateMachine):
         else:
             check_reduce_log(self.world.log[self.log_start:], self.reported, config=self.config)
             self._check_holds(self.world.log[self.log_start:])
+            self._check_axes(self.world.log[self.log_start:])
             covered("reduced once", self.situation)
         self.task, self.seen, self.reported, self.log_start = 0, set(), [], len(self.world.log)
 
@@ -189,13 +217,14 @@ class GradMachine(RuleBasedStateMachine):
         if self.at_boundary and want:  # the window's one reduce: every waiting grad once
             check_reduce_log(list(eff), sorted(self.waiting), config=self.config)
             self._check_holds(list(eff))
+            self._check_axes(list(eff))
             covered("reduced once", self.situation + ", at the boundary")
             self.waiting = set()
         elif self.at_boundary:
             assert not any(isinstance(e, ReduceBucket) for e in eff), "a grad reduced off the boundary"
         self.log_start = len(self.world.log)
         if want:
-            self.naive.check(self.world, self.state.spec.world_size * self.config.gradient_accumulation_steps)
+            self.naive.check(self.world, self.ranks * self.config.gradient_accumulation_steps)
             covered("I3", self.situation)
         elif backwards:
             self.older = True

@@ -47,11 +47,12 @@ PREDIVIDES = (1.0, 0.5, 2.0, 4.0)  # Config.gradient_predivide_factor: exact sca
 Action = tuple  # ("report", p) | ("flush",) | ("task",)
 
 
-def grad_spec(numels: Sequence[int], world_size: int) -> ModelSpec:
-    """A flat model: params p0, p1, ... of these numels, all in one module."""
+def grad_spec(numels: Sequence[int], world_size: int, replicas: int = 1) -> ModelSpec:
+    """A flat model: params p0, p1, ... of these numels, all in one module; `replicas` groups of
+    `world_size` ranks (hybrid sharding)."""
     return build_spec([(f"p{i}", n) for i, n in enumerate(numels)],
                       [("root", list(range(len(numels))), False)],
-                      world_size=world_size, persistence_threshold=0)
+                      world_size=world_size, persistence_threshold=0, replicas=replicas)
 
 
 def small_int_grads(gen: torch.Generator, numel: int, world_size: int, dtype: torch.dtype,
@@ -70,10 +71,13 @@ def grad_multiple(config: Config, world_size: int) -> int:
 
 
 class NaiveGrads:
-    """Full-size running sums per param; sliced only when asked."""
+    """Full-size running sums per param; sliced only when asked. `world_size` ranks in groups of
+    `shard_world` (hybrid sharding; None: one group), each group holding every slice."""
 
-    def __init__(self, numels: Sequence[int], dtypes: Sequence[torch.dtype], world_size: int):
+    def __init__(self, numels: Sequence[int], dtypes: Sequence[torch.dtype], world_size: int,
+                 shard_world: int | None = None):
         self.numels, self.dtypes, self.world_size = list(numels), list(dtypes), world_size
+        self.shard_world = world_size if shard_world is None else shard_world
         self.reset()
 
     def reset(self) -> None:
@@ -84,11 +88,11 @@ class NaiveGrads:
             self.sums[param] = self.sums[param] + g.reshape(-1)
 
     def expected(self, param: int, rank: int, divisor: int) -> torch.Tensor:
-        n, w = self.numels[param], self.world_size
-        s = (n + w - 1) // w
+        n, w = self.numels[param], self.shard_world
+        s, i = (n + w - 1) // w, rank % w
         padded = torch.cat([self.sums[param] / divisor,
                             torch.zeros(s * w - n, dtype=self.dtypes[param])])
-        return padded[rank * s:(rank + 1) * s]
+        return padded[i * s:(i + 1) * s]
 
     def check(self, world: SimulatedWorld, divisor: int) -> None:
         """Every rank's every partition equals the naive mean slice, bit for bit (I3)."""

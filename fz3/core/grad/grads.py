@@ -283,6 +283,13 @@ def capacity(config: Config, *, in_place_reduce_scatter: bool, hold_budget: int)
     return config.reduce_bucket_size
 
 
+def reduce_across(spec: ModelSpec) -> int:
+    """The groups a bucket's partitions are all-reduced across once reduced within the group
+    ([Note: hybrid sharding], fz3/core/stage.py): the replicas of a layout of several ranks. A
+    layout of one rank (stage 0) reduces over every rank at once: nothing after (1)."""
+    return spec.replicas if spec.world_size > 1 else 1
+
+
 def grad_predivide(world_size: int, config: Config) -> float:
     """What every grad is divided by before the reduce (see [Note: pre-division]): the world size
     with prescale_gradients, else gradient_predivide_factor; 1.0 = nothing. Grads reduced in
@@ -311,10 +318,9 @@ def write_mode(pg: ParamGrad, window: int) -> WriteMode:
 
 def _reduce(state: GradState, bucket: BucketId, dtype: str, slots: tuple[Slot, ...],
             contiguous: bool, config: Config) -> tuple[GradState, tuple[GradEffect, ...]]:
-    spec = state.spec  # the second axis where a layout of several ranks has replicas ([Note: hybrid sharding])
     effects: list[GradEffect] = [ReduceBucket(bucket, dtype, config.reduce_path, slots, contiguous,
-                                              grad_predivide(spec.ranks, config),
-                                              across=spec.replicas if spec.world_size > 1 else 1)]
+                                              grad_predivide(state.spec.ranks, config),
+                                              across=reduce_across(state.spec))]
     params = state.params
     for slot in slots:
         pg = params[slot.param]
