@@ -362,3 +362,44 @@ def test_a_checkpoint_loads_under_any_layout_bit_for_bit(tmp_path, saved, loaded
     # and it consolidates in one process, as a flat one does (python -m fz3.consolidate)
     from fz3.consolidate import fp32_state_dict
     assert _same(fp32_state_dict(path)[0], before["params"])
+
+
+def _link_bytes(rank: int, world: int, S: int) -> dict:
+    """engine.stats()'s bytes on each link after 2 steps of the GPT, and the keys that count them."""
+    import fz3
+    from gpt import loss_fn
+    model = _gpt()
+    engine = fz3.initialize(model, _sgd(model), fz3.Config(param_persistence_threshold=64, shard_group_size=S))
+    per = BATCH // world
+    for i in range(2):
+        x, y = _gpt_batch(i)
+        engine.backward(loss_fn(engine(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]))
+        engine.step()
+    return {k: engine.stats()[k] for k in ("bytes_intra_group", "bytes_inter_group", "gathered_bytes",
+                                            "reduced_bytes", "across_bytes")}
+
+
+@pytest.mark.parametrize("S,node", [(2, None), (0, 2), (0, None)])
+def test_the_bytes_on_each_link_are_what_the_plan_says(S, node, monkeypatch):
+    """[Note: bytes on each link]: 4 ranks as 2 groups of 2, and flat across 2 nodes of 2
+    (LOCAL_WORLD_SIZE) or on one: engine.stats()'s bytes_intra_group and bytes_inter_group after
+    two steps equal fz3.plan's (ranks_per_node for the flat run's nodes). Hybrid sharding sends
+    no gather across the groups: only the reduce across them, 2 (R - 1) / R of the partitions."""
+    import fz3
+    if node:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(node))
+    got = launch.run_threads(_link_bytes, 4, args=(S,))
+    x, y = _gpt_batch(0)
+    planned = fz3.plan(_gpt(), fz3.Config(param_persistence_threshold=64, shard_group_size=S), world_size=4,
+                       example_inputs=(x[:BATCH // 4],), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+                       steps=2, ranks_per_node=node).stats
+    for g in got:
+        assert g == got[0]  # every rank alike
+        for k in g:
+            assert g[k] == planned[k], (k, g[k], planned[k])
+    if S:
+        assert got[0]["bytes_inter_group"] == got[0]["across_bytes"] > 0  # 2 (2 - 1) / 2 of the partitions
+    elif node:
+        assert got[0]["bytes_inter_group"] == 2 * got[0]["bytes_intra_group"] > 0  # 2 of 3 peers off the node
+    else:
+        assert got[0]["bytes_inter_group"] == 0 < got[0]["bytes_intra_group"]

@@ -15,6 +15,9 @@ bytes are the real run's by construction.
                                  all-reduce; W x the partitions' bytes for a reduce-scatter)
     count_across(counts, ...)    reduce_across, across_bytes: hybrid sharding's all-reduce of a
                                  bucket's partitions across the groups
+    count_links(counts, ...)     bytes_intra_group, bytes_inter_group: what a rank sends on each
+                                 link ([Note: bytes on each link])
+    link_local(...)              the ranks of a collective in this rank's link group
     p2p_sends(...)               the messages a point-to-point gather or reduce posts on one rank:
                                  one per peer per message group with elements for it
                                  (fz3/interpreters/p2p.py; counted as p2p_sends)
@@ -49,12 +52,34 @@ def bucket_capacity(config: Config, reduce_scatter_by: str, store) -> int:
 
 
 def count_gather(counts: Counter, *, carrier: str, shard_numel: int, world_size: int,
-                 element_size: int, prefetch: bool) -> None:
-    """One AllGather of params whose shards total `shard_numel` elements on each rank."""
+                 element_size: int, prefetch: bool, local: int | None = None) -> None:
+    """One AllGather of params whose shards total `shard_numel` elements on each rank; `local`:
+    of its `world_size` ranks, those in this rank's link group (count_links)."""
     counts[f"all_gather_via_{carrier}"] += 1
     counts["all_gather"] += 1
     counts["all_gather_prefetch" if prefetch else "all_gather_on_demand"] += 1
     counts["gathered_bytes"] += shard_numel * world_size * element_size
+    count_links(counts, per_peer=shard_numel * element_size, ranks=world_size, local=local)
+
+
+def count_links(counts: Counter, *, per_peer: int, ranks: int, local: int | None) -> None:
+    """[Note: bytes on each link] A collective over `ranks` ranks in which this rank sends
+    `per_peer` bytes to each other rank, `local` of the ranks (itself included) in its link group:
+    bytes_intra_group and bytes_inter_group. The link groups are the shard groups under hybrid
+    sharding, else the nodes the launcher reports (LOCAL_WORLD_SIZE; fz3.plan's
+    ranks_per_node), else one group of every rank."""
+    local = ranks if local is None else local
+    counts["bytes_intra_group"] += per_peer * (local - 1)
+    counts["bytes_inter_group"] += per_peer * (ranks - local)
+
+
+# [Note: bytes on each link] What a rank sends per collective, as fz3's point-to-point carriers
+# send it (a direct exchange: every rank to every other): an all-gather, its shard to each peer;
+# a reduce-scatter, each peer's partition of the bucket; an all-reduce (the all-reduce path, and
+# hybrid sharding's reduce across the groups), a reduce-scatter then an all-gather of it, 2 N / W
+# to each peer (a ring moves as much). Bytes sent, per rank: what each link's bandwidth carries.
+# Within a group of S on one node and across R groups, each grad element crosses the inter-group
+# link once per reduce (2 (R - 1) / R of the partitions), and no gather crosses it at all.
 
 
 def reduce_path(e: ReduceBucket, reduce_scatter_by: str) -> str:
@@ -66,16 +91,22 @@ def reduce_path(e: ReduceBucket, reduce_scatter_by: str) -> str:
 
 
 def count_reduce(counts: Counter, e: ReduceBucket, *, path: str, spec: ModelSpec,
-                 element_size: int) -> None:
-    """One ReduceBucket run as `path` (reduce_path), its grads `element_size` bytes each."""
+                 element_size: int, local: int | None = None) -> None:
+    """One ReduceBucket run as `path` (reduce_path), its grads `element_size` bytes each, within
+    the layout's ranks (`local` of them in this rank's link group: count_links)."""
+    W = spec.world_size
+    ranks = W if W > 1 else spec.ranks  # a layout of one rank (stage 0) all-reduces over every rank
     if path == "all_reduce":
         # contiguous: the bucket up to its last slot; else the grads packed back to back
         numel = max(s.offset + s.numel for s in e.slots) if e.contiguous else sum(s.numel for s in e.slots)
+        per_peer = 2 * numel * element_size // ranks
     else:
-        numel = spec.world_size * sum(spec.params[s.param].shard_numel for s in e.slots)
+        numel = W * sum(spec.params[s.param].shard_numel for s in e.slots)
+        per_peer = numel * element_size // W
     counts["reduce"] += 1
     counts[f"reduce_{path}"] += 1
     counts["reduced_bytes"] += numel * element_size
+    count_links(counts, per_peer=per_peer, ranks=ranks, local=local)
 
 
 def count_across(counts: Counter, *, numel: int, element_size: int, replicas: int) -> None:
@@ -83,6 +114,7 @@ def count_across(counts: Counter, *, numel: int, element_size: int, replicas: in
     (hybrid sharding: ReduceBucket.across): reduce_across, across_bytes (the tensor reduced)."""
     counts["reduce_across"] += 1
     counts["across_bytes"] += numel * element_size
+    count_links(counts, per_peer=2 * numel * element_size // replicas, ranks=replicas, local=1)  # one per group
 
 
 def p2p_sends(numels: Sequence[int], groups: Sequence[Sequence[int]], rank: int, world_size: int, *,
@@ -96,3 +128,14 @@ def p2p_sends(numels: Sequence[int], groups: Sequence[Sequence[int]], rank: int,
     if gather:
         return sum(len(peers) for g in groups if has(g, rank))
     return sum(has(g, j) for g in groups for j in peers)
+
+
+def link_local(world_size: int, hybrid: bool, ranks_per_node: int | None) -> int | None:
+    """Of the ranks a gather or an in-group reduce spans, those in this rank's link group
+    ([Note: bytes on each link]): the whole shard group under hybrid sharding (None: all); else
+    the rank's node when `ranks_per_node` divides the world (flat ZeRO-3 across nodes)."""
+    if hybrid:
+        return None
+    if ranks_per_node and 0 < ranks_per_node < world_size and world_size % ranks_per_node == 0:
+        return ranks_per_node
+    return None

@@ -48,6 +48,7 @@ reduces in flight and the writes that wait for them.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter, deque
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -90,6 +91,10 @@ class DistInterpreter:
         self.store, self.config, self.device, self.comm = store, config, device, transport
         self.group_comm = transport if axes is None else axes.shard
         self.replica_comm = None if axes is None else axes.replica
+        # [Note: bytes on each link] (accounting.py): the group's ranks in this rank's link group
+        node = os.environ.get("LOCAL_WORLD_SIZE", "")
+        self.local = accounting.link_local(transport.world_size, axes is not None,
+                                           int(node) if node.isdigit() else None)
         self.rank, self.world_size = transport.rank, transport.world_size  # the group's
         # the layout's: the ranks each param is split over, and this rank's place among them (the
         # group at stages 1-3; one rank at stage 0, whose gathers then move nothing: stage.py)
@@ -237,7 +242,7 @@ class DistInterpreter:
         shards = [self.store.shard(p) for p in ps]
         accounting.count_gather(self.counts, carrier=self.gather.name, shard_numel=sum(s.numel() for s in shards),
                                 world_size=self.shard_world, element_size=shards[0].element_size(),
-                                prefetch=prefetch)
+                                prefetch=prefetch, local=self.local)
         return shards
 
     def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
@@ -339,7 +344,8 @@ class DistInterpreter:
 
         def issue():
             grads, buf = self._reduce_inputs(e)
-            accounting.count_reduce(self.counts, e, path=path, spec=self.spec, element_size=grads[0].element_size())
+            accounting.count_reduce(self.counts, e, path=path, spec=self.spec, element_size=grads[0].element_size(),
+                                    local=self.local)
             return carrier.reduce(e, grads, buf)
         work, finish, keep = self._launch(ops, issue)
         self.reduces.append((e.bucket, _Reduce(work, finish, keep, e)))

@@ -34,8 +34,13 @@ from fz3.data.store import TensorStore
 
 
 class PlanInterpreter:
-    def __init__(self, store: TensorStore, *, config: Config, backend: str, options: Options = Options()) -> None:
+    def __init__(self, store: TensorStore, *, config: Config, backend: str, options: Options = Options(),
+                 world_size: int = 1, ranks_per_node: int | None = None) -> None:
+        """`world_size`: the planned world; `ranks_per_node`: its nodes, for the bytes on each
+        link of flat ZeRO-3 ([Note: bytes on each link], accounting.py)."""
         self.store, self.config = store, config
+        self.local = accounting.link_local(world_size, store.spec.replicas > 1 and store.spec.world_size > 1,
+                                           ranks_per_node)
         self.spec = store.spec
         self.gather_by, self.reduce_scatter_by = accounting.carriers(options, backend)
         self.coalesce_numel = options.gloo_coalesce_numel
@@ -90,7 +95,7 @@ class PlanInterpreter:
                     self._completed()
                     path = accounting.reduce_path(e, self.reduce_scatter_by)
                     accounting.count_reduce(self.counts, e, path=path, spec=self.spec,
-                                            element_size=getattr(torch, e.dtype).itemsize)
+                                            element_size=getattr(torch, e.dtype).itemsize, local=self.local)
                     if path == "p2p":
                         self._count_sends([s.param for s in e.slots], gather=False)
                     if e.across > 1:  # [Note: hybrid sharding]: the partitions, back to back
@@ -136,7 +141,7 @@ class PlanInterpreter:
         accounting.count_gather(self.counts, carrier=self.gather_by,
                                 shard_numel=sum(self.spec.params[p].shard_numel for p in ps),
                                 world_size=self.spec.world_size, element_size=self.store.dtype.itemsize,
-                                prefetch=prefetch)
+                                prefetch=prefetch, local=self.local)
         if self.gather_by == "p2p":
             self._count_sends(ps, gather=True)
 

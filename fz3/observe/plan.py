@@ -52,7 +52,7 @@ NOT_PLANNED = ("pool_bytes", "device_allocated_bytes", "device_peak_bytes", *PRO
 """engine.stats() keys that are runtime, not decided by the core (the compiler's counts are the
 process's): the plan leaves them out."""
 STEP_COUNTS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "gathered_bytes",
-               "reduce", "reduced_bytes")
+               "reduce", "reduced_bytes", "bytes_intra_group", "bytes_inter_group")
 
 
 @dataclass
@@ -85,7 +85,8 @@ class Plan:
 
 def plan(model: nn.Module, config: Config | None = None, *, world_size: int, example_inputs,
          optimizer: Union[str, Callable[..., torch.optim.Optimizer]] = "adamw", steps: int = 1,
-         backend: str | None = None, options=None, device_memory: int | None = None) -> Plan:
+         backend: str | None = None, options=None, device_memory: int | None = None,
+         ranks_per_node: int | None = None) -> Plan:
     """Plan `steps` optimizer steps of `model` under `config` on `world_size` ranks, each of
     config.gradient_accumulation_steps forward and backward passes on `example_inputs`.
     `optimizer`: "adamw", "adam", "sgd" or a callable that builds a torch optimizer from params;
@@ -94,21 +95,27 @@ def plan(model: nn.Module, config: Config | None = None, *, world_size: int, exa
     `device_memory`: the bytes a rank has for its model states: the plan says whether it fits,
     and, the config offloading nothing, chooses the share of the optimizer to offload to NVMe
     (offload_optimizer's ratio, as DeepSpeed picks the sub-groups) that makes it fit (`chosen`;
-    a config that offloads already is planned as it is: its ratio is honoured)."""
+    a config that offloads already is planned as it is: its ratio is honoured).
+    `ranks_per_node`: the nodes of a flat run, for its bytes on each link (bytes_intra_group,
+    bytes_inter_group; under hybrid sharding the shard groups are the link groups)."""
     config = Config() if config is None else config
     options = given(options, "fz3.plan")
     _check(model, config, world_size, optimizer, steps, backend)
+    if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+                                       or ranks_per_node < 1 or world_size % ranks_per_node):
+        raise ValueError(f"fz3.plan: ranks_per_node must be an int >= 1 that divides world_size={world_size} "
+                         f"(the ranks of each node), got {ranks_per_node!r}")
     if device_memory is not None and (isinstance(device_memory, bool) or not isinstance(device_memory, int)
                                       or device_memory <= 0):
         raise ValueError(f"fz3.plan: device_memory must be a number of bytes > 0, got {device_memory!r}")
     out = _plan(model, config, world_size, example_inputs, optimizer, steps, backend or _default_backend(),
-                options, device_memory)
+                options, device_memory, ranks_per_node=ranks_per_node)
     if device_memory is None or out.fits or config.offload_optimizer.device == "nvme" or config.stage != 3:
         return out  # fits, offloads as the user said, or a stage DeepSpeed puts no optimizer on NVMe at
     trial = config.replace(offload_optimizer=dataclasses.replace(
         config.offload_optimizer, device="nvme", nvme_path=config.offload_optimizer.nvme_path or "NVME_PATH"))
     offloaded = _plan(model, trial, world_size, example_inputs, optimizer, steps, backend or _default_backend(),
-                      options, device_memory, search=True)
+                      options, device_memory, search=True, ranks_per_node=ranks_per_node)
     if offloaded.chosen is not None:
         return offloaded
     out.searched = True
@@ -116,11 +123,11 @@ def plan(model: nn.Module, config: Config | None = None, *, world_size: int, exa
 
 
 def _plan(model, config, world_size, example_inputs, optimizer, steps, backend, options, device_memory,
-          search: bool = False) -> Plan:
+          search: bool = False, ranks_per_node: int | None = None) -> Plan:
     fakes = Fakes(model)
     args, kwargs = bind_inputs(fakes.model, example_inputs)
     with fakes:
-        engine = _engine(fakes.model, config, world_size, backend, options)
+        engine = _engine(fakes.model, config, world_size, backend, options, ranks_per_node)
     state_rate = _optimizer_state_rate(optimizer)  # on real probes
     with fakes:
         args, kwargs = fakes.inputs(args, kwargs)
@@ -129,14 +136,16 @@ def _plan(model, config, world_size, example_inputs, optimizer, steps, backend, 
     return out
 
 
-def _engine(shadow: nn.Module, config: Config, world_size: int, backend: str, options):
+def _engine(shadow: nn.Module, config: Config, world_size: int, backend: str, options,
+            ranks_per_node: int | None = None):
     """The real engine on the fake copy, as rank 0 of `world_size`, with the planning interpreter."""
     from fz3.interpreters.planned import PlanInterpreter
     from fz3.shell.device import MetaDevice
     from fz3.shell.engine import Engine
     return Engine(shadow, torch.optim.SGD(shadow.parameters(), lr=0.0), config, device=MetaDevice(backend),
                   rank=0, world_size=world_size, options=options,
-                  interpreter=lambda store: PlanInterpreter(store, config=config, backend=backend, options=options))
+                  interpreter=lambda store: PlanInterpreter(store, config=config, backend=backend, options=options,
+                                                            world_size=world_size, ranks_per_node=ranks_per_node))
 
 
 def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple[int, int],
