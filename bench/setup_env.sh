@@ -13,16 +13,16 @@ DEEPSPEED=0.19.8
 if [ -x "$ENV/bin/python" ] && "$ENV/bin/python" - <<PY 2>/dev/null
 import importlib.metadata as m, sys
 ok = m.version("torch").startswith("$TORCH") and m.version("deepspeed") == "$DEEPSPEED"
-import fz3, deepspeed  # noqa: F401
+import fz3, deepspeed, transformers  # noqa: F401
 sys.exit(0 if ok else 1)
 PY
 then
-  echo "bench/.env ready (torch $TORCH, deepspeed $DEEPSPEED)"
+  echo "bench/.env ready (torch $TORCH, deepspeed $DEEPSPEED, transformers)"
   exit 0
 fi
 python3 -m venv "$ENV"
 "$ENV/bin/pip" install -q "torch==$TORCH"
 # deepspeed's setup.py imports torch, hence no build isolation; the rest are its runtime deps.
 DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "$ENV/bin/pip" install -q --no-build-isolation "deepspeed==$DEEPSPEED"
-"$ENV/bin/pip" install -q -e . 
+"$ENV/bin/pip" install -q -e '.[hf]'  # transformers: bench/links.py's 7 B Llama on the meta device
 "$ENV/bin/python" -c "import torch, deepspeed, fz3; print('bench/.env:', torch.__version__, deepspeed.__version__)"
