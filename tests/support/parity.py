@@ -96,8 +96,7 @@ EXTRA_CONFIGS: dict[str, Config] = {
 
 # hybrid sharding (issue #49) on 6 ranks as 3 groups of 2 and as 2 groups of 3
 # (tests/test_hybrid_sharding.py): the p2p carriers and DeepSpeed's defaults (every param
-# sharded, AdamW), bf16 with clipping (SGD), the all-reduce path within the groups, and the
-# DeepSpeed JSON (everything persistent)
+# sharded, AdamW), bf16 with clipping (SGD), the all-reduce path within the groups
 HYBRID_CONFIGS: dict[str, Config] = {
     "hybrid": Config(param_persistence_threshold=0, shard_group_size=2, **_C),
     "hybrid_bf16_clip": CONFIGS["bf16"].replace(shard_group_size=2, gradient_clipping=0.5),
@@ -109,8 +108,6 @@ HYBRID_CONFIGS: dict[str, Config] = {
 
 
 def config_named(name: str) -> Config:
-    if name == "hybrid_ds":
-        return config_named("ds_defaults").replace(shard_group_size=2)
     if name in HYBRID_CONFIGS:
         return HYBRID_CONFIGS[name]
     if name == "ds_defaults":
