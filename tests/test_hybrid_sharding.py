@@ -60,21 +60,8 @@ def test_groups_of_six_ranks_train_as_one_process(model, cname):
     assert not res["rank_errors"][key], f"{where}: a rank raised\n" + res["rank_errors"][key][0]
     r, ref = res[key], _reference(model, parity.optimizer_for(cname), cfg.gradient_clipping)
     loss_tol, param_tol = (FP32, FP32) if cfg.compute_dtype == "fp32" else (BF16_LOSS, BF16_PARAM)
-    got = torch.tensor(res["rank_losses"][key], dtype=torch.float64).T  # (micro-step, rank)
-    torch.testing.assert_close(got, torch.tensor(ref.losses, dtype=torch.float64), **loss_tol,
-                               msg=lambda m: f"{where}: losses\n{m}")
-    got = torch.tensor(res["rank_eval_losses"][key], dtype=torch.float64).T
-    torch.testing.assert_close(got, torch.tensor(ref.eval_losses, dtype=torch.float64), **loss_tol,
-                               msg=lambda m: f"{where}: forward-only losses\n{m}")
-    # the norm spans the world (each shard counted once, not once per group), before clipping
-    torch.testing.assert_close(torch.tensor(r.grad_norms, dtype=torch.float64),
-                               torch.tensor(ref.grad_norms, dtype=torch.float64), **loss_tol,
-                               msg=lambda m: f"{where}: get_global_grad_norm()\n{m}")
-    assert r.lrs == ref.lrs, (where, r.lrs, ref.lrs)
-    assert list(r.state) == list(ref.state), f"{where}: state_dict keys differ"
-    for name, want in ref.state.items():
-        torch.testing.assert_close(r.state[name], want.float(), **param_tol,
-                                   msg=lambda m: f"{where}: {name} after {parity.STEPS} steps\n{m}")
+    # the norm among them spans the world (each shard counted once, not once per group)
+    parity.assert_trains_as(res, key, ref, loss_tol, param_tol, where)
     assert not res["rank_not_available"][key], (where, res["rank_not_available"][key][:5])
     # one all-reduce across the groups per reduce within them
     assert r.stats["reduce_across"] == r.stats["reduce"] > 0, (where, r.stats["reduce_across"], r.stats["reduce"])

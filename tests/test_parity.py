@@ -81,14 +81,6 @@ def reference(model: str, world_size: int, optimizer: str, clip: float):
 DYNAMIC_ORDER = ("branch",)  # models whose module order changes between passes
 
 
-def _max_dev(got: torch.Tensor, exp: torch.Tensor) -> tuple[float, float]:
-    """(max abs deviation, max relative deviation where |exp| > 1e-3)."""
-    d = (got - exp).abs()
-    big = exp.abs() > 1e-3
-    rel = (d[big] / exp.abs()[big]).max().item() if big.any() else 0.0
-    return (d.max().item() if d.numel() else 0.0), rel
-
-
 def check_model(model: str, world_size: int) -> None:
     res = world(world_size)
     summary = []
@@ -100,33 +92,8 @@ def check_model(model: str, world_size: int) -> None:
         cfg, opts = parity.config_named(cname), parity.options_named(cname)
         r = res[key]
         ref = reference(model, world_size, parity.optimizer_for(cname), cfg.gradient_clipping)
-        ref_losses, ref_state = ref.losses, ref.state
         loss_tol, param_tol = (FP32, FP32) if cfg.compute_dtype == "fp32" else (BF16_LOSS, BF16_PARAM)
-
-        got = torch.tensor(res["rank_losses"][key], dtype=torch.float64).T  # (micro-step, rank)
-        exp = torch.tensor(ref_losses, dtype=torch.float64)
-        torch.testing.assert_close(got, exp, **loss_tol, msg=lambda m: f"{where}: losses\n{m}")
-        loss_dev = _max_dev(got, exp)
-
-        # forward-only passes (inference_mode, no_grad + eval(), eval() with grad) before, between
-        # and after steps: their losses match, and training around them is unchanged (above)
-        got = torch.tensor(res["rank_eval_losses"][key], dtype=torch.float64).T  # (pass, rank)
-        torch.testing.assert_close(got, torch.tensor(ref.eval_losses, dtype=torch.float64), **loss_tol,
-                                   msg=lambda m: f"{where}: forward-only losses\n{m}")
-        # the global grad norm before clipping, and the lr scheduler stepped once per boundary
-        # with each param group's own lr
-        torch.testing.assert_close(torch.tensor(r.grad_norms, dtype=torch.float64),
-                                   torch.tensor(ref.grad_norms, dtype=torch.float64), **loss_tol,
-                                   msg=lambda m: f"{where}: get_global_grad_norm()\n{m}")
-        assert r.lrs == ref.lrs, (where, r.lrs, ref.lrs)
-
-        assert list(r.state) == list(ref_state), f"{where}: state_dict keys differ"
-        param_abs, param_rel = 0.0, 0.0
-        for name, want in ref_state.items():
-            torch.testing.assert_close(r.state[name], want.float(), **param_tol,
-                                       msg=lambda m: f"{where}: {name} after {parity.STEPS} steps\n{m}")
-            a, rel = _max_dev(r.state[name], want.float())
-            param_abs, param_rel = max(param_abs, a), max(param_rel, rel)
+        loss_dev, param_abs, param_rel = parity.assert_trains_as(res, key, ref, loss_tol, param_tol, where)
 
         assert r.budget_max <= cfg.max_live_parameters, (
             f"{where}: {r.budget_max} live elements were neither pinned nor within "

@@ -150,25 +150,21 @@ class P2P(Carrier):
         return got
 
     def gather_plan(self, params: Sequence[int]) -> p2p.GatherPlan:
-        """The spans a gather of `params` moves (p2p.GatherPlan), made once per param set, as its
-        groups are."""
-        key = tuple(params)
-        got = self.gather_plans.get(key)
-        if got is None:
-            it = self.ctx
-            got = self.gather_plans[key] = p2p.GatherPlan([it.spec.params[p].numel for p in key], it.rank,
-                                                          it.world_size, self.groups(key))
-        return got
+        """The spans a gather of `params` moves (p2p.GatherPlan)."""
+        return self._once(self.gather_plans, params, p2p.GatherPlan)
 
     def reduce_layout(self, params: Sequence[int]) -> p2p.ReduceLayout:
-        """Where a reduce of `params` takes and puts its bytes (p2p.ReduceLayout), made once per
-        param set, as its groups are."""
+        """Where a reduce of `params` takes and puts its bytes (p2p.ReduceLayout)."""
+        return self._once(self.reduce_layouts, params, p2p.ReduceLayout)
+
+    def _once(self, made: dict, params: Sequence[int], make: Callable):
+        """make(numels, rank, world_size, groups) for `params`, made once per param set, as its
+        groups are: the trace repeats them every step."""
         key = tuple(params)
-        got = self.reduce_layouts.get(key)
+        got = made.get(key)
         if got is None:
             it = self.ctx
-            got = self.reduce_layouts[key] = p2p.ReduceLayout([it.spec.params[p].numel for p in key], it.rank,
-                                                              it.world_size, self.groups(key))
+            got = made[key] = make([it.spec.params[p].numel for p in key], it.rank, it.world_size, self.groups(key))
         return got
 
     def tag(self, kind: int, params: Sequence[int], numel: int):

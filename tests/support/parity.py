@@ -429,3 +429,42 @@ def reference(model: str, world_size: int, optimizer: str, *, clip: float = 0.0,
     forward_only(steps * GAS)
     out.state.update(cpu_state({k: v.detach().clone() for k, v in net.state_dict().items()}))
     return out
+
+
+# ---- the comparison -------------------------------------------------------------------------------
+
+def max_dev(got: torch.Tensor, exp: torch.Tensor) -> tuple[float, float]:
+    """(max abs deviation, max relative deviation where |exp| > 1e-3)."""
+    d = (got - exp).abs()
+    big = exp.abs() > 1e-3
+    rel = (d[big] / exp.abs()[big]).max().item() if big.any() else 0.0
+    return (d.max().item() if d.numel() else 0.0), rel
+
+
+def assert_trains_as(res: dict, key: tuple, ref: Reference, loss_tol: dict, param_tol: dict,
+                     where: str) -> tuple[tuple[float, float], float, float]:
+    """A (model, config) of run_world's `res` against the one-process `ref`: every rank's loss at
+    every micro-step, the forward-only passes' losses (inference_mode, no_grad + eval(), eval()
+    with grad, before, between and after steps: training around them unchanged), the global
+    grad norm before clipping, the lr scheduler stepped once per boundary with each group's own
+    lr, and every param after the last step. -> (loss deviation, param abs, param rel)."""
+    r = res[key]
+    got = torch.tensor(res["rank_losses"][key], dtype=torch.float64).T  # (micro-step, rank)
+    exp = torch.tensor(ref.losses, dtype=torch.float64)
+    torch.testing.assert_close(got, exp, **loss_tol, msg=lambda m: f"{where}: losses\n{m}")
+    loss_dev = max_dev(got, exp)
+    got = torch.tensor(res["rank_eval_losses"][key], dtype=torch.float64).T  # (pass, rank)
+    torch.testing.assert_close(got, torch.tensor(ref.eval_losses, dtype=torch.float64), **loss_tol,
+                               msg=lambda m: f"{where}: forward-only losses\n{m}")
+    torch.testing.assert_close(torch.tensor(r.grad_norms, dtype=torch.float64),
+                               torch.tensor(ref.grad_norms, dtype=torch.float64), **loss_tol,
+                               msg=lambda m: f"{where}: get_global_grad_norm()\n{m}")
+    assert r.lrs == ref.lrs, (where, r.lrs, ref.lrs)
+    assert list(r.state) == list(ref.state), f"{where}: state_dict keys differ"
+    param_abs, param_rel = 0.0, 0.0
+    for name, want in ref.state.items():
+        torch.testing.assert_close(r.state[name], want.float(), **param_tol,
+                                   msg=lambda m: f"{where}: {name} after {STEPS} steps\n{m}")
+        a, rel = max_dev(r.state[name], want.float())
+        param_abs, param_rel = max(param_abs, a), max(param_rel, rel)
+    return loss_dev, param_abs, param_rel
