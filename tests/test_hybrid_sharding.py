@@ -40,14 +40,6 @@ def _six_ranks() -> dict:
     return parity.run_world(W, MODELS, probes=False, timeout=500, threads=True, configs=CONFIGS)
 
 
-@functools.lru_cache(maxsize=None)
-def _reference(model: str, optimizer: str, clip: float):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return parity.reference(model, W, optimizer, clip=clip)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -58,13 +50,41 @@ def test_groups_of_six_ranks_train_as_one_process(model, cname):
     S = cfg.shard_group_size
     key, where = (model, cname), f"{model} / {cname} / {W // S} groups of {S}"
     assert not res["rank_errors"][key], f"{where}: a rank raised\n" + res["rank_errors"][key][0]
-    r, ref = res[key], _reference(model, parity.optimizer_for(cname), cfg.gradient_clipping)
+    r, ref = res[key], parity.cached_reference(model, W, parity.optimizer_for(cname), cfg.gradient_clipping)
     loss_tol, param_tol = (FP32, FP32) if cfg.compute_dtype == "fp32" else (BF16_LOSS, BF16_PARAM)
     # the norm among them spans the world (each shard counted once, not once per group)
     parity.assert_trains_as(res, key, ref, loss_tol, param_tol, where)
     assert not res["rank_not_available"][key], (where, res["rank_not_available"][key][:5])
     # one all-reduce across the groups per reduce within them
     assert r.stats["reduce_across"] == r.stats["reduce"] > 0, (where, r.stats["reduce_across"], r.stats["reduce"])
+
+
+def _replicas(rank: int, world: int, S: int) -> dict:
+    """A few AdamW steps in bf16 with clipping: this rank's fp32 master shards and optimizer state."""
+    import fz3
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 3))
+    engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            fz3.Config(param_persistence_threshold=0, shard_group_size=S, compute_dtype="bf16",
+                                       gradient_clipping=0.3))
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        engine.backward(engine(torch.randn(world, 6, generator=g)[rank:rank + 1]).pow(2).sum())
+        engine.step()
+    state = engine.optimizer.state  # this rank's shard of each param's state, by fp32 master
+    return {"masters": [m.detach().clone() for m in engine.store.masters],
+            "state": [v.clone() for m in engine.store.masters for v in state[m].values() if isinstance(v, torch.Tensor)]}
+
+
+@pytest.mark.parametrize("world,S", [(4, 2), (6, 3)])
+def test_every_group_steps_its_shards_alike(world, S):
+    """Each shard is stepped once per group, on the same reduced grad: the ranks holding it (one
+    per group) keep bit-equal fp32 masters and optimizer state, step after step."""
+    outs = launch.run_threads(_replicas, world, args=(S,))
+    for r in range(S, world):
+        for key in ("masters", "state"):
+            assert len(outs[r][key]) == len(outs[r % S][key])
+            assert all(torch.equal(a, b) for a, b in zip(outs[r][key], outs[r % S][key])), (r, key)
 
 
 def _links(rank: int, world: int, S: int) -> dict:

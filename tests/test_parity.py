@@ -68,14 +68,7 @@ def world(world_size: int) -> dict:
     return res
 
 
-@functools.lru_cache(maxsize=None)
-def reference(model: str, world_size: int, optimizer: str, clip: float):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return parity.reference(model, world_size, optimizer, clip=clip)
-    finally:
-        torch.set_num_threads(threads)
+reference = parity.cached_reference
 
 
 DYNAMIC_ORDER = ("branch",)  # models whose module order changes between passes

@@ -55,7 +55,7 @@ from fz3.core.param.release import release
 from fz3.core.spec import ModelSpec, ModuleSpec
 from fz3.core.stage import policy
 from fz3.core.param.state import ParamState
-from fz3.core.param.step import end_of_step, finish_backward, reset_step
+from fz3.core.param.step import before_step, end_of_step, finish_backward, reset_step
 
 if TYPE_CHECKING:  # each step takes its event's record (events.py imports this file)
     from fz3.core.events import (BackwardEnded, Enter, GradReady, GradsZeroed, Leave, PostBackwardRan, PreBackwardRan,
@@ -375,9 +375,10 @@ def stepped(st: Lifecycle, ev: Stepped, *, config: Config) -> tuple[Lifecycle, t
     if ev.finite is False:
         grads, eff = optimizer_step(grads, config=config, applied=False)
         return Lifecycle(st.params, grads, st.calls), (SkipStep(st.grads.window + 1),) + eff
-    effects = (StepOptimizer(no_grad_params(st, ev.leaf_grads), guarded=ev.finite is None),)
+    params, waited = before_step(st.params)  # [Note: no step over a gather in flight] (param/step.py)
+    effects = waited + (StepOptimizer(no_grad_params(st, ev.leaf_grads), guarded=ev.finite is None),)
     grads, eff = optimizer_step(grads, config=config)
-    params, eff2 = end_of_step(st.params, config=config)
+    params, eff2 = end_of_step(params, config=config)
     return Lifecycle(params, grads, st.calls), effects + eff + eff2
 
 

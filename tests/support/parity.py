@@ -26,6 +26,7 @@ it a zero grad partition, as DeepSpeed does (AdamW then decays it).
 """
 from __future__ import annotations
 
+import functools
 import math
 import traceback
 from dataclasses import dataclass, field
@@ -432,6 +433,17 @@ def reference(model: str, world_size: int, optimizer: str, *, clip: float = 0.0,
 
 
 # ---- the comparison -------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def cached_reference(model: str, world_size: int, optimizer: str, clip: float) -> Reference:
+    """`reference`, once per arguments, with one intra-op thread as the ranks compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return reference(model, world_size, optimizer, clip=clip)
+    finally:
+        torch.set_num_threads(threads)
+
 
 def max_dev(got: torch.Tensor, exp: torch.Tensor) -> tuple[float, float]:
     """(max abs deviation, max relative deviation where |exp| > 1e-3)."""

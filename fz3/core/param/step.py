@@ -67,6 +67,24 @@ def finish_backward(st: ParamState, *, config: Config) -> tuple[ParamState, Effe
     return tx.commit()
 
 
+def before_step(st: ParamState) -> tuple[ParamState, Effects]:
+    """Before the optimizer step: wait every gather still in flight (a prefetch the pass never
+    reached: a forward cut short, or one without a backward). Its collective reads the shards
+    the step writes, so on a gather stream the step would race it (the stream machine found it:
+    [Note: no step over a gather in flight])."""
+    tx = Txn(st)
+    drain(tx)
+    return tx.commit()
+
+
+# [Note: no step over a gather in flight] A pass that ends before the module a prefetch was for
+# (a forward cut short, or a forward with no backward) leaves that gather in flight at the
+# boundary. end_of_step waits it, but after the optimizer step has written the shards the
+# gather reads: on an accelerator the optimizer's writes on the compute stream raced the
+# gather stream's reads, and on gloo the point-to-point carrier could send half-stepped bytes.
+# `before_step` waits it first (calls.stepped). fz3/testing/stream_machine.py found it.
+
+
 def end_of_step(st: ParamState, *, config: Config) -> tuple[ParamState, Effects]:
     """After the optimizer step: free every full param (they are stale) but the persistent ones
     that were live and the ones an open gathered_parameters holds (their holds stay counted):
