@@ -50,6 +50,13 @@ class ModelSpec:
     max_inflight: int = 2  # gathers in flight at once (Config.max_ongoing_fetch_events; param/state.py)
 
     @property
+    def groups(self) -> int:
+        """Hybrid sharding's groups, each holding every shard ([Note: hybrid sharding],
+        fz3/core/stage.py): the replicas of a layout of several ranks; 1 for a layout of one rank
+        (stage 0), whose reduces span every rank at once."""
+        return self.replicas if self.world_size > 1 else 1
+
+    @property
     def ranks(self) -> int:
         """Every rank that trains: the grads' mean is over this many."""
         return self.world_size * self.replicas

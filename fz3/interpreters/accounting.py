@@ -130,12 +130,8 @@ def p2p_sends(numels: Sequence[int], groups: Sequence[Sequence[int]], rank: int,
     return sum(has(g, j) for g in groups for j in peers)
 
 
-def link_local(world_size: int, hybrid: bool, ranks_per_node: int | None) -> int | None:
+def link_local(spec: ModelSpec, ranks_per_node: int | None) -> int | None:
     """Of the ranks a gather or an in-group reduce spans, those in this rank's link group
     ([Note: bytes on each link]): the whole shard group under hybrid sharding (None: all); else
-    the rank's node when `ranks_per_node` divides the world (flat ZeRO-3 across nodes)."""
-    if hybrid:
-        return None
-    if ranks_per_node and 0 < ranks_per_node < world_size and world_size % ranks_per_node == 0:
-        return ranks_per_node
-    return None
+    the rank's node (flat ZeRO-3 over nodes of `ranks_per_node`, which divides the world)."""
+    return None if spec.groups > 1 else ranks_per_node

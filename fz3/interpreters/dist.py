@@ -48,7 +48,6 @@ reduces in flight and the writes that wait for them.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import Counter, deque
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -92,9 +91,7 @@ class DistInterpreter:
         self.group_comm = transport if axes is None else axes.shard
         self.replica_comm = None if axes is None else axes.replica
         # [Note: bytes on each link] (accounting.py): the group's ranks in this rank's link group
-        node = os.environ.get("LOCAL_WORLD_SIZE", "")
-        self.local = accounting.link_local(transport.world_size, axes is not None,
-                                           int(node) if node.isdigit() else None)
+        self.local = accounting.link_local(store.spec, groups.launcher_nodes(transport.world_size))
         self.rank, self.world_size = transport.rank, transport.world_size  # the group's
         # the layout's: the ranks each param is split over, and this rank's place among them (the
         # group at stages 1-3; one rank at stage 0, whose gathers then move nothing: stage.py)
@@ -153,8 +150,8 @@ class DistInterpreter:
         self.buffers_pool = BufferPool(store.device, limit_bytes=limit, huge_pages=options.huge_pages,
                                        min_bytes=MIN_POOLED_BYTES)
         # [Note: shared-memory carrier] the P2P carrier's large messages, on one host
-        p2p_comm = shared_memory.for_carrier(self.group_comm, options.shared_memory and "p2p" in (self.gather_by,
-                                                                                                   self.reduce_scatter_by))
+        by_p2p = "p2p" in (self.gather_by, self.reduce_scatter_by)
+        p2p_comm = shared_memory.for_carrier(self.group_comm, options.shared_memory and by_p2p)
         ctx = carriers.Context(self.shard_rank, W, self.spec, p2p_comm, self.async_op, self.agreement,
                                self.buffers_pool.take, self.buffers_pool.take_many, self.reduce_buffer, self.on,
                                self.gather_stream, self.reduce_stream, self.bucket_capacity, self.shard_capacity,

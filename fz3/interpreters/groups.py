@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import os
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from fz3.interpreters.threads import ThreadTransport
+from fz3.interpreters.threads import ThreadTransport, _Done, _sum
 from fz3.interpreters.transport import TorchTransport, Transport
+
+
+def launcher_nodes(world_size: int) -> Optional[int]:
+    """The ranks of each node as the launcher says them (torchrun's LOCAL_WORLD_SIZE), when the
+    world spans several whole nodes; else None (one node, or nothing said)."""
+    node = os.environ.get("LOCAL_WORLD_SIZE", "")
+    n = int(node) if node.isdigit() else 0
+    return n if 0 < n < world_size and world_size % n == 0 else None
 
 
 class Axes(NamedTuple):
@@ -98,11 +107,7 @@ class SubTransport:
         return [t if j == self.rank else got[j] for j in range(self.world_size)]
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = False):
-        xs = self._everyone(t)
-        total = xs[0].clone()
-        for x in xs[1:]:
-            total += x
-        t.copy_(total)
+        t.copy_(_sum(self._everyone(t)))
         return _done(async_op)
 
     def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
@@ -110,12 +115,8 @@ class SubTransport:
         return _done(async_op)
 
     def reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
-        xs = self._everyone(inp)
-        total = xs[0].clone()
-        for x in xs[1:]:
-            total += x
         n = out.numel()
-        out.copy_(total.reshape(-1)[self.rank * n:(self.rank + 1) * n])
+        out.copy_(_sum(self._everyone(inp)).reshape(-1)[self.rank * n:(self.rank + 1) * n])
         return _done(async_op)
 
     def broadcast(self, t: torch.Tensor, src: int = 0):
@@ -129,14 +130,6 @@ class SubTransport:
 
     def side(self) -> "SubTransport":
         return self
-
-
-class _Done:
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
 
 
 def _done(async_op: bool):

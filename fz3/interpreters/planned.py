@@ -39,8 +39,7 @@ class PlanInterpreter:
         """`world_size`: the planned world; `ranks_per_node`: its nodes, for the bytes on each
         link of flat ZeRO-3 ([Note: bytes on each link], accounting.py)."""
         self.store, self.config = store, config
-        self.local = accounting.link_local(world_size, store.spec.replicas > 1 and store.spec.world_size > 1,
-                                           ranks_per_node)
+        self.local = accounting.link_local(store.spec, ranks_per_node if ranks_per_node != world_size else None)
         self.spec = store.spec
         self.gather_by, self.reduce_scatter_by = accounting.carriers(options, backend)
         self.coalesce_numel = options.gloo_coalesce_numel

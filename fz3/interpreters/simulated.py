@@ -58,7 +58,7 @@ class SimulatedWorld:
         # [Note: hybrid sharding]: the layout's S ranks in each of R groups (a layout of one rank,
         # stage 0, is one rank standing for all: its reduces span the world, as the engine's do)
         self.shard_world = spec.world_size
-        self.groups = spec.replicas if spec.world_size > 1 else 1
+        self.groups = spec.groups
         self.spec, self.config, self.world_size = spec, config, self.shard_world * self.groups
         ranks = range(self.world_size)
         self.reduced_on: dict[str, Counter] = {"within": Counter(), "across": Counter()}  # param -> reduces
@@ -82,8 +82,7 @@ class SimulatedWorld:
         """Shard full params (one tensor per ParamId) over the spec's world size (each group
         holds the same shards)."""
         w = spec.world_size
-        groups = spec.replicas if w > 1 else 1
-        shards = [[layout.shard_of(t, r % w, w) for t in params] for r in range(w * groups)]
+        shards = [[layout.shard_of(t, r % w, w) for t in params] for r in range(w * spec.groups)]
         dtype = params[0].dtype if params else torch.float32
         return cls(spec, config=config, shards=shards, dtype=dtype)
 

@@ -38,7 +38,7 @@ from fz3.config.config import differences
 from fz3.core.ids import TraceMode
 from fz3.core.param.trace import UNIT_GREW
 from fz3.data import heap
-from fz3.interpreters import accounting
+from fz3.interpreters import accounting, groups
 from fz3.shell import offload
 from fz3.shell.memory import human_bytes
 
@@ -61,7 +61,7 @@ def initialized(engine) -> None:
         gather_by, reduce_by = (f"{c} (large messages through shared memory)" if c == "p2p" else c
                                 for c in (gather_by, reduce_by))
     hybrid = (f" as {spec.replicas} groups of {spec.world_size} (hybrid sharding: gathers within a group, grads "
-              "reduced within it and then across the groups)" if spec.replicas > 1 and spec.world_size > 1 else "")
+              "reduced within it and then across the groups)" if spec.groups > 1 else "")
     LOG.info("fz3: %d ranks%s on %s, backend %s (all-gather by %s, reduce-scatter by %s); %d params "
              "sharded (%s elements), %d persistent (%s elements); per rank: param shards %s, grad "
              "partitions %s; glibc's heap policy: %s; config differences from the defaults: %s",
@@ -159,14 +159,13 @@ def flat_across_nodes(rank: int, world_size: int, config) -> None:
     """Rank 0's INFO, once, under a launcher that says the world spans several nodes
     (LOCAL_WORLD_SIZE < WORLD_SIZE) while every gather spans the world: how to keep them within
     a node ([Note: hybrid sharding], fz3/core/stage.py)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if rank != 0 or not local.isdigit() or not 0 < int(local) < world_size or world_size % int(local) \
-            or config.stage == 0:
+    local = groups.launcher_nodes(world_size)
+    if rank != 0 or local is None or config.stage == 0:
         return
     LOG.info("fz3: the %d ranks span %d nodes of %s (LOCAL_WORLD_SIZE) and every gather and reduce spans all of "
              "them (flat ZeRO-3); fz3.Config(shard_group_size=%s) shards within each node and replicates across "
              "nodes (hybrid sharding: gathers stay on the node, one all-reduce of the grad shards crosses nodes)",
-             world_size, world_size // int(local), local, local)
+             world_size, world_size // local, local, local)
 
 
 def verdict_on_host(engine, why: str | None) -> None:

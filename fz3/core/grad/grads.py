@@ -287,7 +287,7 @@ def reduce_across(spec: ModelSpec) -> int:
     """The groups a bucket's partitions are all-reduced across once reduced within the group
     ([Note: hybrid sharding], fz3/core/stage.py): the replicas of a layout of several ranks. A
     layout of one rank (stage 0) reduces over every rank at once: nothing after (1)."""
-    return spec.replicas if spec.world_size > 1 else 1
+    return spec.groups
 
 
 def grad_predivide(world_size: int, config: Config) -> float:
