@@ -71,8 +71,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     if mesh is not None:
         config = config.replace(shard_group_size=hybrid.from_mesh(mesh, config, transport.world_size))
     stage.layout_world(config, transport.world_size)  # a group size that does not divide the world: its error
-    axes = groups.axes(transport, config.shard_group_size)
-    if axes is None:  # under torchrun on several nodes, say how to keep the gathers on one
+    axes = groups.axes(transport, config.shard_group_size, stage.secondary_world(config, transport.world_size))
+    if axes is None or axes.replica is None:  # flat: under torchrun on several nodes, say how to keep the gathers on one
         log.flat_across_nodes(transport.rank, transport.world_size, config)
     device.set_device()
     if meta.has_meta(model):  # built on torch.device("meta"): one module at a time (meta.py)

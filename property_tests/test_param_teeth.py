@@ -244,3 +244,30 @@ def test_prefetch_past_its_reach_is_caught_by_the_invariant_alone(monkeypatch):
     monkeypatch.setattr(naive_rules.Liveness, "check", lambda self, effects, st: None)
     monkeypatch.setattr(fetch, "prefetch", _a_bucket_more)
     assert_caught(r"gathered ahead of step .* more than prefetch_bucket_size", examples=LIVENESS_EXAMPLES)
+
+
+# ---- hpZ ([Note: hpZ], fz3/core/stage.py): the machine draws groups of 2 of 4 ranks -------------
+
+def test_a_step_that_keeps_the_secondary_shards_is_caught(monkeypatch):
+    """(o) the optimizer step leaves the secondary shards: the next backward would gather the
+    old values within the hpZ group (DeepSpeed #5059-like: loss stuck on stale weights)."""
+    monkeypatch.setattr(step, "with_secondary", lambda tx: [])
+    assert_caught("stale secondary shards past the step|core says secondary shard")
+
+
+def test_a_backward_that_gathers_its_shards_across_the_world_is_caught(monkeypatch):
+    """(p) the backward ignores the secondary shards it has and gathers over the whole shard
+    group: right values, but the traffic hpZ exists to keep on the node crosses it."""
+    import fz3.core.param.state as state
+    real = state.AllGather
+    monkeypatch.setattr(state, "AllGather", lambda h, ps, pre, fwd, sec=(): real(h, ps, pre, fwd, ()))
+    assert_caught("the params to gather from secondary shards are")
+
+
+def test_a_release_that_keeps_no_secondary_shard_is_caught(monkeypatch):
+    """(q) the forward's release marks the secondary shards kept but the Free never cuts them:
+    the backward would gather shards nobody kept."""
+    import fz3.core.param.state as state
+    real = state.Free
+    monkeypatch.setattr(state, "Free", lambda ps, refetch=False, sec=(): real(ps, refetch, ()))
+    assert_caught("the secondary shards to keep are")

@@ -148,7 +148,6 @@ def test_known_unused_keys_warn_once_naming_them():
     (ds({"offload_optimizer": {"device": "nvme"}}), "offload_optimizer"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param"),
     (ds({"zero_quantized_weights": True}), "zero_quantized_weights"),
-    (ds({"zero_hpz_partition_size": 8}), "zero_hpz_partition_size"),
     (ds(amp={"enabled": True}), "amp"),
     (ds(gradient_allreduce_op="sum"), "gradient_allreduce_op"),
 ])

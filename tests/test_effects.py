@@ -13,7 +13,7 @@ def test_effects_compare_by_kind_and_value():
     assert WaitReduce() == WaitReduce() and WaitReduce() != ()
     assert len({Wait(2), AverageGrads(2), Wait(2)}) == 2
     assert repr(AllGather(1, (2, 3), True, False)) == \
-        "AllGather(handle=1, params=(2, 3), prefetch=True, forward=False)"
+        "AllGather(handle=1, params=(2, 3), prefetch=True, forward=False, secondary=())"
 
 
 def _records():

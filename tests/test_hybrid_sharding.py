@@ -312,12 +312,12 @@ def test_two_groups_of_two_gloo_ranks_train_a_gpt_as_one_process():
         assert all(o[name][2] >= STEPS for o in outs), [o[name][2] for o in outs]
 
 
-def _save(rank: int, world: int, path: str, S: int) -> dict:
+def _save(rank: int, world: int, path: str, S: int, H: int = 1) -> dict:
     import fz3
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))
     engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                            fz3.Config(param_persistence_threshold=0, shard_group_size=S))
+                            fz3.Config(param_persistence_threshold=0, shard_group_size=S, zero_hpz_partition_size=H))
     g = torch.Generator().manual_seed(3)
     for _ in range(2):
         engine.backward(engine(torch.randn(world, 5, generator=g)[rank:rank + 1]).pow(2).sum())
@@ -326,12 +326,12 @@ def _save(rank: int, world: int, path: str, S: int) -> dict:
     return {"params": engine.full_state_dict(), "optimizer": engine.full_optimizer_state_dict()}
 
 
-def _load(rank: int, world: int, path: str, S: int) -> dict:
+def _load(rank: int, world: int, path: str, S: int, H: int = 1) -> dict:
     import fz3
     torch.manual_seed(1)  # other weights: the checkpoint must replace them all
     model = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))
     engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                            fz3.Config(param_persistence_threshold=0, shard_group_size=S))
+                            fz3.Config(param_persistence_threshold=0, shard_group_size=S, zero_hpz_partition_size=H))
     engine.load_checkpoint(path)
     return {"params": engine.full_state_dict(), "optimizer": engine.full_optimizer_state_dict()}
 
@@ -347,14 +347,14 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("saved,loaded", [((4, 2), (4, 0)), ((4, 0), (4, 2)), ((6, 3), (2, 0)), ((4, 2), (6, 3)),
-                                          ((6, 2), (6, 3))])
+                                          ((6, 2), (6, 3)), ((4, 0, 2), (4, 2)), ((8, 4, 2), (6, 0, 3))])
 def test_a_checkpoint_loads_under_any_layout_bit_for_bit(tmp_path, saved, loaded):
-    """(world, shard_group_size): a checkpoint written by one layout (the first group writes one
-    copy of each shard) loads under another, flat or hybrid, any world size: the same weights and
-    optimizer state, bit for bit."""
+    """(world, shard_group_size[, hpZ's zero_hpz_partition_size]): a checkpoint written by one
+    layout (the first group writes one copy of each shard) loads under another, flat or hybrid,
+    hpZ on or off, any world size: the same weights and optimizer state, bit for bit."""
     path = str(tmp_path / "ckpt")
-    before = launch.run_threads(_save, saved[0], args=(path, saved[1]))[0]
-    for after in launch.run_threads(_load, loaded[0], args=(path, loaded[1])):
+    before = launch.run_threads(_save, saved[0], args=(path, *saved[1:]))[0]
+    for after in launch.run_threads(_load, loaded[0], args=(path, *loaded[1:])):
         assert _same(after["params"], before["params"]), "weights"
         assert _same(after["optimizer"], before["optimizer"]), "optimizer state"
     # and it consolidates in one process, as a flat one does (python -m fz3.consolidate)

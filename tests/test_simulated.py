@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fz3.config.config import Config
-from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, Free, HoldGrad,
+from fz3.core.effects import (AllGather, AverageGrads, CopyToBucket, DropGrads, DropSecondary, Free, HoldGrad,
                               ReduceBucket, Slot, Wait, WaitReduce, WritePartition, ZeroPartitions)
 from fz3.core.grad import grads as grads_core
 from fz3.core.grad.epilogue import epilogue, micro_step_end
@@ -33,7 +33,33 @@ def test_gather_wait_free():
     assert list(w.full[1]) == [1]
 
 
+def test_hpz_secondary_shards_are_kept_gathered_within_their_group_and_checked_fresh():
+    """[Note: hpZ]: 4 ranks, groups of 2. A Free keeps each rank's half of the full value; a
+    gather of secondary shards gives the full values again from its group's; one kept past new
+    shards differs from them and is refused as stale."""
+    spec = build_spec([("a", 5), ("b", 3)], [("root", [0, 1], False)], world_size=4, persistence_threshold=0,
+                      secondary=2)
+    w = SimulatedWorld.from_params(spec, [torch.arange(1.0, 6), torch.tensor([7.0, 8, 9])], config=Config())
+    w.run([AllGather(0, (0, 1), False, True), Wait(0), Free((0, 1), True, (0, 1))])
+    assert [w.secondary[r][0].tolist() for r in range(4)] == [[1, 2, 3], [4, 5, 0], [1, 2, 3], [4, 5, 0]]
+    w.run([AllGather(1, (0, 1), False, False, (0, 1)), Wait(1)])
+    assert w.full[3][0].tolist() == [1, 2, 3, 4, 5] and w.full[2][1].tolist() == [7, 8, 9]
+    assert w.secondary_gathers == 1
+    w.run([Free((0, 1))])
+    for r in range(4):  # the optimizer step's new shards, and the secondary shards not dropped
+        w.shards[r][0] = w.shards[r][0] * 2
+    with pytest.raises(SimulationError, match="rank 0: param 0's secondary shards are stale"):
+        w.run([AllGather(2, (0, 1), False, False, (0, 1))])
+    w.run([DropSecondary((0, 1))])
+    with pytest.raises(SimulationError, match="param 0 has no secondary shard to gather"):
+        w.run([AllGather(3, (0,), False, False, (0,))])
+    with pytest.raises(SimulationError, match="DropSecondary of param 1, which has no secondary shard"):
+        w.run([DropSecondary((1,))])
+
+
 @pytest.mark.parametrize("effects, msg", [
+    ([AllGather(1, (0,), False, False, (0,))], "hpZ is off"),
+    ([AllGather(1, (0,), False, True), Wait(1), Free((0,), True, (0,))], "hpZ is off"),
     ([Wait(1)], "not in flight"),
     ([Free((0,))], "not gathered"),
     ([AllGather(1, (0,), False, True), AllGather(1, (1,), False, True)], "reuses handle"),

@@ -119,6 +119,11 @@ class Config:
     # whole world (flat ZeRO-3). It must divide the world size ([Note: hybrid sharding],
     # fz3/core/stage.py)
     shard_group_size: int = 0
+    # ZeRO++'s hpZ (DeepSpeed's zero_hpz_partition_size): after the forward's gather, each
+    # param keeps a secondary shard over groups of this many consecutive ranks, and the
+    # backward gathers from those, within the group (a node). 1: off. Stage 3 only; it must
+    # divide the shard group ([Note: hpZ], fz3/core/stage.py)
+    zero_hpz_partition_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -138,6 +143,11 @@ class Config:
             raise ValueError(f"Config.shard_group_size={self.shard_group_size} shards within groups of ranks, but at "
                              "stage 0 nothing is sharded (every rank holds everything): use stage 1, 2 or 3, or "
                              "leave shard_group_size at 0")
+        _check_int("zero_hpz_partition_size", self.zero_hpz_partition_size, low=1, what="ranks")
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:
+            raise ValueError(f"Config.zero_hpz_partition_size={self.zero_hpz_partition_size} keeps a secondary "
+                             f"shard of each gathered param, but at stage {self.stage} params stay whole on every "
+                             "rank (nothing is gathered): use stage 3, or leave zero_hpz_partition_size at 1")
         for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "prescale_gradients",
                      "managed_gradient_accumulation", "consecutive_hysteresis"):
             if not isinstance(getattr(self, name), bool):

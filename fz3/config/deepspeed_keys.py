@@ -121,8 +121,6 @@ DTYPE_NAMES = {"fp32": ("fp32", "float32", "float", "torch.float32"),
 
 # zero_optimization features fz3 lacks: key -> (predicate "switched on", what to do instead)
 ZERO_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
-    "zero_hpz_partition_size": (lambda v: v not in (None, 1), "fz3 has no hierarchical (hpZ) "
-                                "partitioning; use 1"),
     "zero_quantized_weights": (bool, "fz3 gathers weights unquantized: set false"),
     "zero_quantized_nontrainable_weights": (bool, "fz3 keeps weights unquantized: set false"),
     "zero_quantized_gradients": (bool, "fz3 reduces grads unquantized (communication_data_type "
@@ -287,6 +285,11 @@ def _zero(zero: object, fields: dict[str, object], ignored: list[str]) -> None:
             if value is None and field == "overlap_comm":  # DeepSpeed: None means True at stage 3
                 value = stage == 3
             fields[field] = _as_int(key, value) if field in INT_FIELDS else value
+        elif key == "zero_hpz_partition_size":  # DeepSpeed's stages 0-2 never read it
+            if value is not None and stage == 3:
+                fields["zero_hpz_partition_size"] = _as_int(key, value)
+            elif value not in (None, 1):
+                ignored.append(f"zero_optimization.{key}")
         elif key == "leaf_module":
             fields.update(_leaf_module(value))
         elif key in ZERO_SECTIONS:

@@ -37,6 +37,9 @@ class AllGather(NamedTuple):
     params: tuple[ParamId, ...]
     prefetch: bool  # issued ahead of need from the trace (not for the module being fetched)
     forward: bool  # forward or backward phase (counter labels only)
+    secondary: tuple[ParamId, ...] = ()  # hpZ: of `params`, those gathered from their secondary
+    # shards, within the hpZ group (the rest from their shards, in the shard group): [Note: hpZ],
+    # fz3/core/stage.py. DeepSpeed: all_gather_coalesced's use of ds_secondary_tensor
 
 
 @record
@@ -61,6 +64,17 @@ class Free(NamedTuple):
 
     params: tuple[ParamId, ...]
     refetch: bool = False
+    secondary: tuple[ParamId, ...] = ()  # hpZ: of `params`, those whose secondary shard this rank
+    # keeps first, cut from the full value ([Note: hpZ], fz3/core/stage.py). DeepSpeed:
+    # _partition_param_sec
+
+
+@record
+class DropSecondary(NamedTuple):
+    """hpZ: let these params' secondary shards go; their values are stale (the optimizer step,
+    or new shards, rewrote the params). DeepSpeed: invalidate_secondary_tensor."""
+
+    params: tuple[ParamId, ...]
 
 
 @record

@@ -48,6 +48,8 @@ class ModelSpec:
     replicas: int = 1  # the copies of each shard: world_size x replicas ranks train, each grad is
     # averaged over all of them (stage 0: world_size 1, every rank a replica; fz3/core/stage.py)
     max_inflight: int = 2  # gathers in flight at once (Config.max_ongoing_fetch_events; param/state.py)
+    secondary: int = 1  # hpZ's group: the ranks a secondary shard is split over (1: off; [Note:
+    # hpZ], fz3/core/stage.py)
 
     @property
     def groups(self) -> int:
@@ -60,6 +62,13 @@ class ModelSpec:
     def ranks(self) -> int:
         """Every rank that trains: the grads' mean is over this many."""
         return self.world_size * self.replicas
+
+    def secondary_layout(self) -> "ModelSpec":
+        """The same params laid out over the hpZ group's ranks: each secondary shard's size
+        (shard_numel over `secondary` ranks), for the interpreters that gather them."""
+        H = self.secondary
+        return ModelSpec(tuple(p._replace(shard_numel=shard_numel(p.numel, H)) for p in self.params), self.modules,
+                         H, 1, self.max_inflight)
 
     def module_named(self, name: str) -> ModuleSpec:
         for m in self.modules:
@@ -89,7 +98,7 @@ def persistent_flags(numels: Sequence[int], persistence_threshold: int,
 def build_spec(params: Sequence[tuple[str, int]], modules: Sequence[tuple[str, Sequence[int], bool]],
                *, world_size: int, persistence_threshold: int,
                model_persistence_threshold: Optional[int] = None, replicas: int = 1,
-               max_inflight: int = 2) -> ModelSpec:
+               max_inflight: int = 2, secondary: int = 1) -> ModelSpec:
     """params: (name, numel) per ParamId; modules: (name, param ids, is_leaf) per ModuleId.
 
     A param may belong to several modules (tied weights appear once, with one id). Persistence:
@@ -112,4 +121,6 @@ def build_spec(params: Sequence[tuple[str, int]], modules: Sequence[tuple[str, S
                 raise ValueError(f"module {name!r} names param id {p}; ids run 0..{len(pspecs) - 1}")
         mspecs.append(ModuleSpec(ModuleId(i), name, tuple(ParamId(p) for p in ids), bool(is_leaf),
                                  sum(pspecs[p].numel for p in ids)))
-    return ModelSpec(tuple(pspecs), tuple(mspecs), world_size, replicas, max_inflight)
+    if world_size % secondary:
+        raise ValueError(f"secondary={secondary} (hpZ's group) must divide world_size={world_size}")
+    return ModelSpec(tuple(pspecs), tuple(mspecs), world_size, replicas, max_inflight, secondary)

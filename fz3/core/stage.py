@@ -79,6 +79,25 @@ def layout_world(config: Config, world_size: int) -> int:
     return S
 
 
+def secondary_world(config: Config, world_size: int) -> int:
+    """hpZ's group size H: the ranks a param's secondary shard is split over ([Note: hpZ]); 1
+    when off, or when H is the whole shard group (the secondary would be the shard itself)."""
+    H = config.zero_hpz_partition_size
+    if H == 1:
+        return 1
+    S = layout_world(config, world_size)
+    where = (f"the shard group of Config.shard_group_size={S}" if S < world_size else
+             f"the world of {world_size} ranks (flat ZeRO-3: params are sharded over all of them)")
+    if H > S:
+        raise ValueError(f"Config.zero_hpz_partition_size={H} is larger than the shard group: a secondary shard "
+                         f"is cut within {where}, so use a divisor of {S} (1: off)")
+    if S % H:
+        divisors = [d for d in range(1, S + 1) if S % d == 0]
+        raise ValueError(f"Config.zero_hpz_partition_size={H} does not divide {where}: use one of {divisors} "
+                         "(1: off)")
+    return 1 if H == S else H
+
+
 # [Note: hybrid sharding] With shard_group_size S < W (FSDP2's HSDP), the ranks form R = W / S
 # groups of S consecutive ranks (group g: ranks g*S .. g*S + S - 1; a node under torchrun). A
 # param's layout is over its group: rank r holds shard r % S, the same bytes as rank r % S of
@@ -91,3 +110,18 @@ def layout_world(config: Config, world_size: int) -> int:
 # read by every rank alike (after the all-reduce across, every group's partitions are equal).
 # Checkpoints are written by the first group (one copy of each shard), in the layout of S ranks,
 # and load under any other. DeepSpeed 0.19.8 removed its hybrid mode (MiCS).
+
+# [Note: hpZ] ZeRO++'s hierarchical partitioning (DeepSpeed's zero_hpz_partition_size H): the
+# ranks form groups of H consecutive ranks (a node), within the shard group. When a forward's
+# release frees a param whose backward gathers it again (a Free marked `refetch`), each rank
+# first keeps a secondary shard, its 1/H of the full value (rank r: piece r % H, the layout of
+# H ranks); the backward's gather of that param then collects the H secondary shards within
+# the hpZ group (AllGather.secondary), never crossing to another node. The forward's gathers
+# stay on the shard group (DeepSpeed: `not forward`). The shards stay the primary copy: grads,
+# masters and the optimizer are unchanged, and only the gathers of the backward move. A
+# secondary shard lives until the params change: the optimizer step, new shards (a checkpoint
+# load) or a stale gathered_parameters drops it (DropSecondary), and the next forward keeps a
+# fresh one; a micro-step within the window reuses it. Memory: 1/H of every param the forward
+# frees, in the compute dtype, from the forward to the step (the plan's peak_secondary_bytes).
+# H equal to the shard group gives the shard itself: off. DeepSpeed: partition_parameters.py
+# _partition_param_sec, all_gather_coalesced (ds_secondary_tensor), invalidate_secondary_tensor.

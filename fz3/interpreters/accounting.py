@@ -15,8 +15,8 @@ bytes are the real run's by construction.
                                  all-reduce; W x the partitions' bytes for a reduce-scatter)
     count_across(counts, ...)    reduce_across, across_bytes: hybrid sharding's all-reduce of a
                                  bucket's partitions across the groups
-    count_links(counts, ...)     bytes_intra_group, bytes_inter_group: what a rank sends on each
-                                 link ([Note: bytes on each link])
+    count_links(counts, ...)     bytes_ and messages_intra_group, _inter_group: what a rank sends
+                                 on each link ([Note: bytes on each link])
     link_local(...)              the ranks of a collective in this rank's link group
     p2p_sends(...)               the messages a point-to-point gather or reduce posts on one rank:
                                  one per peer per message group with elements for it
@@ -52,25 +52,31 @@ def bucket_capacity(config: Config, reduce_scatter_by: str, store) -> int:
 
 
 def count_gather(counts: Counter, *, carrier: str, shard_numel: int, world_size: int,
-                 element_size: int, prefetch: bool, local: int | None = None) -> None:
+                 element_size: int, prefetch: bool, local: int | None = None, secondary: bool = False) -> None:
     """One AllGather of params whose shards total `shard_numel` elements on each rank; `local`:
-    of its `world_size` ranks, those in this rank's link group (count_links)."""
+    of its `world_size` ranks, those in this rank's link group (count_links). `secondary`: of
+    hpZ's secondary shards, within its group (all_gather_hpz; [Note: hpZ], fz3/core/stage.py)."""
     counts[f"all_gather_via_{carrier}"] += 1
     counts["all_gather"] += 1
+    if secondary:
+        counts["all_gather_hpz"] += 1
     counts["all_gather_prefetch" if prefetch else "all_gather_on_demand"] += 1
     counts["gathered_bytes"] += shard_numel * world_size * element_size
     count_links(counts, per_peer=shard_numel * element_size, ranks=world_size, local=local)
 
 
-def count_links(counts: Counter, *, per_peer: int, ranks: int, local: int | None) -> None:
+def count_links(counts: Counter, *, per_peer: int, ranks: int, local: int | None, messages: int = 1) -> None:
     """[Note: bytes on each link] A collective over `ranks` ranks in which this rank sends
-    `per_peer` bytes to each other rank, `local` of the ranks (itself included) in its link group:
-    bytes_intra_group and bytes_inter_group. The link groups are the shard groups under hybrid
+    `per_peer` bytes to each other rank, in `messages` messages, `local` of the ranks (itself
+    included) in its link group: bytes_ and messages_intra_group, bytes_ and
+    messages_inter_group. The link groups are the shard groups under hybrid
     sharding, else the nodes the launcher reports (LOCAL_WORLD_SIZE; fz3.plan's
     ranks_per_node), else one group of every rank."""
     local = ranks if local is None else local
     counts["bytes_intra_group"] += per_peer * (local - 1)
     counts["bytes_inter_group"] += per_peer * (ranks - local)
+    counts["messages_intra_group"] += (local - 1) * messages
+    counts["messages_inter_group"] += (ranks - local) * messages
 
 
 # [Note: bytes on each link] What a rank sends per collective, as fz3's point-to-point carriers
@@ -78,8 +84,12 @@ def count_links(counts: Counter, *, per_peer: int, ranks: int, local: int | None
 # a reduce-scatter, each peer's partition of the bucket; an all-reduce (the all-reduce path, and
 # hybrid sharding's reduce across the groups), a reduce-scatter then an all-gather of it, 2 N / W
 # to each peer (a ring moves as much). Bytes sent, per rank: what each link's bandwidth carries.
+# Messages: one per peer per collective, two for an all-reduce (its two halves): what each
+# link's latency is paid for (the p2p carrier may split one into several: p2p_sends counts those).
 # Within a group of S on one node and across R groups, each grad element crosses the inter-group
-# link once per reduce (2 (R - 1) / R of the partitions), and no gather crosses it at all.
+# link once per reduce (2 (R - 1) / R of the partitions), and no gather crosses it at all. hpZ
+# (flat, groups of H within a node) keeps the backward's gathers on the node: the forward's
+# gathers and the reduces cross as in flat ZeRO-3.
 
 
 def reduce_path(e: ReduceBucket, reduce_scatter_by: str) -> str:
@@ -106,7 +116,7 @@ def count_reduce(counts: Counter, e: ReduceBucket, *, path: str, spec: ModelSpec
     counts["reduce"] += 1
     counts[f"reduce_{path}"] += 1
     counts["reduced_bytes"] += numel * element_size
-    count_links(counts, per_peer=per_peer, ranks=ranks, local=local)
+    count_links(counts, per_peer=per_peer, ranks=ranks, local=local, messages=2 if path == "all_reduce" else 1)
 
 
 def count_across(counts: Counter, *, numel: int, element_size: int, replicas: int) -> None:
@@ -114,7 +124,8 @@ def count_across(counts: Counter, *, numel: int, element_size: int, replicas: in
     (hybrid sharding: ReduceBucket.across): reduce_across, across_bytes (the tensor reduced)."""
     counts["reduce_across"] += 1
     counts["across_bytes"] += numel * element_size
-    count_links(counts, per_peer=2 * numel * element_size // replicas, ranks=replicas, local=1)  # one per group
+    count_links(counts, per_peer=2 * numel * element_size // replicas, ranks=replicas, local=1,  # one per group
+                messages=2)
 
 
 def p2p_sends(numels: Sequence[int], groups: Sequence[Sequence[int]], rank: int, world_size: int, *,
@@ -128,6 +139,18 @@ def p2p_sends(numels: Sequence[int], groups: Sequence[Sequence[int]], rank: int,
     if gather:
         return sum(len(peers) for g in groups if has(g, rank))
     return sum(has(g, j) for g in groups for j in peers)
+
+
+def secondary_local(spec: ModelSpec, ranks_per_node: int | None, rank: int) -> int | None:
+    """Of hpZ's group (H consecutive ranks, within the shard group: [Note: hpZ]), the ranks in
+    `rank`'s link group: all of them under hybrid sharding or on one node (None); else those on
+    its node."""
+    local = link_local(spec, ranks_per_node)
+    if local is None:
+        return None
+    H = spec.secondary
+    first = rank - rank % H
+    return sum((first + j) // local == rank // local for j in range(H))
 
 
 def link_local(spec: ModelSpec, ranks_per_node: int | None) -> int | None:

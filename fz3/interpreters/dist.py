@@ -6,7 +6,10 @@
     Wait(h)           wait that work, copy the output out into the params' full values (p2p:
                       the peers' shards were received in place)
     Free              params back to empty .data; their pooled memory goes too unless the
-                      core will gather them again in this pass (`refetch`)
+                      core will gather them again in this pass (`refetch`); hpZ: the secondary
+                      shards it names are cut from the full values first
+    DropSecondary     hpZ: those secondary shards go (AllGather.secondary gathers the rest of
+                      them within the hpZ group: [Note: hpZ], fz3/core/stage.py)
     Refresh           gather into the params' own full values, in place, and wait (the step's
                       refresh of the persistent params): nothing taken, freed or set
     CopyToBucket      param.grad -> slice of a flat IPG bucket buffer of the effect's (comm)
@@ -54,10 +57,12 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from fz3.config.config import Config
-from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket, DropGrads, Free, FreePartitions,
-                              HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WritePartition, ZeroPartitions)
+from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket, DropGrads, DropSecondary, Free,
+                              FreePartitions, HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WritePartition,
+                              ZeroPartitions)
 from fz3.core import streams
 from fz3.core.ids import BucketId, Handle
+from fz3.data import layout
 from fz3.data.pool import MIN_POOLED_BYTES, BufferPool
 from fz3.interpreters import accounting, agreement, carriers, groups, p2p, pass_hint, shared_memory
 from fz3.interpreters.protocol import Capabilities
@@ -90,6 +95,7 @@ class DistInterpreter:
         self.store, self.config, self.device, self.comm = store, config, device, transport
         self.group_comm = transport if axes is None else axes.shard
         self.replica_comm = None if axes is None else axes.replica
+        self.hpz_comm = None if axes is None else axes.secondary  # [Note: hpZ], fz3/core/stage.py
         # [Note: bytes on each link] (accounting.py): the group's ranks in this rank's link group
         self.local = accounting.link_local(store.spec, groups.launcher_nodes(transport.world_size))
         self.rank, self.world_size = transport.rank, transport.world_size  # the group's
@@ -162,6 +168,18 @@ class DistInterpreter:
         self.gather = carriers.Local(ctx) if local else carriers.CARRIERS[self.gather_by](ctx)
         self.reduce_scatter = carriers.CARRIERS[self.reduce_scatter_by](ctx)
         self.all_reduce_carrier = carriers.AllReduce(ctx)
+        # hpZ: the secondary shards this rank keeps, and the carrier that gathers them within the
+        # hpZ group, over the layout of its H ranks
+        self.secondary: dict[int, torch.Tensor] = {}
+        self.secondary_bytes = self.peak_secondary_bytes = 0
+        self.hpz_carrier = None
+        if self.spec.secondary > 1:
+            H = self.spec.secondary
+            self.hpz_rank = self.shard_rank % H
+            self.hpz_local = accounting.secondary_local(self.spec, groups.launcher_nodes(transport.world_size),
+                                                        transport.rank)
+            hctx = ctx._replace(rank=self.hpz_rank, world_size=H, spec=self.spec.secondary_layout(), comm=self.hpz_comm)
+            self.hpz_carrier = carriers.CARRIERS[self.gather_by](hctx)
         self.capabilities = Capabilities(in_place_reduce_scatter=self.reduce_scatter.reads_grads_in_place,
                                          hold_budget=self.reduce_scatter.hold_budget,
                                          shared_memory=isinstance(p2p_comm, shared_memory.SharedMemoryTransport))
@@ -197,12 +215,18 @@ class DistInterpreter:
                     self._hold_grad(e)
                 case CopyToBucket():
                     self._copy_to_bucket(e)
-                case AllGather(handle=h, params=ps, prefetch=pre):
-                    self._all_gather(h, ps, pre)
+                case AllGather(handle=h, params=ps, prefetch=pre, secondary=sec):
+                    self._all_gather(h, ps, pre, sec)
                 case Wait(handle=h):
                     self._wait(h)
-                case Free(params=ps, refetch=refetch):
+                case Free(params=ps, refetch=refetch, secondary=sec):
+                    if sec:
+                        self._keep_secondary(sec)
                     self._free(ps, refetch)
+                case DropSecondary(params=ps):
+                    for p in ps:
+                        t = self.secondary.pop(p)
+                        self.secondary_bytes -= t.numel() * t.element_size()
                 case Refresh(params=ps):
                     self._refresh(ps)
                 case ReduceBucket():
@@ -242,10 +266,38 @@ class DistInterpreter:
                                 prefetch=prefetch, local=self.local)
         return shards
 
-    def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool) -> None:
+    def _all_gather(self, h: Handle, ps: tuple[int, ...], prefetch: bool, secondary: tuple[int, ...] = ()) -> None:
         self.streams, ops = streams.gather(self.streams, h, ps)
-        work, fulls, keep = self._launch(ops, lambda: self.gather.gather(ps, self._shards(ps, prefetch)))
+        if not secondary:
+            work, fulls, keep = self._launch(ops, lambda: self.gather.gather(ps, self._shards(ps, prefetch)))
+        elif len(secondary) == len(ps):
+            work, fulls, keep = self._launch(ops, lambda: self._hpz_gather(ps, prefetch))
+        else:  # some from their secondary shards, the rest from their shards: two collectives
+            rest = tuple(p for p in ps if p not in set(secondary))
+            work, fulls, keep = self._launch(ops, lambda: _both(
+                ps, secondary, rest, self._hpz_gather(secondary, prefetch),
+                self.gather.gather(rest, self._shards(rest, prefetch))))
         self.gathers[h] = (work, ps, fulls, keep)  # keep: alive until the work completes
+
+    def _hpz_gather(self, ps: tuple[int, ...], prefetch: bool):
+        """Gather `ps` from their secondary shards, within the hpZ group ([Note: hpZ])."""
+        shards = [self.secondary[p] for p in ps]
+        accounting.count_gather(self.counts, carrier=self.hpz_carrier.name, shard_numel=sum(s.numel() for s in shards),
+                                world_size=self.spec.secondary, element_size=shards[0].element_size(),
+                                prefetch=prefetch, local=self.hpz_local, secondary=True)
+        return self.hpz_carrier.gather(ps, shards)
+
+    def _keep_secondary(self, ps: tuple[int, ...]) -> None:
+        """hpZ: this rank's secondary shard of each of `ps`, cut from its full value before the
+        Free ([Note: hpZ])."""
+        H, r, full = self.spec.secondary, self.hpz_rank, self.store.full
+        for p in ps:
+            f = full[p]
+            t = self.secondary[p] = layout.rank_slice_into(f, r, H, torch.empty(-(-f.numel() // H), dtype=f.dtype,
+                                                                                  device=f.device))
+            self.secondary_bytes += t.numel() * t.element_size()
+        if self.secondary_bytes > self.peak_secondary_bytes:
+            self.peak_secondary_bytes = self.secondary_bytes
 
     def _refresh(self, ps: tuple[int, ...]) -> None:
         if self.agreement is not None:  # the step's, in no pass: unstamped
@@ -509,3 +561,27 @@ class DistInterpreter:
             return contextlib.nullcontext()
         return self.device.stream(stream)
 
+
+
+class _Works:
+    """Two collectives' works as one (None: done)."""
+
+    def __init__(self, *works) -> None:
+        self.works = [w for w in works if w is not None]
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def _both(ps: tuple[int, ...], secondary: tuple[int, ...], rest: tuple[int, ...], hpz, primary):
+    """One gather of `ps` made of two carriers' (work, fulls, keep): the hpZ group's of
+    `secondary` and the shard group's of `rest`; fulls in the order of `ps`."""
+    (w1, f1, k1), (w2, f2, k2) = hpz, primary
+    work = _Works(w1, w2) if w1 is not None or w2 is not None else None
+
+    def fulls():
+        got = dict(zip(secondary, f1()))
+        got.update(zip(rest, f2()))
+        return [got[p] for p in ps]
+    return work, fulls, (k1, k2)

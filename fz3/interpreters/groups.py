@@ -1,10 +1,13 @@
-"""Hybrid sharding's two axes as transports ([Note: hybrid sharding], fz3/core/stage.py).
+"""Hybrid sharding's two axes, and hpZ's group, as transports ([Note: hybrid sharding], [Note:
+hpZ], fz3/core/stage.py).
 
-    axes(world, S) -> Axes(shard, replica), or None for one group of the whole world
+    axes(world, S, H) -> Axes(shard, replica, secondary), or None for one group of the whole
+                         world and hpZ off
 
 The world's W ranks form R = W / S groups of S consecutive ranks. A rank's `shard` transport is
 its group (the gathers and the in-group reduces); its `replica` transport is the R ranks that
-hold the same shard, one per group (the reduce across groups). Ranks of both are numbered
+hold the same shard, one per group (the reduce across groups). hpZ's group is H consecutive
+ranks (the backward's gathers of secondary shards). Ranks of each are numbered
 0.. in world order. Every rank must call `axes`, in the same order as every other collective:
 on process groups it makes every group (torch.distributed.new_group is itself collective).
 """
@@ -31,8 +34,10 @@ def launcher_nodes(world_size: int) -> Optional[int]:
 
 
 class Axes(NamedTuple):
-    shard: Transport  # this rank's group of S consecutive ranks
-    replica: Transport  # the R ranks holding this rank's shard
+    shard: Transport  # this rank's group of S consecutive ranks (the world, when flat)
+    replica: Optional[Transport]  # the R ranks holding this rank's shard (None, when flat)
+    secondary: Optional[Transport] = None  # hpZ: this rank's group of H consecutive ranks
+    # ([Note: hpZ], fz3/core/stage.py); None: hpZ off
 
 
 def members(world_size: int, S: int, rank: int) -> tuple[list[int], list[int]]:
@@ -41,32 +46,46 @@ def members(world_size: int, S: int, rank: int) -> tuple[list[int], list[int]]:
     return [g * S + j for j in range(S)], list(range(i, world_size, S))
 
 
-def axes(world: Transport, S: int) -> Optional[Axes]:
+def axes(world: Transport, S: int, H: int = 1) -> Optional[Axes]:
+    """`S`: the shard group's size (0 or W: flat); `H`: hpZ's (1: off)."""
     W = world.world_size
-    if not S or S == W:
+    hybrid, hpz = bool(S) and S != W, H > 1
+    if not hybrid and not hpz:
         return None
-    group, replicas = members(W, S, world.rank)
+    group, replicas = members(W, S, world.rank) if hybrid else (list(range(W)), [world.rank])
+    block = members(W, H, world.rank)[0]
     if isinstance(world, ThreadTransport):
-        return Axes(SubTransport(world, group, ("shard", group[0])),
-                    SubTransport(world, replicas, ("replica", replicas[0])))
+        return Axes(SubTransport(world, group, ("shard", group[0])) if hybrid else world,
+                    SubTransport(world, replicas, ("replica", replicas[0])) if hybrid else None,
+                    SubTransport(world, block, ("hpz", block[0])) if hpz else None)
     if isinstance(world, TorchTransport):
-        return Axes(*_process_groups(world, S))
-    raise TypeError(f"fz3: hybrid sharding needs a process group or thread ranks, not {type(world).__name__}")
+        shard, replica = _process_groups(world, S) if hybrid else (world, None)
+        return Axes(shard, replica, _blocks(world, H) if hpz else None)
+    raise TypeError(f"fz3: hybrid sharding and hpZ need a process group or thread ranks, not {type(world).__name__}")
+
+
+def _ranks(world: TorchTransport) -> list[int]:
+    return dist.get_process_group_ranks(world.group) if world.group is not None else list(range(world.world_size))
+
+
+def _blocks(world: TorchTransport, n: int) -> TorchTransport:
+    """Every block of `n` consecutive ranks as a process group (each rank makes all of them, in
+    one order, as new_group asks); -> this rank's."""
+    ranks, mine = _ranks(world), None
+    for g in range(world.world_size // n):
+        made = dist.new_group(ranks[g * n:(g + 1) * n], backend=world.backend, timeout=world.timeout())
+        if world.rank // n == g:
+            mine = TorchTransport(made)
+    return mine
 
 
 def _process_groups(world: TorchTransport, S: int) -> tuple[TorchTransport, TorchTransport]:
-    """Every group and every replica set as a process group (each rank makes all of them, in one
-    order, as new_group asks); -> this rank's two."""
-    W = world.world_size
-    ranks = dist.get_process_group_ranks(world.group) if world.group is not None else list(range(W))
-    backend, timeout = world.backend, world.timeout()
-    shard = replica = None
-    for g in range(W // S):
-        made = dist.new_group([ranks[g * S + j] for j in range(S)], backend=backend, timeout=timeout)
-        if world.rank // S == g:
-            shard = TorchTransport(made)
+    """Every group and every replica set as a process group; -> this rank's two."""
+    W, ranks = world.world_size, _ranks(world)
+    shard, replica = _blocks(world, S), None
     for i in range(S):
-        made = dist.new_group([ranks[i + g * S] for g in range(W // S)], backend=backend, timeout=timeout)
+        made = dist.new_group([ranks[i + g * S] for g in range(W // S)], backend=world.backend,
+                              timeout=world.timeout())
         if world.rank % S == i:
             replica = TorchTransport(made)
     return shard, replica

@@ -23,8 +23,9 @@ from typing import Iterable
 import torch
 
 from fz3.config.config import Config
-from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket, DropGrads, Free, FreePartitions,
-                              HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WritePartition, ZeroPartitions)
+from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket, DropGrads, DropSecondary, Free,
+                              FreePartitions, HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WritePartition,
+                              ZeroPartitions)
 from fz3.interpreters import messages
 from fz3.core.ids import Handle
 from fz3.interpreters import accounting, carriers
@@ -39,7 +40,11 @@ class PlanInterpreter:
         """`world_size`: the planned world; `ranks_per_node`: its nodes, for the bytes on each
         link of flat ZeRO-3 ([Note: bytes on each link], accounting.py)."""
         self.store, self.config = store, config
-        self.local = accounting.link_local(store.spec, ranks_per_node if ranks_per_node != world_size else None)
+        nodes = ranks_per_node if ranks_per_node != world_size else None
+        self.local = accounting.link_local(store.spec, nodes)
+        hpz = store.spec.secondary > 1  # [Note: hpZ], fz3/core/stage.py: its group's layout and link
+        self.hpz_spec = store.spec.secondary_layout() if hpz else None
+        self.hpz_local = accounting.secondary_local(store.spec, nodes, store.rank) if hpz else None
         self.spec = store.spec
         self.gather_by, self.reduce_scatter_by = accounting.carriers(options, backend)
         self.coalesce_numel = options.gloo_coalesce_numel
@@ -52,6 +57,7 @@ class PlanInterpreter:
         self.dropping: list[int] = []  # buckets whose reduce is in flight (overlap_comm): their
         # grads go when it completes, at the next reduce or WaitReduce, as in DistInterpreter
         self.held_bytes = self.peak_held_bytes = 0  # as DistInterpreter counts them
+        self.secondary_bytes = self.peak_secondary_bytes = 0  # hpZ's secondary shards ([Note: hpZ])
         # what comes and goes within a step, together: gathered (or in-flight) params, grad
         # partitions (a segment from its first write to the optimizer step), held grads. Their
         # joint peak is the model states' peak over the steady ones (shards, optimizer state);
@@ -67,8 +73,12 @@ class PlanInterpreter:
     def run(self, effects: Iterable[object]) -> None:
         for e in effects:
             match e:
-                case AllGather(handle=h, params=ps, prefetch=pre):
-                    self._count_gather(ps, pre)
+                case AllGather(handle=h, params=ps, prefetch=pre, secondary=sec):
+                    rest = tuple(p for p in ps if p not in set(sec)) if sec else ps
+                    if rest:  # from their shards, within the shard group
+                        self._count_gather(rest, pre)
+                    if sec:  # hpZ: from their secondary shards, within the hpZ group
+                        self._count_gather(sec, pre, secondary=True)
                     self.gathers[h] = ps
                     self.live_numel += sum(self.spec.params[p].numel for p in ps)
                     self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
@@ -77,10 +87,13 @@ class PlanInterpreter:
                 case Wait(handle=h):
                     for p in self.gathers.pop(h):
                         self.store.set_full(p, self._full(p))
-                case Free(params=ps):
+                case Free(params=ps, secondary=sec):
+                    self._secondary(sec, 1)
                     for p in ps:
                         self.store.free(p)
                     self.live_numel -= sum(self.spec.params[p].numel for p in ps)
+                case DropSecondary(params=ps):
+                    self._secondary(ps, -1)
                 case CopyToBucket(param=p, dtype=dtype):
                     self.bucket_dtypes.add(dtype)
                     self.store.params[p].grad = None
@@ -130,26 +143,37 @@ class PlanInterpreter:
 
     def joint_bytes(self) -> int:
         """Gathered params + grad partitions + held grads, now."""
-        return self.live_numel * self.store.dtype.itemsize + self.grad_bytes + self.held_bytes
+        return self.live_numel * self.store.dtype.itemsize + self.grad_bytes + self.held_bytes + self.secondary_bytes
+
+    def _secondary(self, ps, sign: int) -> None:
+        """hpZ's secondary shards of `ps` kept (+1) or dropped (-1): 1/H of each, padded."""
+        H = self.spec.secondary
+        self.secondary_bytes += sign * sum(-(-self.spec.params[p].numel // H) for p in ps) * self.store.dtype.itemsize
+        self.peak_secondary_bytes = max(self.peak_secondary_bytes, self.secondary_bytes)
 
     def _grads_changed(self) -> None:
         self.grad_bytes = self.store.grad_bytes()
         self.peak_grad_bytes = max(self.peak_grad_bytes, self.grad_bytes)
 
-    def _count_gather(self, ps, prefetch: bool) -> None:
+    def _count_gather(self, ps, prefetch: bool, secondary: bool = False) -> None:
+        """A gather of `ps`'s shards within the shard group, or (`secondary`) of their hpZ
+        secondary shards within the hpZ group, as DistInterpreter counts it."""
+        spec = self.hpz_spec if secondary else self.spec
         accounting.count_gather(self.counts, carrier=self.gather_by,
-                                shard_numel=sum(self.spec.params[p].shard_numel for p in ps),
-                                world_size=self.spec.world_size, element_size=self.store.dtype.itemsize,
-                                prefetch=prefetch, local=self.local)
+                                shard_numel=sum(spec.params[p].shard_numel for p in ps),
+                                world_size=spec.world_size, element_size=self.store.dtype.itemsize,
+                                prefetch=prefetch, local=self.hpz_local if secondary else self.local,
+                                secondary=secondary)
         if self.gather_by == "p2p":
-            self._count_sends(ps, gather=True)
+            self._count_sends(ps, gather=True, spec=spec)
 
-    def _count_sends(self, ps, *, gather: bool) -> None:
+    def _count_sends(self, ps, *, gather: bool, spec=None) -> None:
         """p2p_sends as the point-to-point carrier posts them on this rank (fz3/interpreters/messages.py)."""
-        numels = [self.spec.params[p].numel for p in ps]
+        spec = spec or self.spec
+        numels = [spec.params[p].numel for p in ps]
         groups = messages.groups(numels, small=self.coalesce_numel)
-        self.counts["p2p_sends"] += accounting.p2p_sends(numels, groups, self.store.rank, self.spec.world_size,
-                                                         gather=gather)
+        self.counts["p2p_sends"] += accounting.p2p_sends(numels, groups, self.store.rank % spec.world_size,
+                                                         spec.world_size, gather=gather)
 
     def _completed(self) -> None:
         """The reduces in flight completed: their held grads are let go (DistInterpreter allows

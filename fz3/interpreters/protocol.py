@@ -47,6 +47,8 @@ class Interpreter(Protocol):
     agreement: Optional[Any]  # the divergence check (fz3/interpreters/agreement.py); None: none
     held_bytes: int  # bytes of grads held for a reduce (HoldGrad), now
     peak_held_bytes: int  # ... and at most since the interpreter was made
+    secondary_bytes: int  # bytes of hpZ's secondary shards kept, now ([Note: hpZ], fz3/core/stage.py)
+    peak_secondary_bytes: int  # ... and at most since the interpreter was made
 
     def run(self, effects: Iterable[object]) -> None:
         """Carry out the core's effects, in order."""

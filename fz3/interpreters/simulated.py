@@ -11,7 +11,10 @@ reduce is a SUM over ranks. Under hybrid sharding (a spec with replicas: [Note: 
 sharding], fz3/core/stage.py) the ranks are R groups of the layout's S: a gather concatenates
 its own group's shards, a reduce sums within each group, and a ReduceBucket with `across` then
 sums each partition over the ranks holding it, one per group; `reduced_on` counts each param's
-reduces on each axis. The interpreter decides nothing: an effect that the store cannot
+reduces on each axis. Under hpZ ([Note: hpZ], stage.py) a Free keeps each rank's secondary shard
+of the params it names, and a gather of secondary shards concatenates those of the rank's hpZ
+group (H consecutive ranks): it must give what a gather of the shards gives (a secondary shard
+kept past new shards is stale: SimulationError); `secondary_gathers` counts them. The interpreter decides nothing: an effect that the store cannot
 honour (waiting a handle never issued, reducing grads never placed, a slot past the bucket's
 capacity) raises SimulationError, which is how tests catch a core that emits nonsense.
 
@@ -33,9 +36,9 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from fz3.config.config import Config
-from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket, DropGrads, Free, FreePartitions,
-                              HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WriteMode, WritePartition,
-                              ZeroPartitions)
+from fz3.core.effects import (AllGather, AverageGrads, ClearGrads, CopyToBucket, DropGrads, DropSecondary, Free,
+                              FreePartitions, HoldGrad, ReduceBucket, Refresh, Wait, WaitReduce, WriteMode,
+                              WritePartition, ZeroPartitions)
 from fz3.core.ids import BucketId, Handle, ParamId
 from fz3.core.spec import ModelSpec
 from fz3.data import collectives, layout, partition
@@ -75,6 +78,8 @@ class SimulatedWorld:
             [torch.full((p.shard_numel,), float("nan"), dtype=d) for p, d in zip(spec.params, gdt)]
             for _ in ranks]
         self.log: list[object] = []
+        self.secondary: list[dict[ParamId, torch.Tensor]] = [{} for _ in ranks]  # hpZ, per rank
+        self.secondary_gathers = 0
 
     @classmethod
     def from_params(cls, spec: ModelSpec, params: Sequence[torch.Tensor], *, config: Config
@@ -101,12 +106,18 @@ class SimulatedWorld:
         for e in effects:
             self.log.append(e)
             match e:
-                case AllGather(handle=h, params=ps):
-                    self._all_gather(h, ps)
+                case AllGather(handle=h, params=ps, secondary=sec):
+                    self._all_gather(h, ps, sec)
                 case Wait(handle=h):
                     self._wait(h)
-                case Free(params=ps):
+                case Free(params=ps, secondary=sec):
+                    self._keep_secondary(sec)
                     self._free(ps)
+                case DropSecondary(params=ps):
+                    for kept in self.secondary:
+                        for p in ps:
+                            if kept.pop(p, None) is None:
+                                raise SimulationError(f"DropSecondary of param {p}, which has no secondary shard")
                 case Refresh(params=ps):
                     self._refresh(ps)
                 case CopyToBucket() | HoldGrad():
@@ -138,14 +149,52 @@ class SimulatedWorld:
 
     # ---- parameter effects ------------------------------------------------------------------
 
-    def _all_gather(self, handle: Handle, params: tuple[ParamId, ...]) -> None:
+    def _all_gather(self, handle: Handle, params: tuple[ParamId, ...], secondary: tuple[ParamId, ...] = ()) -> None:
         if handle in self.inflight:
             raise SimulationError(f"AllGather reuses handle {handle}, still in flight")
         for p in params:
             if p in self.full[0] or any(p in g[0] for g in self.inflight.values()):
                 raise SimulationError(f"AllGather of param {p}, which is already gathered or "
                                       "in flight")
-        self.inflight[handle] = [dict(zip(params, out)) for out in self._gather(params)]
+        if not set(secondary) <= set(params):
+            raise SimulationError(f"AllGather of {params} names secondary shards of others: {secondary}")
+        got = [dict(zip(params, out)) for out in self._gather(params)]
+        if secondary:
+            for r, out in enumerate(self._gather_secondary(secondary)):
+                for p, t in zip(secondary, out):
+                    if not torch.equal(t, got[r][p]):
+                        raise SimulationError(f"rank {r}: param {p}'s secondary shards are stale (they differ "
+                                              "from its shards)")
+                    got[r][p] = t
+            self.secondary_gathers += 1
+        self.inflight[handle] = got
+
+    def _gather_secondary(self, params: tuple[ParamId, ...]) -> list[list[torch.Tensor]]:
+        """Every rank's full values of `params`, from the secondary shards of its hpZ group."""
+        H = self.spec.secondary
+        if H < 2:
+            raise SimulationError(f"a gather of secondary shards of {params}, but hpZ is off")
+        for r, kept in enumerate(self.secondary):
+            for p in params:
+                if p not in kept:
+                    raise SimulationError(f"rank {r}: param {p} has no secondary shard to gather")
+        numels = [self.spec.params[p].numel for p in params]
+        return [out for g in range(self.world_size // H)
+                for out in collectives.gather_world([[self.secondary[r][p] for p in params]
+                                                     for r in range(g * H, (g + 1) * H)], numels)]
+
+    def _keep_secondary(self, params: tuple[ParamId, ...]) -> None:
+        """Each rank's secondary shard of `params`: piece r % H of its full value."""
+        H = self.spec.secondary
+        if params and H < 2:
+            raise SimulationError(f"a Free keeps secondary shards of {params}, but hpZ is off")
+        for r, (full, kept) in enumerate(zip(self.full, self.secondary)):
+            for p in params:
+                if p not in full:
+                    raise SimulationError(f"rank {r}: a secondary shard of param {p}, which is not gathered")
+                if p in kept:
+                    raise SimulationError(f"rank {r}: param {p} keeps a second secondary shard")
+                kept[p] = layout.shard_of(full[p], r % H, H)
 
     def _wait(self, handle: Handle) -> None:
         if handle not in self.inflight:

@@ -52,7 +52,8 @@ NOT_PLANNED = ("pool_bytes", "device_allocated_bytes", "device_peak_bytes", *PRO
 """engine.stats() keys that are runtime, not decided by the core (the compiler's counts are the
 process's): the plan leaves them out."""
 STEP_COUNTS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "gathered_bytes",
-               "reduce", "reduced_bytes", "bytes_intra_group", "bytes_inter_group")
+               "reduce", "reduced_bytes", "bytes_intra_group", "bytes_inter_group", "messages_intra_group",
+               "messages_inter_group", "all_gather_hpz")
 
 
 @dataclass
@@ -165,6 +166,7 @@ def _run(engine, fakes, args: tuple, kwargs: dict, steps: int, state_rate: tuple
             before = dict(interp.counts)
             interp.peak_held_bytes, interp.peak_live_numel = interp.held_bytes, interp.live_numel  # this step's peaks
             interp.peak_grad_bytes, interp.peak_joint = interp.grad_bytes, interp.joint_bytes()
+            interp.peak_secondary_bytes = interp.secondary_bytes
             for micro in range(config.gradient_accumulation_steps):
                 loss = _loss(engine(*args, **kwargs))
                 with fakes.backward():
@@ -219,8 +221,9 @@ def _step_figures(engine, counts, before: dict, state_bytes: int, persistent: in
                 grad_partitions=interp.peak_grad_bytes, optimizer_state_bytes=state_bytes,
                 persistent_param_bytes=persistent * elem, buffer_bytes=stats["buffer_bytes"],
                 reduce_buffer_bytes=stats["reduce_buffer_bytes"], peak_held_grad_bytes=interp.peak_held_bytes,
-                peak_transient_bytes=interp.peak_joint, waiting_grad_bytes=waiting)
-    # gathered params, grad partitions and held grads come and go: the peak of their sum, not
+                peak_transient_bytes=interp.peak_joint, waiting_grad_bytes=waiting,
+                peak_secondary_bytes=interp.peak_secondary_bytes)
+    # gathered params, grad partitions, held grads and hpZ's secondary shards come and go: the peak of their sum, not
     # the sum of their peaks (a backward frees gathered params as its grads' segments come)
     step["model_state_peak_bytes"] = (step["param_shards"] + state_bytes + step["reduce_buffer_bytes"]
                                       + step["buffer_bytes"] + interp.peak_joint + waiting)
@@ -338,7 +341,8 @@ ROWS = (("all-gathers", "all_gather"), ("  on demand", "all_gather_on_demand"),
         ("optimizer state", "optimizer_state_bytes"), ("persistent params (full)", "persistent_param_bytes"),
         ("module buffers", "buffer_bytes"), ("IPG bucket buffers", "reduce_buffer_bytes"),
         ("held grads (peak)", "peak_held_grad_bytes"), ("grads whole in .grad (stages 0, 1)", "waiting_grad_bytes"),
-        ("live + grads + held (peak together)", "peak_transient_bytes"),
+        ("hpZ secondary shards (peak)", "peak_secondary_bytes"),
+        ("live + grads + held + secondary (peak together)", "peak_transient_bytes"),
         ("model states at the peak", "model_state_peak_bytes"))
 OFFLOAD_ROWS = (("on disk (optimizer, params' shards)", "offloaded_bytes"), ("read from disk per step", "disk_read_bytes"),
                 ("written to disk per step", "disk_written_bytes"),

@@ -102,7 +102,8 @@ _GRAD = operator.attrgetter("grad")  # a param's .grad, read by map in C
 COUNTERS = ("all_gather", "all_gather_on_demand", "all_gather_prefetch", "all_gather_via_all_reduce",
             "all_gather_via_native", "all_gather_via_p2p", "gathered_bytes", "reduce",
             "reduce_all_reduce", "reduce_p2p", "reduce_reduce_scatter", "reduced_bytes", "p2p_sends",
-            "reduce_across", "across_bytes", "bytes_intra_group", "bytes_inter_group")
+            "reduce_across", "across_bytes", "bytes_intra_group", "bytes_inter_group", "messages_intra_group",
+            "messages_inter_group", "all_gather_hpz")
 """The interpreter's counters stats() reports; every key is present, 0 until it first counts."""
 
 

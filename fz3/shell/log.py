@@ -62,6 +62,9 @@ def initialized(engine) -> None:
                                 for c in (gather_by, reduce_by))
     hybrid = (f" as {spec.replicas} groups of {spec.world_size} (hybrid sharding: gathers within a group, grads "
               "reduced within it and then across the groups)" if spec.groups > 1 else "")
+    if spec.secondary > 1:  # [Note: hpZ], fz3/core/stage.py
+        hybrid += (f", hpZ in groups of {spec.secondary} (the backward gathers secondary shards within "
+                   "its group)")
     LOG.info("fz3: %d ranks%s on %s, backend %s (all-gather by %s, reduce-scatter by %s); %d params "
              "sharded (%s elements), %d persistent (%s elements); per rank: param shards %s, grad "
              "partitions %s; glibc's heap policy: %s; config differences from the defaults: %s",
@@ -164,8 +167,9 @@ def flat_across_nodes(rank: int, world_size: int, config) -> None:
         return
     LOG.info("fz3: the %d ranks span %d nodes of %s (LOCAL_WORLD_SIZE) and every gather and reduce spans all of "
              "them (flat ZeRO-3); fz3.Config(shard_group_size=%s) shards within each node and replicates across "
-             "nodes (hybrid sharding: gathers stay on the node, one all-reduce of the grad shards crosses nodes)",
-             world_size, world_size // local, local, local)
+             "nodes (hybrid sharding: gathers stay on the node, one all-reduce of the grad shards crosses nodes); "
+             "zero_hpz_partition_size=%s keeps the backward's gathers on the node (hpZ)",
+             world_size, world_size // local, local, local, local)
 
 
 def verdict_on_host(engine, why: str | None) -> None:

@@ -38,6 +38,8 @@ def memory_stats(engine) -> dict[str, int]:
         "reduce_buffer_bytes": engine.interp.bucket_bytes(),
         "held_grad_bytes": engine.interp.held_bytes,
         "peak_held_grad_bytes": engine.interp.peak_held_bytes,
+        "secondary_param_bytes": engine.interp.secondary_bytes,  # hpZ ([Note: hpZ], fz3/core/stage.py)
+        "peak_secondary_param_bytes": engine.interp.peak_secondary_bytes,
         "pool_bytes": engine.interp.pool_bytes(),
         "device_allocated_bytes": engine.accelerator.memory_allocated(),
         "device_peak_bytes": engine.accelerator.max_memory_allocated(),

@@ -149,5 +149,6 @@ def read_tables(model: nn.Module, *, world_size: int, config: Config, numels: li
     shard_world = stage.layout_world(config, world_size)  # 1 at stage 0: whole on every rank
     spec = build_spec(list(zip(names, sizes)), units, world_size=shard_world, persistence_threshold=threshold,
                       model_persistence_threshold=model_threshold, replicas=world_size // shard_world,
-                      max_inflight=config.max_ongoing_fetch_events)
+                      max_inflight=config.max_ongoing_fetch_events,
+                      secondary=stage.secondary_world(config, world_size))
     return Tables(spec, params, names, modules, module_names, tuple(compiled_units))

@@ -12,7 +12,8 @@ called several times per forward, from one parent or from several; conditional m
 variant drops, swaps or repeats a call, or is drawn afresh); leaf modules (a whole subtree's
 params in one unit, the subtree's modules never called); numel 0..10, often below the world
 size; calls without grad-requiring inputs or outputs; external params (a child's param returned
-to its caller, or any param read by a module that does not own it); and configs at the edges:
+to its caller, or any param read by a module that does not own it); hpZ's secondary shards (a
+group of 2 of 4 ranks); and configs at the edges:
 prefetch off and tiny, live budget 0 / tiny / huge, reuse distance 0 / small / huge,
 persistence off (threshold 0: only empty params) and on.
 
@@ -77,7 +78,8 @@ class Model:
         shard_world = stage.layout_world(config, self.world_size)
         return build_spec(self.params, self.modules, world_size=shard_world, persistence_threshold=threshold,
                           model_persistence_threshold=model_threshold, replicas=self.world_size // shard_world,
-                          max_inflight=config.max_ongoing_fetch_events)
+                          max_inflight=config.max_ongoing_fetch_events,
+                          secondary=stage.secondary_world(config, self.world_size))
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,11 @@ def cases(draw, config: st.SearchStrategy[Config] | None = None, max_variants: i
     model = draw(models())
     base = draw(programs(model))
     extra = draw(st.lists(variants(model, base), max_size=max_variants))
-    return Case(model, draw(config if config is not None else configs()), (base, *extra))
+    cfg = draw(config if config is not None else configs())
+    hpz = [h for h in range(2, model.world_size) if model.world_size % h == 0]  # [Note: hpZ]: 2 of 4
+    if hpz and cfg.stage == 3 and cfg.zero_hpz_partition_size == 1 and draw(st.booleans()):
+        cfg = cfg.replace(zero_hpz_partition_size=draw(st.sampled_from(hpz)))
+    return Case(model, cfg, (base, *extra))
 
 
 # ---- events ------------------------------------------------------------------------------------

@@ -22,9 +22,10 @@ from collections import Counter
 from typing import Callable, Sequence
 
 from fz3.config.config import Config
-from fz3.core.effects import AllGather, Free, Refresh, Wait
+from fz3.core.effects import AllGather, DropSecondary, Free, Refresh, Wait
 from fz3.core.ids import Status, TraceMode
 from fz3.core.spec import ModelSpec
+from fz3.testing.coverage import covered
 from fz3.testing.naive_rules import Liveness
 
 NA, INFLIGHT, AV = Status.NOT_AVAILABLE, Status.INFLIGHT, Status.AVAILABLE
@@ -94,6 +95,8 @@ class NaiveParams:
         self.holds: Counter[int] = Counter()  # gathered_parameters: param -> open holds
         self.module: int | None = None  # the module the current event is about
         self.rules = Liveness(self.numel, config)  # what the trace's rules require (liveness)
+        self.H = spec.secondary  # hpZ ([Note: hpZ], fz3/core/stage.py): 1 off
+        self.secondary: set[int] = set()  # params whose secondary shard is kept
 
     # ---- derived views ---------------------------------------------------------------------------
     def unit(self, m: int) -> set[int]:
@@ -229,6 +232,10 @@ class NaiveParams:
         if kind == "end_of_step":  # the shards changed: every full value left is a fresh one
             stale = sorted(p for p, s in self.status.items() if s is AV and p not in self.refreshed)
             assert not stale, f"params {stale} stay gathered after end_of_step, not refreshed"
+            assert not self.secondary, f"params {sorted(self.secondary)} keep stale secondary shards past the step"
+        if kind == "unhold" and self.ev.stale:
+            kept = sorted(self.secondary & set(self.ev.params))
+            assert not kept, f"params {kept} keep secondary shards past a stale gathered_parameters"
         if kind == "finish":  # nothing gathered in the pass leaks past it
             leaked = self.pass_gathered - self.pass_freed - self.exempt()
             assert not leaked, f"params {sorted(leaked)} gathered in the pass and never freed"
@@ -253,6 +260,8 @@ class NaiveParams:
             self._free(e, kind)
         elif isinstance(e, Refresh):
             self._refresh(e, kind)
+        elif isinstance(e, DropSecondary):
+            self._drop_secondary(e, kind)
         else:
             raise AssertionError(f"unexpected effect {e!r} during {kind}")
 
@@ -278,6 +287,11 @@ class NaiveParams:
         else:
             again = self.persistent | {p for p, n in self.holds.items() if n}
             assert kind == "end_of_step" and set(ps) <= again, f"{e} during {kind}"
+        # hpZ: the backward gathers from a secondary shard whatever has one (the forward never does)
+        want = tuple(p for p in ps if p in self.secondary) if self.H > 1 and kind == "pre_backward" else ()
+        assert e.secondary == want, f"{e} during {kind}: the params to gather from secondary shards are {want}"
+        if want:
+            covered("hpZ", "the backward gathers from secondary shards")
         self.issued.add(e.handle)
         self.outstanding[e.handle] = ps
         for p in ps:
@@ -299,8 +313,27 @@ class NaiveParams:
             assert self.status[p] is AV, f"{e}: p{p} is {self.status[p].name}, not AVAILABLE"
         self.refreshed |= set(ps)
 
+    def _drop_secondary(self, e: DropSecondary, kind: str) -> None:
+        """hpZ: the step drops every secondary shard; a stale gathered_parameters those it held."""
+        ps = set(e.params)
+        assert e.params and list(e.params) == sorted(ps), f"{e}: params must be non-empty, sorted, unique"
+        if kind == "end_of_step":
+            assert ps == self.secondary, f"{e}: the step must drop every secondary shard {sorted(self.secondary)}"
+        else:
+            assert kind == "unhold" and self.ev.stale, f"{e} during {kind}: only the step or a stale unhold drops"
+            want = self.secondary & set(self.ev.params)
+            assert ps == want, f"{e}: a stale unhold drops the secondary shards of what it held, {sorted(want)}"
+        self.secondary -= ps
+        covered("hpZ", f"secondary shards dropped at {kind}")
+
     def _free(self, e: Free, kind: str) -> None:
         ps = e.params
+        # hpZ: a release whose backward gathers them again keeps a secondary shard of each not kept yet
+        want = tuple(p for p in ps if p not in self.secondary) if self.H > 1 and e.refetch else ()
+        assert e.secondary == want, f"{e} during {kind}: the secondary shards to keep are {want}"
+        if want:
+            covered("hpZ", "a forward release keeps secondary shards")
+        self.secondary |= set(want)
         assert ps and list(ps) == sorted(set(ps)), f"{e}: params must be non-empty, sorted, unique"
         used = set().union(*(self.unit(a) for a in self.active))
         sticky = self.persistent | self.external()
@@ -332,6 +365,7 @@ class NaiveParams:
                 f"p{p}: core {s.status.name}/{s.handle}, model {self.status[p].name}/{self.handle.get(p)}")
             assert s.users == users, f"p{p}: core counts {s.users} users, model {users}"
             assert s.external == (p in self.external()), f"p{p}: external flag {s.external}"
+            assert s.secondary == (p in self.secondary), f"p{p}: core says secondary shard {s.secondary}"
         assert [(f.handle, f.params) for f in st.inflight] == list(self.outstanding.items()), (
             f"in flight: core {st.inflight}, model {self.outstanding}")
         assert st.live_numel == self.live, f"live numel: core {st.live_numel}, model {self.live}"

@@ -95,7 +95,7 @@ EXTRA_CONFIGS: dict[str, Config] = {
 }
 
 
-# hybrid sharding (issue #49) on 6 ranks as 3 groups of 2 and as 2 groups of 3
+# hybrid sharding and hpZ (issue #49) on 6 ranks as 3 groups of 2 and as 2 groups of 3
 # (tests/test_hybrid_sharding.py): the p2p carriers and DeepSpeed's defaults (every param
 # sharded, AdamW), bf16 with clipping (SGD), the all-reduce path within the groups
 HYBRID_CONFIGS: dict[str, Config] = {
@@ -105,6 +105,10 @@ HYBRID_CONFIGS: dict[str, Config] = {
                                reduce_bucket_size=64, **_C),
     "hybrid3": Config(param_persistence_threshold=0, shard_group_size=3, **_C),
     "hybrid3_bf16_clip": CONFIGS["bf16"].replace(shard_group_size=3, gradient_clipping=0.5),
+    # hpZ (issue #49, tests/test_hpz.py): 6 flat ranks with secondary shards in groups of 2, and
+    # of 3 in bf16 with clipping
+    "hpz": Config(param_persistence_threshold=0, zero_hpz_partition_size=2, **_C),
+    "hpz3_bf16_clip": CONFIGS["bf16"].replace(zero_hpz_partition_size=3, gradient_clipping=0.5),
 }
 
 
@@ -127,8 +131,8 @@ def configs_for(model: str) -> tuple[str, ...]:
     return tuple(CONFIGS) + EXTRA.get(model, ())
 
 
-OPTIMIZERS = {"sync_allreduce": "sgd", "bf16": "sgd", "bf16_comm_fp32": "sgd",
-              "prescale": "sgd", "hybrid_bf16_clip": "sgd", "hybrid3_bf16_clip": "sgd"}  # the others: "adamw"
+OPTIMIZERS = {"sync_allreduce": "sgd", "bf16": "sgd", "bf16_comm_fp32": "sgd", "prescale": "sgd",
+              "hybrid_bf16_clip": "sgd", "hybrid3_bf16_clip": "sgd", "hpz3_bf16_clip": "sgd"}  # the others: "adamw"
 
 
 def optimizer_for(config_name: str) -> str:

@@ -14,7 +14,8 @@ DeepSpeed: GatheredParameters.__enter__ / __exit__.
 from __future__ import annotations
 
 from fz3.config.config import Config
-from fz3.core.param.state import AVAILABLE, NOT_AVAILABLE, Effects, ParamState, Txn, free, gather, wait_for
+from fz3.core.param.state import (AVAILABLE, NOT_AVAILABLE, Effects, ParamState, Txn, drop_secondary, free, gather,
+                                  wait_for)
 from fz3.core.ids import ParamId
 
 
@@ -46,6 +47,8 @@ def unhold(st: ParamState, pids: tuple[ParamId, ...], *, config: Config,
         if not users and tx.status(p) == AVAILABLE and (stale or not keep):
             to_free.append(p)
     free(tx, tuple(to_free))
+    if stale:  # their shards were rewritten: a secondary shard would be of the old values
+        drop_secondary(tx, pids)
     new, effects = tx.commit()
     return new._replace(held=tuple(held)), effects
 

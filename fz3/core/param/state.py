@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from fz3.core.effects import AllGather, Free, Refresh, Wait
+from fz3.core.effects import AllGather, DropSecondary, Free, Refresh, Wait
 from fz3.core.ids import Handle, ModuleId, ParamId, Status
 from fz3.core.pvec import Log, PVec
 from fz3.core.spec import ModelSpec
@@ -34,6 +34,7 @@ class ParamSlot(NamedTuple):
     users: int  # active modules (between fetch and release) whose unit holds it
     fetched_for: int  # trace step it was last fetched or prefetched for (-1: none)
     external: bool  # registered on a module that does not own it; freed at step end only
+    secondary: bool = False  # hpZ: this rank keeps its secondary shard ([Note: hpZ], fz3/core/stage.py)
 
 
 class ModuleSlot(NamedTuple):
@@ -57,10 +58,10 @@ class ModuleSlot(NamedTuple):
 # The encoding is this file's alone: the column numbers are private, and every other file reads
 # a row by a named accessor (`ParamState.status(p)`, `Txn.users(p)`, ...) and changes it by a
 # named move on `Txn` (`open_call`, `close_call`, `add_externals`, ...). tests/test_rows_are_private.py checks it.
-_STATUS, _HANDLE, _USERS, _FETCHED_FOR, _EXTERNAL = range(5)
+_STATUS, _HANDLE, _USERS, _FETCHED_FOR, _EXTERNAL, _SECONDARY = range(6)
 _PRE_BACKWARD, _GRADS_REMAINING, _FETCH_STEP, _ACTIVE, _EXTERNALS = range(5)
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = int(Status.NOT_AVAILABLE), int(Status.INFLIGHT), int(Status.AVAILABLE)
-_NA_ROW = (NOT_AVAILABLE, None, 0, -1, False)
+_NA_ROW = (NOT_AVAILABLE, None, 0, -1, False, False)
 _IDLE_ROW = (0, 0, -1, 0, ())
 
 
@@ -221,7 +222,7 @@ class Txn:
         missing = []
         for p in pids:
             s = self._slots[p]
-            self._put(p, (s[_STATUS], s[_HANDLE], s[_USERS] + 1, s[_FETCHED_FOR], s[_EXTERNAL]))
+            self._put(p, (s[_STATUS], s[_HANDLE], s[_USERS] + 1, s[_FETCHED_FOR], s[_EXTERNAL], s[_SECONDARY]))
             if s[_STATUS] == NOT_AVAILABLE:
                 missing.append(p)
         return missing
@@ -229,7 +230,7 @@ class Txn:
     def set_users(self, p: ParamId, users: int) -> None:
         s = self._slots[p]
         if s[_USERS] != users:
-            self._put(p, (s[_STATUS], s[_HANDLE], users, s[_FETCHED_FOR], s[_EXTERNAL]))
+            self._put(p, (s[_STATUS], s[_HANDLE], users, s[_FETCHED_FOR], s[_EXTERNAL], s[_SECONDARY]))
 
     # -- named moves on modules --
     def open_call(self, m: ModuleId, step: int, grad_inputs: int) -> tuple[tuple[ParamId, ...], list[ParamId]]:
@@ -248,7 +249,7 @@ class Txn:
             if p not in olds:
                 olds[p] = s
             ff = s[_FETCHED_FOR]
-            slots[p] = (s[_STATUS], s[_HANDLE], s[_USERS] + users, step if step > ff else ff, s[_EXTERNAL])
+            slots[p] = (s[_STATUS], s[_HANDLE], s[_USERS] + users, step if step > ff else ff, s[_EXTERNAL], s[_SECONDARY])
             if s[_STATUS] == NOT_AVAILABLE:
                 missing.append(p)
         return pids, missing
@@ -270,7 +271,7 @@ class Txn:
             if p not in olds:
                 olds[p] = s
             users = s[_USERS] - 1
-            slots[p] = (s[_STATUS], s[_HANDLE], users, s[_FETCHED_FOR], s[_EXTERNAL])
+            slots[p] = (s[_STATUS], s[_HANDLE], users, s[_FETCHED_FOR], s[_EXTERNAL], s[_SECONDARY])
             if not users and s[_STATUS] == AVAILABLE and not s[_EXTERNAL] and not spec[p].persistent:
                 candidates.append(p)
         return candidates
@@ -312,7 +313,7 @@ class Txn:
             if spec[p].persistent or s[_EXTERNAL] or holds or (s[_USERS] and not force):
                 survivors.append(p)
                 if force and s[_USERS] != holds:
-                    self._put(p, (s[_STATUS], s[_HANDLE], holds, s[_FETCHED_FOR], s[_EXTERNAL]))
+                    self._put(p, (s[_STATUS], s[_HANDLE], holds, s[_FETCHED_FOR], s[_EXTERNAL], s[_SECONDARY]))
             else:
                 to_free.append(p)
         self.gathered = Log(survivors)
@@ -338,7 +339,7 @@ class Txn:
         users, missing = 1 if ms[_ACTIVE] > 0 else 0, []
         for p in new:
             s = self._slots[p]
-            self._put(p, (s[_STATUS], s[_HANDLE], s[_USERS] + users, s[_FETCHED_FOR], True))
+            self._put(p, (s[_STATUS], s[_HANDLE], s[_USERS] + users, s[_FETCHED_FOR], True, s[_SECONDARY]))
             if s[_STATUS] == NOT_AVAILABLE:
                 missing.append(p)
         self._put_module(m, ms[:_EXTERNALS] + (tuple(sorted(ms[_EXTERNALS] + new)),))
@@ -369,14 +370,16 @@ def gather(tx: Txn, pids: tuple[ParamId, ...], *, prefetch: bool, forward: bool,
         s = slots[p]
         if p not in olds:
             olds[p] = s
-        slots[p] = (INFLIGHT, h, s[_USERS], step, s[_EXTERNAL])
+        slots[p] = (INFLIGHT, h, s[_USERS], step, s[_EXTERNAL], s[_SECONDARY])
         numel += spec[p].numel
     tx.live += numel
     if tx.live > tx.peak:
         tx.peak = tx.live
     tx.inflight.append(Inflight(h, pids))
     tx.next_handle, tx.gathered = h + 1, tx.gathered.extend(pids)
-    tx.effects.append(AllGather(h, pids, prefetch, forward))
+    # hpZ: the backward gathers what has a secondary shard from it ([Note: hpZ], stage.py)
+    secondary = tuple(p for p in pids if slots[p][_SECONDARY]) if not forward and tx.st.spec.secondary > 1 else ()
+    tx.effects.append(AllGather(h, pids, prefetch, forward, secondary))
 
 
 def wait(tx: Txn, handle: Handle) -> None:
@@ -389,7 +392,7 @@ def wait(tx: Txn, handle: Handle) -> None:
         s = slots[p]
         if p not in olds:
             olds[p] = s
-        slots[p] = (AVAILABLE, None, s[_USERS], s[_FETCHED_FOR], s[_EXTERNAL])
+        slots[p] = (AVAILABLE, None, s[_USERS], s[_FETCHED_FOR], s[_EXTERNAL], s[_SECONDARY])
     tx.effects.append(Wait(handle))
 
 
@@ -416,14 +419,38 @@ def free(tx: Txn, pids: tuple[ParamId, ...], refetch: bool = False) -> None:
     if not pids:
         return
     spec, slots, olds, numel = tx.st.spec.params, tx._slots, tx._olds, 0
+    keep = refetch and tx.st.spec.secondary > 1  # hpZ: its backward gathers from a secondary shard
+    kept = []
     for p in pids:
         s = slots[p]
         if p not in olds:
             olds[p] = s
-        slots[p] = (NOT_AVAILABLE, None, 0, s[_FETCHED_FOR], s[_EXTERNAL])
+        if keep and not s[_SECONDARY]:
+            kept.append(p)
+        slots[p] = (NOT_AVAILABLE, None, 0, s[_FETCHED_FOR], s[_EXTERNAL], s[_SECONDARY] or keep)
         numel += spec[p].numel
     tx.live -= numel
-    tx.effects.append(Free(pids, refetch))
+    tx.effects.append(Free(pids, refetch, tuple(kept)))
+
+
+def drop_secondary(tx: Txn, pids) -> None:
+    """hpZ: the secondary shards of those of `pids` that have one go (their values are stale)."""
+    slots, olds, dropped = tx._slots, tx._olds, []
+    for p in pids:
+        s = slots[p]
+        if s[_SECONDARY]:
+            if p not in olds:
+                olds[p] = s
+            slots[p] = s[:_SECONDARY] + (False,)
+            dropped.append(p)
+    if dropped:
+        tx.effects.append(DropSecondary(tuple(dropped)))
+
+
+def with_secondary(tx: Txn) -> list[ParamId]:
+    """The params with a secondary shard kept, in order (O(params): at the step only)."""
+    slots = tx._slots
+    return [p for p in range(len(tx.st.spec.params)) if slots[p][_SECONDARY]]
 
 
 def refresh(tx: Txn, pids: tuple[ParamId, ...]) -> None:
@@ -437,7 +464,7 @@ def refresh(tx: Txn, pids: tuple[ParamId, ...]) -> None:
         s = slots[p]
         if p not in olds:
             olds[p] = s
-        slots[p] = (AVAILABLE, None, s[_USERS], -1, s[_EXTERNAL])
+        slots[p] = (AVAILABLE, None, s[_USERS], -1, s[_EXTERNAL], s[_SECONDARY])
     tx.gathered = tx.gathered.extend(pids)
     tx.effects.append(Refresh(pids))
 

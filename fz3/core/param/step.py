@@ -6,7 +6,7 @@
                      fired: no grad-requiring input)
     end_of_step      after the optimizer updated the shards: every full param is stale, so all
                      are freed but the persistent (and held) ones that were live: those are
-                     refreshed in place (effects.Refresh)
+                     refreshed in place (effects.Refresh); hpZ's secondary shards are dropped
     invalidate       a fetch departed from the trace plan: drain, drop wrong prefetches
 
 Each walks only the params gathered since the last sweep (`ParamState.gathered`) and the
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from fz3.config.config import Config
 from fz3.core.ids import ModuleId
-from fz3.core.param.state import AVAILABLE, Effects, ParamState, Txn, drain, free, refresh, unit_params
+from fz3.core.param.state import (AVAILABLE, Effects, ParamState, Txn, drain, drop_secondary, free, refresh,
+                                  unit_params, with_secondary)
 from fz3.core.pvec import Log
 from fz3.core.param.trace import invalidated, pass_kind, reset
 
@@ -103,4 +104,6 @@ def end_of_step(st: ParamState, *, config: Config) -> tuple[ParamState, Effects]
         tx.set_users(p, 0)
     for p in held:
         tx.set_users(p, st.held.count(p))
+    if st.spec.secondary > 1:  # hpZ: the secondary shards are of the old values ([Note: hpZ])
+        drop_secondary(tx, with_secondary(tx))
     return tx.commit()
