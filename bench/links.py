@@ -109,8 +109,10 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.time()
     plans, measured = llama_plans(), gpt_measured()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
-    lines = [f"Command: `python bench/links.py` ({datetime.date.today()}, fz3 at {commit}, {platform.processor() or 'x86_64'}, "
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip()
+    lines = [f"Command: `python bench/links.py` ({datetime.date.today()}, fz3 at {commit}, "
+             f"{platform.processor() or 'x86_64'}, "
              f"{time.time() - t0:.0f} s). Bytes a rank sends per step on each link ([Note: bytes on each link], "
              "fz3/interpreters/accounting.py): within its group (a node; for flat ZeRO-3 the launcher's node) and "
              "across groups.", "",

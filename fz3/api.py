@@ -10,6 +10,7 @@ from fz3.config.config import Config
 from fz3.build import meta
 from fz3.data.shards import shard_of
 from fz3.shell import log, registry
+from fz3.shell.optim import InferenceOnly
 from fz3.shell.pick import check_group_backend, pick_device
 from fz3.core import stage
 from fz3.interpreters import groups, threads
@@ -28,10 +29,12 @@ class Engine(ValueMovers, lifecycle.Engine):
     surface) with the methods that move values in and out (fz3/io/engine_methods.py)."""
 
 
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config | None = None,
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: Config | None = None,
                lr_scheduler=None, *, group=None, options: Options | None = None, mesh=None) -> Engine:
     """Shard `model` over the default process group and rebind `optimizer` (built on
-    model.parameters()) to this rank's fp32 master shards. Every rank must call it.
+    model.parameters()) to this rank's fp32 master shards; None: an engine that only runs forwards
+    (a frozen reference model: its step refuses, fz3/shell/optim.py InferenceOnly). Every rank
+    must call it.
     `lr_scheduler` (built on `optimizer`) is stepped by `engine.step()` at each accumulation
     boundary, after the optimizer. `options`: fz3's own switches outside DeepSpeed's vocabulary
     (the gloo carriers, debug checks; fz3/config/options.py).
@@ -48,6 +51,8 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
     options = given(options, "fz3.initialize")
     if not isinstance(model, nn.Module):
         raise TypeError(f"fz3.initialize expects an nn.Module, got {type(model).__name__}")
+    if optimizer is None:  # a frozen, inference-only engine (fz3/shell/optim.py)
+        optimizer = InferenceOnly(model.parameters())
     transport = threads.current()
     if transport is None and not dist.is_initialized():
         raise RuntimeError("fz3.initialize needs torch.distributed initialised (fz3.launch.run or "
@@ -72,7 +77,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: Confi
         config = config.replace(shard_group_size=hybrid.from_mesh(mesh, config, transport.world_size))
     stage.layout_world(config, transport.world_size)  # a group size that does not divide the world: its error
     axes = groups.axes(transport, config.shard_group_size, stage.secondary_world(config, transport.world_size))
-    if axes is None or axes.replica is None:  # flat: under torchrun on several nodes, say how to keep the gathers on one
+    if axes is None or axes.replica is None:  # flat: under torchrun on several nodes, say how to keep gathers on one
         log.flat_across_nodes(transport.rank, transport.world_size, config)
     device.set_device()
     if meta.has_meta(model):  # built on torch.device("meta"): one module at a time (meta.py)

@@ -74,9 +74,11 @@ from fz3.interpreters.transport import PeerFailed, Transport
 GATHER, REDUCE, NORM, BUFFERS, FLAGS = 1, 2, 3, 4, 5
 OPTIMIZER_STATE, FULL_STATE, SIXTEEN_BIT, SAVE, LOAD = 6, 7, 8, 9, 10
 ACROSS = 11  # hybrid sharding: a bucket's partitions all-reduced across the groups
+FULL_PARAMS, GENERATION = 12, 13  # engine.full_params(), engine.generation()
 CALLS = {OPTIMIZER_STATE: "engine.full_optimizer_state_dict()", FULL_STATE: "engine.full_state_dict()",
          SIXTEEN_BIT: "engine.save_16bit_model() (or _zero3_consolidated_16bit_state_dict())",
-         SAVE: "engine.save_checkpoint()", LOAD: "engine.load_checkpoint()"}
+         SAVE: "engine.save_checkpoint()", LOAD: "engine.load_checkpoint()", FULL_PARAMS: "engine.full_params()",
+         GENERATION: "engine.generation()"}
 """The kinds that are a call of the user's, not of the engine's hooks: a rank there alone called
 it where the others did not (under `if master_process:`). Each is checked as the call begins
 (fz3.interpreters.agree.every_rank), before its first collective."""
@@ -87,7 +89,8 @@ KINDS = {GATHER: "all-gather", REDUCE: "reduce", NORM: "grad-norm all-reduce", B
          SIXTEEN_BIT: "engine.save_16bit_model()'s (or _zero3_consolidated_16bit_state_dict()'s) gather of the "
                       "16-bit weights",
          SAVE: "engine.save_checkpoint()", LOAD: "engine.load_checkpoint()",
-         ACROSS: "all-reduce of a bucket's partitions across the shard groups"}
+         ACROSS: "all-reduce of a bucket's partitions across the shard groups",
+         FULL_PARAMS: "engine.full_params()", GENERATION: "engine.generation()"}
 FIELDS = 9  # compared
 PHASE_FIELD = 8  # the pass a gather or reduce is made in (pass_hint.py); 0 for the other kinds
 STAMPED = (GATHER, REDUCE)

@@ -7,6 +7,8 @@
     engine.load_checkpoint(dir, tag, **options)      any saved world size (fz3/io/checkpoint_load.py)
     engine.save_16bit_model(dir, filename)         rank 0 writes the compute-dtype weights
     engine._zero3_consolidated_16bit_state_dict()  what Accelerate calls
+    engine.full_params(bucket_bytes)               (name, whole param), a bucket at a time
+                                                  (fz3/io/full_params.py)
 
 They live here, with the features they call, so the shell's engine (fz3/shell/engine.py) never
 imports a library feature; `fz3.initialize` returns an engine with them (fz3/api.py `Engine`).
@@ -20,6 +22,7 @@ import torch
 from fz3.io.checkpoint import save_checkpoint
 from fz3.io.checkpoint_load import load_checkpoint
 from fz3.io.consolidate import compute_dtype_state_dict, full_state_dict
+from fz3.io.full_params import full_params
 from fz3.interpreters import agreement
 from fz3.io.optimizer_state import full_optimizer_state_dict
 from fz3.shell import log
@@ -61,6 +64,13 @@ class ValueMovers:
         every_rank(self, agreement.LOAD)
         with self.resident():
             return load_checkpoint(self, load_dir, tag, **options)
+
+    def full_params(self, bucket_bytes: int = 2**28):
+        """Every rank (it gathers): (name, whole param) for every param in the model's order, in
+        the compute dtype, a bucket of at most `bucket_bytes` gathered at a time (fz3/io/full_params.py)."""
+        self._refuse_if_stopped()
+        every_rank(self, agreement.FULL_PARAMS)
+        return full_params(self, bucket_bytes)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """Rank 0: the whole model's state dict in the compute dtype on the CPU (what

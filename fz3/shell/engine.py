@@ -53,7 +53,7 @@ import operator
 import sys
 import weakref
 from itertools import compress, repeat
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -77,7 +77,7 @@ from fz3.interpreters.agreement import DivergenceError
 from fz3.interpreters.leaf_hint import leaf_hint
 from fz3.interpreters.protocol import Interpreter
 from fz3.data import shards
-from fz3.shell import checks, log, optimizer_names, pytree, state_dict, zero_grad
+from fz3.shell import checks, generation, log, optimizer_names, pytree, state_dict, zero_grad
 from fz3.shell.buffers import BufferSync
 from fz3.shell.compiled import compile_stats, outside_graph, refuse_compiled_engine
 from fz3.shell.log import StepLog
@@ -160,6 +160,7 @@ class Engine(DeepSpeedSurface):
         self.update = functools.partial(replay.advance, check=options.debug_checks, keep=options.replay)
         if config.compute_dtype != "fp32":
             _cast_buffers(model, DTYPES[config.compute_dtype])
+        self.generating = False  # inside engine.generation() (fz3/shell/generation.py)
         self.buffers = BufferSync(model, lambda t: self.interp.broadcast(t), enabled=options.broadcast_buffers,
                                   world_size=world_size)  # the interpreter of the units of the time
         bind_optimizer(optimizer, self.tables.params, self.store.masters)
@@ -515,7 +516,8 @@ class Engine(DeepSpeedSurface):
     def _begin_pass(self, tree):
         """[Note: saved views of gathered params] (saved.py) watch this pass's saves; rank 0's
         buffers are every rank's (buffers.py)."""
-        self.buffers.sync()
+        if not self.generating:  # engine.generation() broadcast them once, at its entry
+            self.buffers.sync()
         self.graph_tasks.clear()
         self.saved.begin()
         self.store.clear_grad_due()
@@ -732,6 +734,11 @@ class Engine(DeepSpeedSurface):
         """Each param group's current learning rate. DeepSpeed: get_lr."""
         self.read_verdict(every_rank=False)  # a skipped step's scheduler put back
         return [group["lr"] for group in self.optimizer.param_groups]
+
+    def generation(self, budget_bytes: Optional[int] = None):
+        """A block whose forwards (a decode loop) read the units kept whole within `budget_bytes`
+        (None: all) without gathering them: fz3/shell/generation.py."""
+        return generation.generation(self, budget_bytes)
 
     def resident(self):
         """A block with every offloaded optimizer sub-group in memory, written back after it

@@ -15,10 +15,27 @@ from torch import nn
 from fz3.data.store import TensorStore
 
 
+class InferenceOnly(torch.optim.Optimizer):
+    """The optimizer of an engine built without one, `fz3.initialize(model, None, config)`: a
+    frozen, inference-only engine (a reference model beside a trained policy, a model that only
+    generates). Its params are sharded and gathered as any engine's; it keeps no optimizer state,
+    and no grad memory unless a backward runs through it. Its step() refuses: nothing may move
+    its weights."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        raise RuntimeError("fz3: this engine was built without an optimizer (fz3.initialize(model, None, ...)): it "
+                           "runs forwards (a frozen reference model, generation) and has no step; to train the model, "
+                           "pass an optimizer built on model.parameters()")
+
+
 def bind_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
                    masters: list[nn.Parameter]) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"fz3.initialize expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(f"fz3.initialize expects a torch.optim.Optimizer, or None for an engine that only runs "
+                        f"forwards, got {type(optimizer).__name__}")
     if optimizer.state:
         raise ValueError("fz3.initialize: the optimizer already has state (it has stepped); build it "
                          "on model.parameters() and pass it before the first step")

@@ -249,7 +249,8 @@ class Txn:
             if p not in olds:
                 olds[p] = s
             ff = s[_FETCHED_FOR]
-            slots[p] = (s[_STATUS], s[_HANDLE], s[_USERS] + users, step if step > ff else ff, s[_EXTERNAL], s[_SECONDARY])
+            slots[p] = (s[_STATUS], s[_HANDLE], s[_USERS] + users, step if step > ff else ff, s[_EXTERNAL],
+                        s[_SECONDARY])
             if s[_STATUS] == NOT_AVAILABLE:
                 missing.append(p)
         return pids, missing
