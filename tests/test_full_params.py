@@ -19,7 +19,7 @@ from torch import nn
 
 import fz3
 from fz3 import launch
-from fz3.io.full_params import buckets
+from fz3.data.store import consecutive_runs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -88,7 +88,7 @@ def test_bad_buckets_are_refused_at_the_call():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 20), max_size=12), st.integers(20, 60))
 def test_buckets_are_consecutive_runs_within_the_limit_closed_only_when_full(sizes, limit):
-    runs = buckets(sizes, limit)
+    runs = consecutive_runs(sizes, limit)
     assert [i for r in runs for i in r] == list(range(len(sizes)))
     for a, b in zip(runs, runs[1:]):
         assert sum(sizes[i] for i in a) + sizes[b[0]] > limit  # the next would overflow it

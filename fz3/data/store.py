@@ -337,15 +337,21 @@ def _cut(run: tuple[int, ...], sizes: list[int], limit: int | None = None) -> li
     stepping shard by shard (give or take 512 KiB), and a backward allocates its grads a segment
     at a time."""
     limit = max([MIN_SEGMENT] + sizes) if limit is None else limit
-    out, seg, total = [], [], 0
-    for p, n in zip(run, sizes):
-        if seg and total + n > limit:
-            out.append(tuple(seg))
-            seg, total = [], 0
-        seg.append(p)
+    return [tuple(run[i] for i in seg) for seg in consecutive_runs(sizes, limit)]
+
+
+def consecutive_runs(sizes: Sequence[int], limit: int) -> list[tuple[int, ...]]:
+    """Indices of `sizes` cut into runs of consecutive ones totalling at most `limit` each (one
+    larger than `limit` alone), a run closed when the next would overflow it."""
+    out, run, total = [], [], 0
+    for i, n in enumerate(sizes):
+        if run and total + n > limit:
+            out.append(tuple(run))
+            run, total = [], 0
+        run.append(i)
         total += n
-    if seg:
-        out.append(tuple(seg))
+    if run:
+        out.append(tuple(run))
     return out
 
 

@@ -6,7 +6,7 @@ to an inference engine or a save_pretrained, with no rank holding the whole mode
 
 The params, in the model's order (named_parameters: a tied param once, under its first name),
 are cut into buckets of consecutive params of at most `bucket_bytes` of full values in the
-compute dtype (`buckets`). Each bucket is gathered at once (as fz3.gathered_parameters
+compute dtype (fz3/data/store.py `consecutive_runs`, as the flat step cuts its segments). Each bucket is gathered at once (as fz3.gathered_parameters
 gathers: fz3/core/param/hold.py), its params yielded whole (the gathered values themselves, in
 their shapes: read or copy them before the next), and freed before the next bucket is gathered:
 beyond its shards, a rank holds at most one bucket (and the persistent params, which are whole
@@ -16,27 +16,13 @@ _zero3_consolidated_16bit_state_dict gathers one param at a time (a collective p
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 
 from fz3.core.events import Hold, Unhold
+from fz3.data.store import consecutive_runs
 from fz3.shell.memory import human_bytes
-
-
-def buckets(sizes: Sequence[int], limit: int) -> list[tuple[int, ...]]:
-    """Indices of `sizes` cut into runs of consecutive ones totalling at most `limit` each, a run
-    closed when the next would overflow it (every size <= limit)."""
-    out, run, total = [], [], 0
-    for i, n in enumerate(sizes):
-        if run and total + n > limit:
-            out.append(tuple(run))
-            run, total = [], 0
-        run.append(i)
-        total += n
-    if run:
-        out.append(tuple(run))
-    return out
 
 
 def full_params(engine, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -53,7 +39,7 @@ def full_params(engine, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]
                          f"{sizes[i]:,} bytes ({human_bytes(sizes[i])}) whole in {engine.store.dtype}, and a param "
                          f"is yielded whole, never split (a consumer loads each tensor whole): give at least "
                          f"{sizes[i]:,}")
-    return _bucket_by_bucket(engine, named, buckets(sizes, bucket_bytes))
+    return _bucket_by_bucket(engine, named, consecutive_runs(sizes, bucket_bytes))
 
 
 def _bucket_by_bucket(engine, named, runs) -> Iterator[tuple[str, torch.Tensor]]:

@@ -484,3 +484,20 @@ def assert_trains_as(res: dict, key: tuple, ref: Reference, loss_tol: dict, para
         a, rel = max_dev(r.state[name], want.float())
         param_abs, param_rel = max(param_abs, a), max(param_rel, rel)
     return loss_dev, param_abs, param_rel
+
+
+FP32 = dict(rtol=1e-5, atol=1e-6)  # tests/test_parity.py says why
+BF16_LOSS = dict(rtol=2e-2, atol=2e-3)
+BF16_PARAM = dict(rtol=2e-2, atol=6e-3)
+
+
+def assert_config_trains(res: dict, model: str, cname: str, world: int, where: str) -> None:
+    """A run_world case of a named config (`config_named`) against one process, at its dtype's
+    tolerance: no rank raised, it trains as `assert_trains_as` checks, and nothing a forward
+    needed was found not gathered."""
+    cfg, key = config_named(cname), (model, cname)
+    assert not res["rank_errors"][key], f"{where}: a rank raised\n" + res["rank_errors"][key][0]
+    ref = cached_reference(model, world, optimizer_for(cname), cfg.gradient_clipping)
+    loss_tol, param_tol = (FP32, FP32) if cfg.compute_dtype == "fp32" else (BF16_LOSS, BF16_PARAM)
+    assert_trains_as(res, key, ref, loss_tol, param_tol, where)
+    assert not res["rank_not_available"][key], (where, res["rank_not_available"][key][:5])
