@@ -53,6 +53,7 @@ def _rank(rank: int, world: int, system: str, tokens: int) -> dict:
     model = _model()
     ids = torch.randint(0, LLAMA["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(rank))
     block, info = None, {}
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())  # before sharding empties them
     if system.startswith("fz3"):
         import fz3
         engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.0),
@@ -60,7 +61,6 @@ def _rank(rank: int, world: int, system: str, tokens: int) -> dict:
         engine.eval()
         generate = engine.module.generate
         if "generation" in system:
-            whole = sum(p.numel() for p in model.parameters()) * 4
             block = engine.generation(budget_bytes=None if system.endswith("()") else whole // 2)
     elif system == "DeepSpeed ZeRO-3":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -114,9 +114,11 @@ def main() -> None:
     lines = [f"Command: `python bench/generation.py --tokens {args.tokens}` ({datetime.date.today()}, fz3 at {commit}, "
              f"{platform.processor() or 'x86_64'}, {os.cpu_count()} cores, torch {torch.__version__}, "
              f"{time.time() - t_start:.0f} s). A tiny Llama ({params:,} params, fp32) on 2 gloo ranks, greedy, "
-             f"{args.tokens} new tokens from 16 per rank; collectives per token over the generate call "
-             "(torch.distributed calls and fz3's sends, per rank), tokens/s per rank, peak RSS per rank:", "",
-             "| system | collectives per token | bytes moved per token | tokens/s | peak RSS per rank | "
+             f"{args.tokens} new tokens from 16 per rank, per rank over the generate call: the collective calls "
+             "(DeepSpeed: torch.distributed's all-gathers, bytes = their output) or point-to-point sends (fz3 on "
+             "gloo gathers by sends, bytes = what it sends: half of a 2-rank all-gather's output) per token, "
+             "tokens/s, peak RSS:", "",
+             "| system | collective calls or sends per token | bytes per token | tokens/s | peak RSS per rank | "
              "kept whole | tokens = unsharded |", "|---|---:|---:|---:|---:|---:|---|"]
     for system in SYSTEMS:
         got = rows[system]
