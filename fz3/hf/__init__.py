@@ -5,6 +5,7 @@
                       fz3_config=ds_dict_or_json_path)
     # or, a script that kept --deepspeed ds.json: HfArgumentParser(fz3.hf.TrainingArguments)
     trainer = Trainer(model=model, args=TrainingArguments(..., deepspeed="ds.json"), ...)
+    class FzSFTTrainer(fz3.hf.Fz3TrainerMixin, trl.SFTTrainer): pass    # any Trainer subclass
 
 fz3.hf.TrainingArguments is transformers' with `deepspeed=` taken as fz3's config, so that
 DeepSpeed is never set up (fz3/hf/arguments.py).
@@ -18,6 +19,6 @@ from fz3.hf import versions
 versions.check()
 
 from fz3.hf.arguments import TrainingArguments  # noqa: E402 - after the version check
-from fz3.hf.trainer import Trainer  # noqa: E402
+from fz3.hf.trainer import Fz3TrainerMixin, Trainer  # noqa: E402
 
-__all__ = ["Trainer", "TrainingArguments"]
+__all__ = ["Fz3TrainerMixin", "Trainer", "TrainingArguments"]

@@ -97,11 +97,18 @@ class EngineScheduler:
         return getattr(self.scheduler, name)
 
 
-class Trainer(transformers.Trainer):
-    """transformers.Trainer training through fz3 when given `fz3_config` (a DeepSpeed dict or
-    JSON path, "auto" values filled from `args` as transformers fills them for DeepSpeed), or
+class Fz3TrainerMixin:
+    """Put first among the bases of any transformers.Trainer subclass (TRL's SFTTrainer,
+    DPOTrainer, ...): it trains through fz3 when given `fz3_config` (a DeepSpeed dict or JSON
+    path, "auto" values filled from `args` as transformers fills them for DeepSpeed), or
     TrainingArguments(deepspeed=...) (fz3/hf/arguments.py: taken as fz3_config, said once in
-    the "fz3" log). Without either: the plain Trainer."""
+    the "fz3" log). Without either: the plain trainer. Each override answers one call site of
+    transformers.Trainer (the table above) and defers to the next class otherwise, so the
+    subclass's own steps (TRL's losses, its collators) run unchanged.
+
+        class FzSFTTrainer(fz3.hf.Fz3TrainerMixin, trl.SFTTrainer): pass
+        FzSFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds, fz3_config=ds_json)
+    """
 
     def __init__(self, *args, fz3_config=None, **kwargs) -> None:
         fz3_config, said = take_config(fz3_config, kwargs.get("args", args[1] if len(args) > 1 else None),
@@ -117,6 +124,13 @@ class Trainer(transformers.Trainer):
             raise ValueError("fz3.hf.Trainer: fz3_config= trains through fz3; TrainingArguments also asks "
                              f"for {'DeepSpeed' if self.is_deepspeed_enabled else 'FSDP'}: drop one")
         self.fz3_config.trainer_config_process(self.args)  # as TrainingArguments does for DeepSpeed
+        asked = [k for k in ("bf16", "fp16") if getattr(self.args, k, False)]
+        if asked and not (self.fz3_config.is_true("bf16.enabled") or self.fz3_config.is_true("fp16.enabled")) \
+                and self.is_world_process_zero():  # TRL's configs turn bf16 on by default
+            LOG.warning("%s: TrainingArguments asks for %s, but the fz3 config has no %s section, so fz3 trains "
+                        "in fp32 (as DeepSpeed would: the Trainer's autocast is off under it); add "
+                        '"%s": {"enabled": "auto"} to train in %s, or set %s=False to say fp32',
+                        type(self).__name__, asked[0], asked[0], asked[0], asked[0], asked[0])
 
     # ---- building the engine ------------------------------------------------------------------
 
@@ -136,6 +150,7 @@ class Trainer(transformers.Trainer):
         _check_windows(train_dataloader, max_steps, self.args.gradient_accumulation_steps)
         self.fz3_config.trainer_config_finalize(self.args, self.model, max_steps)
         self.engine, self.optimizer, self.lr_scheduler = self._initialize(max_steps)
+        self._shard_frozen_models()
         if self.args.torch_compile:  # as Accelerate's prepare compiles a DeepSpeed engine
             mode = self.args.torch_compile_mode
             self.engine.compile(backend=self.args.torch_compile_backend or "inductor",
@@ -148,6 +163,22 @@ class Trainer(transformers.Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return self.model, train_dataloader
+
+    def _shard_frozen_models(self) -> None:
+        """The frozen models a subclass holds beside the trained one (TRL's `ref_model`, a
+        reward or value model given as a module) are sharded too, as engines without an
+        optimizer under the same config (fz3.initialize(model, None, config): forwards only), so
+        no rank keeps them whole; TRL calls them as modules, and fz3's hooks are on the modules.
+        Accelerate under DeepSpeed does the same with prepare_deepspeed (an inference engine)."""
+        import fz3
+        from fz3.shell import registry
+        self.frozen_engines = {}
+        for name in ("ref_model", "reward_model"):
+            m = getattr(self, name, None)
+            if isinstance(m, torch.nn.Module) and m is not self.model and registry.managed(m.parameters()) is None \
+                    and any(True for _ in m.parameters()):
+                self.frozen_engines[name] = fz3.initialize(m, None, self.engine.config)
+                m.eval()
 
     def _initialize(self, max_steps: int):
         """-> (engine, EngineOptimizer, the Trainer's scheduler or an EngineScheduler).
@@ -304,6 +335,10 @@ class Trainer(transformers.Trainer):
         self._load_engine(self.state.best_model_checkpoint)
         return None
 
+
+
+class Trainer(Fz3TrainerMixin, transformers.Trainer):
+    """transformers.Trainer training through fz3: Fz3TrainerMixin's overrides on the plain Trainer."""
 
 def _check_windows(dataloader, max_steps: int, gas: int) -> None:
     """The Trainer closes an epoch's last accumulation window early when the epoch's batches are

@@ -1,0 +1,84 @@
+"""PEFT LoRA on a sharded frozen base (issue #50, point 5): peft.get_peft_model on a tiny
+LlamaForCausalLM (adapters on q_proj and v_proj, the base frozen), trained through fz3 on 2
+thread ranks against the same PEFT model on one process (each rank's half of the batch, the loss
+/ 2, one SGD step a window).
+
+    parity     every micro-step's loss and every adapter weight after the last step; the frozen
+               base is unchanged
+    memory     the optimizer holds state only for the adapters (SGD with momentum: one buffer
+               per trained param, none for the base)
+Tested against peft 0.22.0 (the `post` extra).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from fz3 import launch  # noqa: E402
+from gpt import markov_batch  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 3
+
+
+def _model():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(1)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        tie_word_embeddings=False, attn_implementation="eager"))
+    torch.manual_seed(2)  # the adapters' B nonzero ("gaussian"), so the first step moves A too
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                           init_lora_weights="gaussian"))
+
+
+def _sgd(model):
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+
+
+def _fz3(rank: int, world: int) -> dict:
+    import fz3
+    model = _model()
+    engine = fz3.initialize(model, _sgd(model), fz3.Config(param_persistence_threshold=0))
+    losses = []
+    for i in range(STEPS):
+        x, _ = markov_batch(i, batch=4, seq=12, vocab=64)
+        mine = x[rank * 2:(rank + 1) * 2]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    return {"losses": losses, "state": engine.full_state_dict(), "buffers": len(engine.optimizer.state),
+            "masters_trained": sum(1 for _ in trained)}
+
+
+def test_lora_on_a_sharded_frozen_base_trains_as_peft_on_one_process():
+    outs = launch.run_threads(_fz3, 2)
+    model = _model()
+    base = {k: v.clone() for k, v in model.state_dict().items() if "lora" not in k}
+    opt = _sgd(model)
+    want = []
+    for i in range(STEPS):
+        x, _ = markov_batch(i, batch=4, seq=12, vocab=64)
+        opt.zero_grad()
+        row = []
+        for r in range(2):
+            loss = model(input_ids=x[r * 2:(r + 1) * 2], labels=x[r * 2:(r + 1) * 2]).loss
+            (loss / 2).backward()
+            row.append(loss.item())
+        opt.step()
+        want.append(row)
+    for r, o in enumerate(outs):
+        torch.testing.assert_close(torch.tensor(o["losses"]), torch.tensor([w[r] for w in want]), rtol=1e-5, atol=1e-6)
+        adapters = [k for k in o["state"] if "lora" in k]
+        assert len(adapters) == 8
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(o["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}\n{m}")
+            if k in base:
+                assert torch.equal(o["state"][k], base[k]), k  # the frozen base never moves
+        assert o["buffers"] == len(adapters) == o["masters_trained"]  # momentum for the adapters only
