@@ -46,39 +46,15 @@ import os
 
 import torch
 import transformers
-from accelerate.optimizer import AcceleratedOptimizer
 from transformers.trainer_pt_utils import remove_dummy_checkpoint
 from transformers.trainer_utils import has_length
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
+from fz3.accelerate import EngineOptimizer  # accelerate: DeepSpeedOptimizerWrapper
 from fz3.hf.arguments import AutoFill, take_config
 
 LOG = logging.getLogger("fz3")
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name for the Trainer's scheduler state
-
-
-class EngineOptimizer(AcceleratedOptimizer):
-    """What the Trainer holds as `optimizer`: the fz3-bound torch optimizer (its param groups
-    and state are the fp32 master shards'), whose step() and zero_grad() do nothing, because
-    engine.step() already stepped it at the boundary. Registered with the accelerator, so
-    `accelerator.optimizer_step_was_skipped` (the Trainer's test before stepping its own
-    scheduler) is the engine's skipped step. accelerate: DeepSpeedOptimizerWrapper."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, engine) -> None:
-        super().__init__(optimizer, device_placement=False, scaler=None)
-        self.engine = engine
-        self._is_accelerate_prepared = True  # accelerator.prepare_optimizer registers it as it is
-
-    def zero_grad(self, set_to_none=None) -> None:
-        pass  # the engine starts each accumulation window itself
-
-    def step(self, closure=None) -> None:
-        pass  # engine.step() in the backward of the window's last micro-batch
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """The last boundary's step was skipped (a non-finite global grad norm)."""
-        return not self.engine.was_step_applied()
 
 
 class EngineScheduler:

@@ -1,0 +1,238 @@
+"""fz3.accelerate.Accelerator: Accelerate's Accelerator, training through fz3 (ZeRO-3), with one
+import changed.
+
+    from fz3.accelerate import Accelerator           # was: from accelerate import Accelerator
+    accelerator = Accelerator(gradient_accumulation_steps=2, fz3_config="ds.json")
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)               # the engine's backward, and its step at the
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()   # boundary: these do nothing
+
+The config: `fz3_config` (a fz3.Config, a DeepSpeed dict or a JSON path; "auto" values keep
+DeepSpeed's defaults, gradient_accumulation_steps the Accelerator's), or the DeepSpeed config of
+Accelerate's own config file (`accelerate launch` with `deepspeed_config_file`, or a
+DeepSpeedPlugin given as deepspeed_plugin=), which then goes to fz3, DeepSpeed never set up.
+Without either: the plain Accelerator. What each call does, as Accelerate does under DeepSpeed
+(accelerate/utils/deepspeed.py):
+
+    prepare          each model with its optimizer (and scheduler) -> fz3.initialize; the engine is
+                     returned as the model (call it as the model); a model without an optimizer
+                     becomes an engine without one (frozen, forward-only: a reference model); the
+                     dataloaders as the plain Accelerator prepares them
+    backward(loss)   engine.backward, and engine.step() when the Accelerator syncs (the window's
+                     last micro-batch under accumulate()): the engine clips, steps the optimizer
+                     and the scheduler
+    optimizer.step / zero_grad       nothing (the engine did them)
+    scheduler.step   as the plain Accelerator steps it: at a boundary whose step was applied, once
+                     per process unless split_batches (accelerate's AcceleratedScheduler; under
+                     DeepSpeed, Accelerate lets the engine step it once a boundary instead, so a
+                     schedule sized for plain Accelerate ends early there: [Note: the scheduler's
+                     steps])
+    accumulate       the micro-batches of a window run as they are (no_sync has nothing to turn off)
+    clip_grad_norm_  the global grad norm of the last boundary (before clipping); the engine clips
+                     at the config's gradient_clipping, which must be max_norm (else an error: the
+                     step has already run)
+    save_state / load_state   the engine's sharded checkpoint in the folder, beside Accelerate's
+                     own (the scheduler, RNG states, dataloaders)
+    unwrap_model     the model itself (fz3's hooks are on it)
+    get_state_dict   the whole model's state dict in the compute dtype on rank 0 (every rank calls)
+
+Importing this module imports accelerate; `import fz3` never does.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import accelerate
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from torch import nn
+
+import fz3
+from fz3.config.config import Config
+from fz3.shell.optim import InferenceOnly
+
+
+class EngineOptimizer(AcceleratedOptimizer):
+    """The optimizer the script holds: the fz3-bound torch optimizer (its param groups and state
+    are the fp32 master shards'), whose step() and zero_grad() do nothing, because engine.step()
+    already stepped it at the boundary. `step_was_skipped`: the engine's skipped step (a
+    non-finite global grad norm). accelerate: DeepSpeedOptimizerWrapper."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=None)
+        self.engine = engine
+        self._is_accelerate_prepared = True  # accelerator.prepare_optimizer registers it as it is
+
+    def zero_grad(self, set_to_none=None) -> None:
+        pass  # the engine starts each accumulation window itself
+
+    def step(self, closure=None) -> None:
+        pass  # engine.step() in the backward of the window's last micro-batch
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """The last boundary's step was skipped (a non-finite global grad norm)."""
+        return not self.engine.was_step_applied()
+
+
+# [Note: the scheduler's steps] Plain Accelerate steps a prepared scheduler num_processes times
+# per optimizer step (AcceleratedScheduler: a schedule written for one process's dataloader
+# length then ends when the data does), while under DeepSpeed the engine steps it once per
+# boundary. An Accelerate script is written for the former, so fz3.accelerate keeps it: the
+# scheduler stays Accelerate's, the engine is given none, and the losses equal plain Accelerate's
+# step for step (tests/test_accelerate.py).
+
+
+class Accelerator(accelerate.Accelerator):
+    def __init__(self, *args, fz3_config=None, **kwargs) -> None:
+        plugin = kwargs.get("deepspeed_plugin")
+        if fz3_config is None and plugin is not None:  # Accelerate's DeepSpeedPlugin: its config is fz3's
+            fz3_config = plugin.hf_ds_config.config if hasattr(plugin, "hf_ds_config") else plugin.deepspeed_config
+            kwargs["deepspeed_plugin"] = None
+        env = {}
+        if fz3_config is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+            stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3"))  # the config file's zero_stage
+            fz3_config = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or {"zero_optimization": {"stage": stage}}
+            env = {"ACCELERATE_USE_DEEPSPEED": os.environ.pop("ACCELERATE_USE_DEEPSPEED")}  # for super() only
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            os.environ.update(env)
+        self.fz3_config = None if fz3_config is None else _config(fz3_config, self.gradient_accumulation_steps)
+        self.fz3_engines: list = []  # every engine prepare built, the trained one first
+
+    # ---- prepare ----------------------------------------------------------------------------------
+
+    def prepare(self, *args, device_placement=None):
+        if self.fz3_config is None:
+            return super().prepare(*args, device_placement=device_placement)
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        schedulers = [a for a in args if hasattr(a, "step") and hasattr(a, "optimizer") and
+                      not isinstance(a, torch.optim.Optimizer)]
+        out: dict[int, object] = {}
+        for model in (a for a in args if isinstance(a, nn.Module)):
+            mine = {id(p) for p in model.parameters()}
+            opt = next((o for o in optimizers if any(id(p) in mine for g in o.param_groups for p in g["params"])), None)
+            sched = next((s for s in schedulers if opt is not None and s.optimizer is opt), None)
+            engine = fz3.initialize(model, opt, self.fz3_config)
+            self.fz3_engines.insert(0 if opt is not None else len(self.fz3_engines), engine)
+            out[id(model)] = engine
+            if opt is not None:
+                out[id(opt)] = EngineOptimizer(opt, engine)
+            if sched is not None:  # stepped as the plain Accelerator steps it ([Note: the scheduler's steps])
+                out[id(sched)] = AcceleratedScheduler(sched, [out[id(opt)]], step_with_optimizer=
+                                                      self.step_scheduler_with_optimizer, split_batches=self.split_batches)
+                self._schedulers.append(out[id(sched)])
+        left = [a for a in args if id(a) not in out and not any(a is o for o in optimizers)]
+        prepared = super().prepare(*left, device_placement=device_placement) if left else ()
+        prepared = list(prepared) if len(left) > 1 else [prepared] if left else []
+        for a in left:
+            out[id(a)] = prepared.pop(0)
+        result = tuple(out.get(id(a), a) for a in args)
+        return result[0] if len(result) == 1 else result
+
+    def _trained(self):
+        trained = [e for e in self.fz3_engines if not isinstance(e.optimizer, InferenceOnly)]
+        if len(trained) != 1:
+            raise RuntimeError(f"fz3.accelerate: {len(trained)} models prepared with an optimizer; "
+                               "accelerator.backward and the calls around it drive one (as Accelerate does under "
+                               "DeepSpeed): call engine.backward(loss) and engine.step() on each of several")
+        return trained[0]
+
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def no_sync(self, model):
+        """accumulate()'s micro-batches inside a window: nothing to turn off (fz3 reduces each
+        backward's grads into its partitions and steps at the boundary backward() marks)."""
+        if any(model is e or model is e.module for e in self.fz3_engines):
+            return contextlib.nullcontext()
+        return super().no_sync(model)
+
+    def backward(self, loss, **kwargs) -> None:
+        if self.fz3_config is None:
+            return super().backward(loss, **kwargs)
+        if kwargs:
+            raise NotImplementedError(f"fz3.accelerate: backward options {sorted(kwargs)} are not supported")
+        engine = self._trained()
+        engine.set_gradient_accumulation_boundary(self.sync_gradients)
+        engine.backward(loss)
+        if self.sync_gradients:
+            engine.step()
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        if self.fz3_config is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        clip = self.fz3_config.gradient_clipping
+        if clip != max_norm or norm_type != 2:
+            raise ValueError(f"fz3.accelerate: clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}), but the "
+                             f"engine clips in accelerator.backward, at the config's gradient_clipping={clip} "
+                             "(L2): put gradient_clipping in the fz3 config (the step has already run)")
+        norm = self._trained().get_global_grad_norm()
+        return None if norm is None else torch.tensor(norm)
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
+        if self.fz3_config is None:
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        out = super().save_state(output_dir, safe_serialization, **kwargs)
+        folder = output_dir or out
+        for i, engine in enumerate(self.fz3_engines):
+            if not isinstance(engine.optimizer, InferenceOnly):
+                engine.save_checkpoint(folder, tag=f"fz3_engine_{i}")
+        return out
+
+    def load_state(self, input_dir: str | None = None, **kwargs):
+        if self.fz3_config is None:
+            return super().load_state(input_dir, **kwargs)
+        for i, engine in enumerate(self.fz3_engines):
+            if not isinstance(engine.optimizer, InferenceOnly):
+                engine.load_checkpoint(input_dir, tag=f"fz3_engine_{i}")
+        return super().load_state(input_dir, **kwargs)
+
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        engine = next((e for e in self.fz3_engines if model is e or model is e.module), None)
+        if engine is not None:
+            return engine.module
+        return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+
+    def get_state_dict(self, model, unwrap=True):
+        engine = next((e for e in self.fz3_engines if model is e or model is e.module), None)
+        if engine is not None:
+            return engine._zero3_consolidated_16bit_state_dict()
+        return super().get_state_dict(model, unwrap)
+
+
+AUTO_DROPPED = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_clipping")
+
+
+def _config(given, gas: int) -> Config:
+    """A fz3.Config from a Config, a DeepSpeed dict or a JSON path; its gradient_accumulation_steps
+    the Accelerator's (given as "auto" or absent), or an error where they differ."""
+    import json
+    import warnings
+    if isinstance(given, Config):
+        config = given
+    else:
+        ds = json.load(open(given)) if isinstance(given, (str, os.PathLike)) else dict(given)
+        # "auto" batch sizes are Accelerate's to fill from the dataloaders (fz3 needs none), and an
+        # "auto" clipping keeps DeepSpeed's default ([Note: "auto"], fz3/config/deepspeed_keys.py)
+        ds = {k: v for k, v in ds.items() if not (v == "auto" and k in AUTO_DROPPED)}
+        stated = ds.get("gradient_accumulation_steps", "auto")
+        if stated not in ("auto", None) and stated != gas:
+            raise ValueError(f"fz3.accelerate: the DeepSpeed config's gradient_accumulation_steps={stated}, the "
+                             f"Accelerator's {gas}: give the Accelerator the same (or \"auto\" in the config)")
+        with warnings.catch_warnings():  # the batch sizes are the dataloader's business
+            warnings.filterwarnings("ignore", "fz3 accepts but does not use")
+            config = Config.from_deepspeed({**ds, "gradient_accumulation_steps": gas})
+    if config.gradient_accumulation_steps != gas:
+        if config.gradient_accumulation_steps != 1:
+            raise ValueError(f"fz3.accelerate: Config.gradient_accumulation_steps="
+                             f"{config.gradient_accumulation_steps}, the Accelerator's {gas}: make them the same")
+        config = config.replace(gradient_accumulation_steps=gas)
+    return config

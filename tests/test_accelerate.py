@@ -1,0 +1,123 @@
+"""fz3.accelerate.Accelerator (issue #50, point 1): an Accelerate script with one import changed
+trains through fz3, on 2 gloo ranks against the same script under plain Accelerate (DDP).
+
+    the script   prepare(model, optimizer, dataloader, scheduler), accumulate() over 2
+                 micro-batches, backward, clip_grad_norm_ at the boundary, optimizer and
+                 scheduler steps, zero_grad, then save_state, get_state_dict, unwrap_model
+    parity       every micro-batch's loss and every boundary's grad norm equal plain
+                 Accelerate's (bit for bit here: 2 ranks, one addition); the state dict too
+    state        save_state writes the engine's sharded checkpoint beside Accelerate's files, and
+                 load_state in a fresh run brings the weights back
+    launch       the DeepSpeed config of `accelerate launch` (ACCELERATE_USE_DEEPSPEED and
+                 ACCELERATE_DEEPSPEED_CONFIG_FILE) goes to fz3, DeepSpeed never imported, the
+                 environment left as it was
+    errors       clip_grad_norm_ at another max_norm than the config's gradient_clipping
+    imports      `import fz3` never imports accelerate
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+import fz3.launch  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+DS = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "gradient_clipping": 0.5,
+      "train_micro_batch_size_per_gpu": "auto"}
+
+
+def _script(rank: int, world: int, kind: str, root: str) -> dict:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if kind == "plain":
+        from accelerate import Accelerator
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    elif kind == "fz3":
+        from fz3.accelerate import Accelerator
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=2, fz3_config=DS)
+    else:  # what `accelerate launch` with a DeepSpeed config file sets
+        with open(f"{root}/ds.json", "w") as f:
+            json.dump(DS, f)
+        os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=f"{root}/ds.json")
+        from fz3.accelerate import Accelerator
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g1),
+                                                                      torch.randn(32, 1, generator=g2)), batch_size=4)
+    model, opt, data, sched = acc.prepare(model, opt, data, sched)
+    losses, norms = [], []
+    for x, y in data:
+        with acc.accumulate(model):
+            loss = ((model(x) - y) ** 2).mean()
+            acc.backward(loss)
+            if acc.sync_gradients:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    out = {"losses": losses, "norms": norms, "unwrapped": type(acc.unwrap_model(model)).__name__,
+           "env": os.environ.get("ACCELERATE_USE_DEEPSPEED"), "deepspeed": "deepspeed" in sys.modules}
+    sd = acc.get_state_dict(model)
+    out["state"] = None if sd is None else {k: v.float().clone() for k, v in sd.items()}
+    if kind == "fz3":
+        acc.save_state(f"{root}/state")
+        out["saved"] = sorted(os.listdir(f"{root}/state"))
+        try:
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+        except ValueError as e:
+            out["clip_error"] = str(e)
+        torch.manual_seed(5)  # other weights: load_state must bring the saved ones back
+        fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        acc2 = Accelerator(cpu=True, gradient_accumulation_steps=2, fz3_config=DS)
+        opt2 = torch.optim.SGD(fresh.parameters(), lr=0.1)
+        fresh, opt2, _ = acc2.prepare(fresh, opt2, torch.optim.lr_scheduler.StepLR(opt2, 1, gamma=0.5))
+        acc2.load_state(f"{root}/state")
+        out["reloaded"] = {k: v.float() for k, v in fresh.full_state_dict().items()}
+        out["full"] = {k: v.float() for k, v in model.full_state_dict().items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    with fz3.launch.spawn_environment({"FZ3_DEVICE": "cpu"}):
+        for kind in ("fz3", "plain", "launch"):
+            root = str(tmp_path_factory.mktemp(kind))
+            out[kind] = fz3.launch.run(_script, world_size=2, args=(kind, root), timeout=120)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fz3", "launch"])
+def test_an_accelerate_script_trains_as_under_plain_accelerate(runs, kind):
+    for got, want in zip(runs[kind], runs["plain"]):
+        assert got["losses"] == want["losses"] and got["norms"] == want["norms"], (got, want)
+        assert got["unwrapped"] == "Sequential" and not got["deepspeed"]
+    assert runs[kind][1]["state"] is None  # rank 0's, as under DeepSpeed
+    for k, v in runs["plain"][0]["state"].items():
+        assert torch.equal(runs[kind][0]["state"][k], v), k
+    assert runs["launch"][0]["env"] == "true"  # given back after the Accelerator was made
+
+
+def test_save_state_and_load_state_carry_the_engine(runs):
+    o = runs["fz3"][0]
+    assert "fz3_engine_0" in o["saved"] and any(n.startswith("random_states") for n in o["saved"]), o["saved"]
+    assert all(torch.equal(o["reloaded"][k], v) for k, v in o["full"].items())
+    assert "gradient_clipping=0.5" in o["clip_error"] and "max_norm=1.0" in o["clip_error"]
+
+
+def test_import_fz3_never_imports_accelerate():
+    code = "import sys, fz3; print('accelerate' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
