@@ -7,6 +7,9 @@ thread ranks against the same PEFT model on one process (each rank's half of the
                base is unchanged
     memory     the optimizer holds state only for the adapters (SGD with momentum: one buffer
                per trained param, none for the base)
+    export     engine.full_params yields the merged model (PEFT's merge_and_unload of the one-process
+               model: its names, its values), the adapters merged per layer on the way out and the
+               base left unmerged
 Tested against peft 0.22.0 (the `post` extra).
 """
 from __future__ import annotations
@@ -53,8 +56,10 @@ def _fz3(rank: int, world: int) -> dict:
         engine.step()
         losses.append(loss.item())
     trained = {id(p) for p in model.parameters() if p.requires_grad}
-    return {"losses": losses, "state": engine.full_state_dict(), "buffers": len(engine.optimizer.state),
-            "masters_trained": sum(1 for _ in trained)}
+    state = engine.full_state_dict()
+    exported = {n: t.clone() for n, t in engine.full_params(bucket_bytes=64 * 32 * 4)}
+    return {"losses": losses, "state": state, "buffers": len(engine.optimizer.state),
+            "masters_trained": sum(1 for _ in trained), "exported": exported, "after": engine.full_state_dict()}
 
 
 def test_lora_on_a_sharded_frozen_base_trains_as_peft_on_one_process():
@@ -82,3 +87,10 @@ def test_lora_on_a_sharded_frozen_base_trains_as_peft_on_one_process():
             if k in base:
                 assert torch.equal(o["state"][k], base[k]), k  # the frozen base never moves
         assert o["buffers"] == len(adapters) == o["masters_trained"]  # momentum for the adapters only
+    # full_params: the merged model under the base model's names, the base itself left unmerged
+    merged = model.merge_and_unload().state_dict()
+    got = outs[0]["exported"]
+    assert list(got) == list(merged), (list(got)[:4], list(merged)[:4])
+    for k, v in merged.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}\n{m}")
+    assert all(torch.equal(outs[0]["after"][k], v) for k, v in outs[0]["state"].items())

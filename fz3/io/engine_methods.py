@@ -65,12 +65,13 @@ class ValueMovers:
         with self.resident():
             return load_checkpoint(self, load_dir, tag, **options)
 
-    def full_params(self, bucket_bytes: int = 2**28):
+    def full_params(self, bucket_bytes: int = 2**28, merge_lora: bool = True):
         """Every rank (it gathers): (name, whole param) for every param in the model's order, in
-        the compute dtype, a bucket of at most `bucket_bytes` gathered at a time (fz3/io/full_params.py)."""
+        the compute dtype, a bucket of at most `bucket_bytes` gathered at a time; PEFT LoRA
+        adapters merged into their weights, under the base model's names (fz3/io/full_params.py)."""
         self._refuse_if_stopped()
         every_rank(self, agreement.FULL_PARAMS)
-        return full_params(self, bucket_bytes)
+        return full_params(self, bucket_bytes, merge_lora)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """Rank 0: the whole model's state dict in the compute dtype on the CPU (what
