@@ -45,7 +45,7 @@ def fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> tuple[dict[str, to
             out[key] = files[0]["buffers"][key].clone()
         elif p in first:
             tied.setdefault(first[p], []).append(key)
-        else:
+        elif files[0]["masters"][p] is not None:  # None: a frozen param the save left out
             first[p] = key
             rec = meta["params"][p]
             out[key] = layout.unshard([f["masters"][p] for f in files], rec["shape"]).clone()

@@ -7,6 +7,9 @@ thread ranks against the same PEFT model on one process (each rank's half of the
                base is unchanged
     memory     the optimizer holds state only for the adapters (SGD with momentum: one buffer
                per trained param, none for the base)
+    checkpoint save_checkpoint(exclude_frozen_parameters=True) holds the adapters and their
+               optimizer state only: it consolidates to the adapters, and a fresh model with the same
+               base loads them back bit for bit
     export     engine.full_params yields the merged model (PEFT's merge_and_unload of the one-process
                model: its names, its values), the adapters merged per layer on the way out and the
                base left unmerged
@@ -43,7 +46,7 @@ def _sgd(model):
     return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
 
 
-def _fz3(rank: int, world: int) -> dict:
+def _fz3(rank: int, world: int, path: str) -> dict:
     import fz3
     model = _model()
     engine = fz3.initialize(model, _sgd(model), fz3.Config(param_persistence_threshold=0))
@@ -58,12 +61,24 @@ def _fz3(rank: int, world: int) -> dict:
     trained = {id(p) for p in model.parameters() if p.requires_grad}
     state = engine.full_state_dict()
     exported = {n: t.clone() for n, t in engine.full_params(bucket_bytes=64 * 32 * 4)}
+    engine.save_checkpoint(path, tag="adapters", exclude_frozen_parameters=True)
+    # a fresh run: the same base (as from_pretrained would give it), new adapters; the load brings
+    # the trained adapters and their optimizer state back
+    again = _model()
+    torch.manual_seed(9)
+    for name, p in again.named_parameters():
+        if "lora" in name:
+            p.data.normal_()
+    fresh = fz3.initialize(again, _sgd(again), fz3.Config(param_persistence_threshold=0))
+    fresh.load_checkpoint(path, tag="adapters")
     return {"losses": losses, "state": state, "buffers": len(engine.optimizer.state),
-            "masters_trained": sum(1 for _ in trained), "exported": exported, "after": engine.full_state_dict()}
+            "masters_trained": sum(1 for _ in trained), "exported": exported, "after": engine.full_state_dict(),
+            "reloaded": fresh.full_state_dict(), "optimizer": engine.full_optimizer_state_dict(),
+            "optimizer_reloaded": fresh.full_optimizer_state_dict()}
 
 
-def test_lora_on_a_sharded_frozen_base_trains_as_peft_on_one_process():
-    outs = launch.run_threads(_fz3, 2)
+def test_lora_on_a_sharded_frozen_base_trains_as_peft_on_one_process(tmp_path):
+    outs = launch.run_threads(_fz3, 2, args=(str(tmp_path / "ckpt"),))
     model = _model()
     base = {k: v.clone() for k, v in model.state_dict().items() if "lora" not in k}
     opt = _sgd(model)
@@ -94,3 +109,11 @@ def test_lora_on_a_sharded_frozen_base_trains_as_peft_on_one_process():
     for k, v in merged.items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}\n{m}")
     assert all(torch.equal(outs[0]["after"][k], v) for k, v in outs[0]["state"].items())
+    # the checkpoint of the adapters alone: a fresh model with the same base loads them bit for bit
+    o = outs[0]
+    assert all(torch.equal(o["reloaded"][k], v) for k, v in o["state"].items())
+    assert all(torch.equal(a, b) for a, b in zip(o["optimizer_reloaded"]["state"][0].values(),
+                                                 o["optimizer"]["state"][0].values()))
+    from fz3.consolidate import fp32_state_dict
+    kept = fp32_state_dict(str(tmp_path / "ckpt"), tag="adapters")[0]
+    assert sorted(kept) == sorted(k for k in o["state"] if "lora" in k)  # the adapters alone

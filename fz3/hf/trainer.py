@@ -274,7 +274,11 @@ class Fz3TrainerMixin:
         scheduler.pt (rank 0). transformers: Trainer._save_optimizer_and_scheduler."""
         if self.engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        self.engine.save_checkpoint(output_dir, tag=f"global_step{self.state.global_step}")
+        # a PEFT model's frozen base is left out, as transformers asks DeepSpeed to
+        # (exclude_frozen_parameters=is_peft_model(model)): the adapters and their optimizer state
+        peft = type(self.model).__module__.startswith("peft.")
+        self.engine.save_checkpoint(output_dir, tag=f"global_step{self.state.global_step}",
+                                    exclude_frozen_parameters=peft)
         if self.args.should_save and not isinstance(self.lr_scheduler, EngineScheduler):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
         return None

@@ -89,10 +89,14 @@ def group_param_ids(engine) -> list[list[int]]:
 
 # ---- save ----------------------------------------------------------------------------------------
 
-def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> bool:
+def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None, *,
+                    exclude_frozen_parameters: bool = False) -> bool:
     """Write this rank's shards and optimizer state under save_dir/<tag>, atomically; every
     rank must call it. tag defaults to global_step{optimizer_steps}; `latest` names it after.
-    DeepSpeed: DeepSpeedEngine.save_checkpoint (same arguments, returns True)."""
+    `exclude_frozen_parameters`: the params that do not require grad are left out (their master
+    shards are None in the files): a load keeps the values the model has for them, and
+    consolidation leaves them out. DeepSpeed: DeepSpeedEngine.save_checkpoint (same arguments,
+    returns True)."""
     tag = f"global_step{engine.optimizer_steps}" if tag is None else tag
     check_same_place(engine, save_dir, tag)
     tag = check_tag(tag)
@@ -111,7 +115,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
 
     def write() -> None:
         if engine.rank < engine.shard_world:  # one copy of each shard (stage 0: rank 0's whole params)
-            write_rank(engine, os.path.join(tmp, rank_file(engine.shard_rank)))
+            write_rank(engine, os.path.join(tmp, rank_file(engine.shard_rank)), exclude_frozen_parameters)
         if rank0:
             torch.save(client_state, os.path.join(tmp, CLIENT))
 
@@ -190,11 +194,13 @@ def check_same_place(engine, save_dir, tag) -> None:
         "derive it from what every rank agrees on (engine.global_steps, not the clock); nothing was written")
 
 
-def write_rank(engine, path: str) -> None:
-    """torch.save this rank's part: master shards, optimizer, scheduler (rank 0: buffers)."""
+def write_rank(engine, path: str, exclude_frozen: bool = False) -> None:
+    """torch.save this rank's part: master shards (None for a frozen param left out), optimizer,
+    scheduler (rank 0: buffers)."""
     payload = {"format": FORMAT, "rank": engine.shard_rank, "world_size": engine.shard_world,
                "fingerprint": fingerprint(param_records(engine)),
-               "masters": [m.detach().cpu() for m in engine.store.masters],  # (s,) by ParamId
+               "masters": [None if exclude_frozen and not trained else m.detach().cpu()  # (s,) by ParamId
+                           for m, trained in zip(engine.store.masters, engine.store.trainable)],
                "optimizer": shard_state_dict(engine.optimizer),
                "group_param_ids": group_param_ids(engine),
                "lr_scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict()}

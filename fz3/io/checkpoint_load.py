@@ -180,8 +180,9 @@ def read_checkpoint(engine, load_dir: str, tag: str | None, parts: dict = ALL_PA
                               f"{'none' if engine.lr_scheduler is None else 'an lr_scheduler'}")
     mine = files[engine.shard_rank] if same else None
     numels = [p["numel"] for p in meta["params"]]
-    masters = ([t.clone() for t in mine["masters"]] if same else
-               [reshard([files[r]["masters"][p] for r in range(world)], n, engine.shard_rank, engine.shard_world)
+    masters = ([None if t is None else t.clone() for t in mine["masters"]] if same else  # None: left out
+               [None if files[0]["masters"][p] is None else
+                reshard([files[r]["masters"][p] for r in range(world)], n, engine.shard_rank, engine.shard_world)
                 for p, n in enumerate(numels)])
     optim = None if not parts["optimizer"] else \
         _clone(mine["optimizer"]) if same else reshard_optimizer(files, meta, engine, groups)
@@ -257,7 +258,8 @@ def apply(engine, loaded: dict, parts: dict = ALL_PARTS) -> None:
     """Install what read_checkpoint returned: masters (then the compute shards and every full
     param, now stale), optimizer (state and group options), scheduler, buffers, counters."""
     for master, value in zip(engine.store.masters, loaded["masters"]):
-        master.data.copy_(value)
+        if value is not None:  # a frozen param the save left out keeps the model's value
+            master.data.copy_(value)
     engine.store.refresh_shards()
     if parts["optimizer"]:
         load_shard_state_dict(engine.optimizer, loaded["optimizer"])

@@ -48,13 +48,15 @@ class ValueMovers:
         with self.resident():
             return full_optimizer_state_dict(self)
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> bool:
-        """Sharded, atomic checkpoint under save_dir/<tag> (fz3/io/checkpoint.py).
-        DeepSpeed: save_checkpoint."""
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        *, exclude_frozen_parameters: bool = False) -> bool:
+        """Sharded, atomic checkpoint under save_dir/<tag> (fz3/io/checkpoint.py);
+        `exclude_frozen_parameters`: without the params that do not require grad (a LoRA run's
+        base: the adapters and their optimizer state only). DeepSpeed: save_checkpoint."""
         self._refuse_if_stopped()
         every_rank(self, agreement.SAVE)
         with self.resident():
-            return save_checkpoint(self, save_dir, tag, client_state)
+            return save_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **options) -> tuple[str, dict]:
         """-> (path, client_state); any saved world size; DeepSpeed's load_optimizer_states,
