@@ -89,14 +89,21 @@ def _script(rank: int, world: int, kind: str, root: str) -> dict:
     return out
 
 
+def _scripts(rank: int, world: int, root: str) -> dict:
+    """The three runs one after the other in the same ranks (one launch: process starts are slow)."""
+    out = {}
+    for kind in ("plain", "fz3", "launch"):
+        os.makedirs(f"{root}/{kind}", exist_ok=True)
+        out[kind] = _script(rank, world, kind, f"{root}/{kind}")
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
     with fz3.launch.spawn_environment({"FZ3_DEVICE": "cpu"}):
-        for kind in ("fz3", "plain", "launch"):
-            root = str(tmp_path_factory.mktemp(kind))
-            out[kind] = fz3.launch.run(_script, world_size=2, args=(kind, root), timeout=120)
-    return out
+        per_rank = fz3.launch.run(_scripts, world_size=2, args=(str(tmp_path_factory.mktemp("accelerate")),),
+                                  timeout=180)
+    return {kind: [r[kind] for r in per_rank] for kind in ("plain", "fz3", "launch")}
 
 
 @pytest.mark.parametrize("kind", ["fz3", "launch"])
