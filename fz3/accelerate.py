@@ -44,6 +44,7 @@ Importing this module imports accelerate; `import fz3` never does.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 import accelerate
@@ -105,6 +106,13 @@ class Accelerator(accelerate.Accelerator):
             os.environ.update(env)
         self.fz3_config = None if fz3_config is None else _config(fz3_config, self.gradient_accumulation_steps)
         self.fz3_engines: list = []  # every engine prepare built, the trained one first
+        asked = str(self.mixed_precision)
+        if self.fz3_config is not None and asked in ("bf16", "fp16") and self.fz3_config.compute_dtype != asked \
+                and self.is_main_process:  # fz3's compute dtype is its config's: no autocast around it
+            logging.getLogger("fz3").warning(
+                "fz3.accelerate: the Accelerator asks for mixed_precision=%r, but the fz3 config computes in %s "
+                "(Accelerate's autocast is off under it, as under DeepSpeed); add \"%s\": {\"enabled\": true} to "
+                "the config to train in %s", asked, self.fz3_config.compute_dtype, asked, asked)
 
     # ---- prepare ----------------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@ trains through fz3, on 2 gloo ranks against the same script under plain Accelera
 
     the script   prepare(model, optimizer, dataloader, scheduler), accumulate() over 2
                  micro-batches, backward, clip_grad_norm_ at the boundary, optimizer and
-                 scheduler steps, zero_grad, then save_state, get_state_dict, unwrap_model
+                 scheduler steps, zero_grad, then gather_for_metrics, save_state,
+                 get_state_dict, unwrap_model
     parity       every micro-batch's loss and every boundary's grad norm equal plain
                  Accelerate's (bit for bit here: 2 ranks, one addition); the state dict too
     state        save_state writes the engine's sharded checkpoint beside Accelerate's files, and
@@ -67,7 +68,9 @@ def _script(rank: int, world: int, kind: str, root: str) -> dict:
             sched.step()
             opt.zero_grad()
             losses.append(loss.item())
+    gathered = acc.gather_for_metrics(torch.tensor([float(rank)]))  # every rank's, in rank order
     out = {"losses": losses, "norms": norms, "unwrapped": type(acc.unwrap_model(model)).__name__,
+           "gathered": gathered.tolist(),
            "env": os.environ.get("ACCELERATE_USE_DEEPSPEED"), "deepspeed": "deepspeed" in sys.modules}
     sd = acc.get_state_dict(model)
     out["state"] = None if sd is None else {k: v.float().clone() for k, v in sd.items()}
@@ -110,7 +113,7 @@ def runs(tmp_path_factory):
 def test_an_accelerate_script_trains_as_under_plain_accelerate(runs, kind):
     for got, want in zip(runs[kind], runs["plain"]):
         assert got["losses"] == want["losses"] and got["norms"] == want["norms"], (got, want)
-        assert got["unwrapped"] == "Sequential" and not got["deepspeed"]
+        assert got["unwrapped"] == "Sequential" and not got["deepspeed"] and got["gathered"] == [0.0, 1.0]
     assert runs[kind][1]["state"] is None  # rank 0's, as under DeepSpeed
     for k, v in runs["plain"][0]["state"].items():
         assert torch.equal(runs[kind][0]["state"][k], v), k
@@ -128,3 +131,12 @@ def test_import_fz3_never_imports_accelerate():
     code = "import sys, fz3; print('accelerate' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_mixed_precision_the_config_does_not_give_is_said(caplog):
+    from fz3.accelerate import Accelerator
+    with caplog.at_level("WARNING", logger="fz3"):
+        acc = Accelerator(cpu=True, mixed_precision="bf16", fz3_config=DS)
+    assert acc.fz3_config.compute_dtype == "fp32"
+    said = [r.getMessage() for r in caplog.records if "mixed_precision='bf16'" in r.getMessage()]
+    assert said and "computes in fp32" in said[0] and '"bf16": {"enabled": true}' in said[0], caplog.text
