@@ -134,9 +134,13 @@ def test_import_fz3_never_imports_accelerate():
 
 
 def test_mixed_precision_the_config_does_not_give_is_said(caplog):
+    from accelerate.state import AcceleratorState
     from fz3.accelerate import Accelerator
-    with caplog.at_level("WARNING", logger="fz3"):
-        acc = Accelerator(cpu=True, mixed_precision="bf16", fz3_config=DS)
+    try:
+        with caplog.at_level("WARNING", logger="fz3"):
+            acc = Accelerator(cpu=True, mixed_precision="bf16", fz3_config=DS)
+    finally:  # Accelerate's state is a process-wide singleton: the tests after this one start afresh
+        AcceleratorState._reset_state(reset_partial_state=True)
     assert acc.fz3_config.compute_dtype == "fp32"
     said = [r.getMessage() for r in caplog.records if "mixed_precision='bf16'" in r.getMessage()]
     assert said and "computes in fp32" in said[0] and '"bf16": {"enabled": true}' in said[0], caplog.text
