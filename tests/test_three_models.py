@@ -126,3 +126,23 @@ def test_a_policy_a_frozen_reference_and_a_value_model_train_as_one_process(tmp_
         assert s["ref"]["optimizer_state_bytes"] == 0 and o["ref_state"] == 0
         assert "built without an optimizer" in o["ref_step"] and "pass an optimizer" in o["ref_step"]
         assert o["reloaded"]
+
+
+def _two_forwards(rank: int, world: int) -> str:
+    import fz3
+    model = _policy_like(0)
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config(param_persistence_threshold=0))
+    x = torch.randn(2, IN)
+    loss = engine(x).sum() + engine(x * 2).sum()  # two forwards of one engine, then one backward
+    try:
+        engine.backward(loss)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_two_forwards_before_one_backward_are_refused_in_the_users_words():
+    """Not supported yet (a second grad-enabled forward of an engine starts a new pass): the error
+    says what happened and what to do instead."""
+    said = launch.run_threads(_two_forwards, 2)[0]
+    assert "another forward (1 later) followed before this backward" in said and "concatenate" in said, said

@@ -32,6 +32,7 @@ class SavedView(NamedTuple):
     shape: torch.Size
     stride: tuple[int, ...]
     offset: int  # in the param's full value
+    forward: int = 0  # the root forward that saved it (SavedParams.forwards then)
 
 
 class SavedParams:
@@ -43,10 +44,12 @@ class SavedParams:
         self.log: Log[int] = Log()  # params saved for backward in this pass, in order (the core
         # reads which ones a call saved: [Note: backward reads no param], fz3/core/calls.py)
         self.hooks: torch.autograd.graph.saved_tensors_hooks | None = None  # open in a root forward
+        self.forwards = 0  # root forwards begun
 
     def begin(self) -> None:
         """A root forward starts: a fresh log, and the hooks open (until `end`)."""
         self.log = Log()
+        self.forwards += 1
         if self.hooks is None and self.watch:
             # [Note: hooks outside the graph] (compiled.py): a compiled region's saves come here too
             self.hooks = torch.autograd.graph.saved_tensors_hooks(outside_graph(self.pack), outside_graph(self.unpack))
@@ -76,13 +79,19 @@ class SavedParams:
         if found is None:
             return t
         self.log = self.log.extend((found[0],))
-        return SavedView(found[0], t.shape, t.stride(), found[1])
+        return SavedView(found[0], t.shape, t.stride(), found[1], self.forwards)
 
     def unpack(self, x):
         if not isinstance(x, SavedView):
             return x
         full = self.store.params[x.param].data
         if full.numel() != self.store.shapes[x.param].numel():
+            if x.forward != self.forwards:
+                raise RuntimeError(f"fz3: the backward needs param {self.names[x.param]!r}, saved by a forward "
+                                   f"of this engine that another forward ({self.forwards - x.forward} later) "
+                                   "followed before this backward: fz3 runs one forward with grad per backward "
+                                   "of an engine. Run the inputs through one forward (concatenate them, as "
+                                   "TRL's DPO does), or call backward before the next forward")
             raise RuntimeError(f"fz3: the backward needs param {self.names[x.param]!r} (saved by its "
                                "forward) but it is not gathered now; was it read outside the module "
                                "that owns it, or changed between forward and backward?")
