@@ -48,7 +48,8 @@ def _rank(rank: int, world: int, bucket) -> dict:
     torch.manual_seed(0)
     model = Model(GPTConfig(**GPT))
     numel = sum(p.numel() for p in model.parameters())
-    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01), fz3.Config(param_persistence_threshold=0))
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                            fz3.Config(param_persistence_threshold=0))
     x, y = markov_batch(0, batch=2, seq=GPT["seq"], vocab=GPT["vocab"])
     engine.backward(loss_fn(engine(x[rank:rank + 1]), y[rank:rank + 1]))
     engine.step()

@@ -133,8 +133,9 @@ class Accelerator(accelerate.Accelerator):
             if opt is not None:
                 out[id(opt)] = EngineOptimizer(opt, engine)
             if sched is not None:  # stepped as the plain Accelerator steps it ([Note: the scheduler's steps])
-                out[id(sched)] = AcceleratedScheduler(sched, [out[id(opt)]], step_with_optimizer=
-                                                      self.step_scheduler_with_optimizer, split_batches=self.split_batches)
+                out[id(sched)] = AcceleratedScheduler(sched, [out[id(opt)]],
+                                                      step_with_optimizer=self.step_scheduler_with_optimizer,
+                                                      split_batches=self.split_batches)
                 self._schedulers.append(out[id(sched)])
         left = [a for a in args if id(a) not in out and not any(a is o for o in optimizers)]
         prepared = super().prepare(*left, device_placement=device_placement) if left else ()

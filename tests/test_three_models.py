@@ -131,7 +131,8 @@ def test_a_policy_a_frozen_reference_and_a_value_model_train_as_one_process(tmp_
 def _two_forwards(rank: int, world: int) -> str:
     import fz3
     model = _policy_like(0)
-    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), fz3.Config(param_persistence_threshold=0))
+    engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            fz3.Config(param_persistence_threshold=0))
     x = torch.randn(2, IN)
     loss = engine(x).sum() + engine(x * 2).sum()  # two forwards of one engine, then one backward
     try:

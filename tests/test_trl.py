@@ -122,7 +122,8 @@ def _worker(rank: int, world: int, root: str) -> dict:
         _sft(MICRO, f"{root}/bf16", DS, bf16=True)
     finally:
         logging.getLogger("fz3").removeHandler(said)
-    return {"sft": _logs(sft), "dpo": _logs(dpo), "ref_sharded": registry.managed(dpo.ref_model.parameters()) is not None,
+    return {"sft": _logs(sft), "dpo": _logs(dpo),
+            "ref_sharded": registry.managed(dpo.ref_model.parameters()) is not None,
             "frozen": list(dpo.frozen_engines), "said": said.lines}
 
 

@@ -56,7 +56,8 @@ class ValueMovers:
         self._refuse_if_stopped()
         every_rank(self, agreement.SAVE)
         with self.resident():
-            return save_checkpoint(self, save_dir, tag, client_state, exclude_frozen_parameters=exclude_frozen_parameters)
+            return save_checkpoint(self, save_dir, tag, client_state,
+                                   exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **options) -> tuple[str, dict]:
         """-> (path, client_state); any saved world size; DeepSpeed's load_optimizer_states,

@@ -6,7 +6,8 @@ to an inference engine or a save_pretrained, with no rank holding the whole mode
 
 The params, in the model's order (named_parameters: a tied param once, under its first name),
 are cut into buckets of consecutive params of at most `bucket_bytes` of full values in the
-compute dtype (fz3/data/store.py `consecutive_runs`, as the flat step cuts its segments). Each bucket is gathered at once (as fz3.gathered_parameters
+compute dtype (fz3/data/store.py `consecutive_runs`, as the flat step cuts its segments).
+Each bucket is gathered at once (as fz3.gathered_parameters
 gathers: fz3/core/param/hold.py), its params yielded whole (the gathered values themselves, in
 their shapes: read or copy them before the next), and freed before the next bucket is gathered:
 beyond its shards, a rank holds at most one bucket (and the persistent params, which are whole
@@ -83,7 +84,8 @@ def _lora_layers(engine) -> dict[int, nn.Module]:
     out = {}
     for m in engine.module.modules():
         base = getattr(m, "base_layer", None)
-        if base is None or not hasattr(m, "lora_A") or not hasattr(m, "get_delta_weight") or getattr(m, "merged", False):
+        if base is None or not hasattr(m, "lora_A") or not hasattr(m, "get_delta_weight") \
+                or getattr(m, "merged", False):
             continue
         w = getattr(base, "weight", None)
         if w is not None and id(w) in engine.param_ids:
