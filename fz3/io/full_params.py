@@ -7,8 +7,8 @@ to an inference engine or a save_pretrained, with no rank holding the whole mode
 The params, in the model's order (named_parameters: a tied param once, under its first name),
 are cut into buckets of consecutive params of at most `bucket_bytes` of full values in the
 compute dtype (fz3/data/store.py `consecutive_runs`, as the flat step cuts its segments).
-Each bucket is gathered at once (as fz3.gathered_parameters
-gathers: fz3/core/param/hold.py), its params yielded whole (the gathered values themselves, in
+Each bucket is gathered at once (as fz3.gathered_parameters gathers: fz3/core/param/hold.py),
+its params yielded whole (the gathered values themselves, in
 their shapes: read or copy them before the next), and freed before the next bucket is gathered:
 beyond its shards, a rank holds at most one bucket (and the persistent params, which are whole
 anyway). A param larger than a bucket is refused, not split: a consumer loads a tensor whole.
