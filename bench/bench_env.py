@@ -3,6 +3,7 @@ of bench/RESULTS.md.
 
     ensure_env(__file__)                           # re-run the script under bench/.env
     replace_section(path, section, begin, end)     # its section, the rest of the file kept
+    write_section(path, key, title, body)         # the same between <!-- key:begin/end --> markers
 """
 from __future__ import annotations
 
@@ -32,3 +33,12 @@ def replace_section(path: str, section: str, begin: str, end: str) -> None:
         new = old.rstrip("\n") + "\n\n" + section + "\n"
     with open(path, "w") as f:
         f.write(new)
+
+
+def write_section(path: str, key: str, title: str, body: str) -> None:
+    """Print `body` and, unless `path` is empty, make it RESULTS.md's section `key` (between the
+    markers <!-- key:begin --> and <!-- key:end -->) under the heading `title`."""
+    print(body)
+    if path:
+        begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+        replace_section(path, f"{begin}\n## {title}\n\n{body}{end}", begin, end)

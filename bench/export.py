@@ -73,7 +73,7 @@ def _rank(rank: int, world: int, bucket) -> dict:
 
 
 def main() -> None:
-    from bench_env import ensure_env, replace_section
+    from bench_env import ensure_env, write_section
     ensure_env(__file__)
     from fz3 import launch
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -96,11 +96,7 @@ def main() -> None:
         r0, r1 = rows[name]
         lines.append(f"| {name} | {r0['peak_above'] / MIB:.1f} MiB | {r1['peak_above'] / MIB:.1f} MiB | "
                      f"{r0['live'] / MIB:.1f} MiB | {max(r0['seconds'], r1['seconds']):.2f} |")
-    section = "\n".join(lines) + "\n"
-    print(section)
-    if args.md:
-        begin, end = "<!-- export:begin -->", "<!-- export:end -->"
-        replace_section(args.md, f"{begin}\n## Full weights out, bounded (issue #50)\n\n{section}{end}", begin, end)
+    write_section(args.md, "export", "Full weights out, bounded (issue #50)", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ def _rank(rank: int, world: int, system: str, tokens: int) -> dict:
 
 
 def main() -> None:
-    from bench_env import ensure_env, replace_section
+    from bench_env import ensure_env, write_section
     ensure_env(__file__)
     import torch
     from fz3 import launch
@@ -131,11 +131,7 @@ def main() -> None:
         lines.append(f"| {system} | {calls / args.tokens:.1f} | {nbytes / args.tokens:,.0f} | {tps:.1f} | "
                      f"{rss:.0f} MiB | "
                      f"{'' if kept is None else f'{kept / 2**20:.2f} MiB'} | {'yes' if same else 'NO'} |")
-    section = "\n".join(lines) + "\n"
-    print(section)
-    if args.md:
-        begin, end = "<!-- generation:begin -->", "<!-- generation:end -->"
-        replace_section(args.md, f"{begin}\n## Generation under ZeRO-3 (issue #50)\n\n{section}{end}", begin, end)
+    write_section(args.md, "generation", "Generation under ZeRO-3 (issue #50)", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def gpt_measured() -> dict[str, tuple[dict, dict]]:
 
 
 def main() -> None:
-    from bench_env import ensure_env, replace_section
+    from bench_env import ensure_env, write_section
     ensure_env(__file__)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--md", default=os.path.join(HERE, "RESULTS.md"))
@@ -144,12 +144,8 @@ def main() -> None:
                      f"{got['bytes_inter_group']:,} / {want['bytes_inter_group']:,} | "
                      f"{got['messages_intra_group']:,} / {got['messages_inter_group']:,} | {got['all_gather_hpz']} | "
                      f"{'yes' if got == want else 'NO'} |")
-    section = "\n".join(lines) + "\n"
-    print(section)
-    if args.md:
-        begin, end = "<!-- links:begin -->", "<!-- links:end -->"
-        replace_section(args.md, f"{begin}\n## Bytes on each link: flat ZeRO-3, hybrid sharding and hpZ (issue #49)\n\n"
-                                 f"{section}{end}", begin, end)
+    write_section(args.md, "links", "Bytes on each link: flat ZeRO-3, hybrid sharding and hpZ (issue #49)",
+                  "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
