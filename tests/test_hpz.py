@@ -2,9 +2,9 @@
 secondary shard of each param its backward gathers again, over groups of H consecutive ranks,
 and the backward gathers from those within the group ([Note: hpZ], fz3/core/stage.py).
 
-    parity     6 thread ranks with groups of 2, and of 3 in bf16 with clipping, against one
-               process (tests/support/parity.py's GPT: gradient accumulation, tied weights, a
-               scheduler, forward-only passes between steps)
+    parity     6 thread ranks with groups of 2 against one process (tests/support/parity.py's
+               GPT: gradient accumulation, tied weights, a scheduler, forward-only passes between
+               steps); groups of 3 in bf16 with clipping are parity.HYBRID_CONFIGS["hpz3_bf16_clip"]
     on = off   the secondary shards are copies of the full values, so a layout trains bit for
                bit alike with hpZ on and off: 4 gloo processes, flat, groups of 2 (the process
                groups); 8 thread ranks as 2 shard groups of 4 with groups of 2, and flat with
@@ -35,7 +35,8 @@ from tests.support import parity
 
 pytestmark = pytest.mark.timeout(600)
 
-CONFIGS = ("hpz", "hpz3_bf16_clip")
+CONFIGS = ("hpz",)  # bf16 with clipping: hpz3_bf16_clip in tests/support/parity.py, run by hand (the suite's
+# time); hpZ on equals hpZ off bit for bit below, in fp32 with clipping, and off is at parity everywhere
 MODELS = ("gpt",)
 W = 6
 
