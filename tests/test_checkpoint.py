@@ -161,8 +161,8 @@ def _atomicity(rank: int, world: int, save_dir: str) -> dict:
     _train("odd", engine, rank, world, range(1, 2))
     real = checkpoint.write_rank
 
-    def crash(eng, path):
-        real(eng, path)
+    def crash(eng, path, *rest):
+        real(eng, path, *rest)
         if eng.rank == 1:
             with open(path, "r+b") as f:
                 f.truncate(os.path.getsize(path) // 2)
@@ -199,7 +199,7 @@ def _killed_mid_save(rank: int, world: int, save_dir: str) -> None:
     torch.save(engine.full_state_dict(), f"{save_dir}/a-params.pt")
     _train("odd", engine, rank, world, range(1, 2))
 
-    def killed(eng, path):
+    def killed(eng, path, *rest):
         with open(path, "wb") as f:
             f.write(b"PK\3\4 half a zip")
         os._exit(1)

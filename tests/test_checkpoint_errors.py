@@ -141,8 +141,8 @@ def _interrupted(rank: int, world: int, root: str, how: str) -> None:
     _step(engine, rank, 1)
     real = checkpoint.write_rank
 
-    def interrupted(eng, path):
-        real(eng, path)
+    def interrupted(eng, path, *rest):
+        real(eng, path, *rest)
         if eng.rank == 1:
             with open(path, "r+b") as f:
                 f.truncate(os.path.getsize(path) // 2)

@@ -71,14 +71,21 @@ def test_the_pool_advises_the_buffers_it_makes_only_when_asked():
 
 
 @pytest.mark.parametrize("huge", [True, False])
-def test_a_grad_segment_is_advised_each_time_its_memory_comes_back(huge):
+def test_a_grad_segment_is_advised_each_time_its_memory_comes_back(huge, monkeypatch):
+    """Off: fz3 advises nothing (counted: the heap may hand back memory an earlier test advised,
+    whose mapping keeps the flag, so smaps cannot tell an unadvised segment apart)."""
+    import fz3.data.store as store
+    calls = []
+    monkeypatch.setattr(store, "advise_huge", lambda t: calls.append(t.numel()) or pages.advise_huge(t))
     n = 2 * BIG  # this rank's shard of it: one 32 MiB segment
     param = nn.Parameter(torch.empty(0).new_empty(n), requires_grad=True)
     s = TensorStore([param], ("w",), [torch.zeros(BIG)], rank=0, world_size=2, compute_dtype="fp32",
                     device=CPU, huge_pages=huge)
-    for _ in range(2):  # the window's first write, then again after the step gave it back
+    for i in range(2):  # the window's first write, then again after the step gave it back
         s.ensure_partitions()
-        assert advised(s.segments[0].grads) is huge
+        if huge:
+            assert advised(s.segments[0].grads)
+        assert len(calls) == (i + 1 if huge else 0), calls
         s.free_partitions()
 
 
