@@ -100,12 +100,16 @@ class Accelerator(accelerate.Accelerator):
             stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3"))  # the config file's zero_stage
             fz3_config = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or {"zero_optimization": {"stage": stage}}
             env = {"ACCELERATE_USE_DEEPSPEED": os.environ.pop("ACCELERATE_USE_DEEPSPEED")}  # for super() only
+        if fz3_config is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import fz3.launch  # under torchrun on CPU, Accelerate leaves the group to the script: join it
+            fz3.launch.init_from_env()  # first, so that Accelerate's state sees every process
         try:
             super().__init__(*args, **kwargs)
         finally:
             os.environ.update(env)
         self.fz3_config = None if fz3_config is None else _config(fz3_config, self.gradient_accumulation_steps)
         self.fz3_engines: list = []  # every engine prepare built, the trained one first
+
         asked = str(self.mixed_precision)
         if self.fz3_config is not None and asked in ("bf16", "fp16") and self.fz3_config.compute_dtype != asked \
                 and self.is_main_process:  # fz3's compute dtype is its config's: no autocast around it
@@ -119,6 +123,13 @@ class Accelerator(accelerate.Accelerator):
     def prepare(self, *args, device_placement=None):
         if self.fz3_config is None:
             return super().prepare(*args, device_placement=device_placement)
+        import torch.distributed as dist
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != self.num_processes:  # each rank would take every batch: data parallel in name only
+            raise RuntimeError(f"fz3.accelerate: the process group has {world} ranks, but Accelerate sees "
+                               f"{self.num_processes} process(es), so it would not split the data between them; "
+                               "launch the script so that Accelerate sets up the processes itself (accelerate "
+                               "launch with a multi-process config, or fz3.launch.run)")
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
         schedulers = [a for a in args if hasattr(a, "step") and hasattr(a, "optimizer") and
                       not isinstance(a, torch.optim.Optimizer)]
