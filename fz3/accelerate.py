@@ -102,14 +102,13 @@ class Accelerator(accelerate.Accelerator):
             env = {"ACCELERATE_USE_DEEPSPEED": os.environ.pop("ACCELERATE_USE_DEEPSPEED")}  # for super() only
         if fz3_config is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             import fz3.launch  # under torchrun on CPU, Accelerate leaves the group to the script: join it
-            fz3.launch.init_from_env()  # first, so that Accelerate's state sees every process
+            fz3.launch.init_from_env()  # (if Accelerate still sees one process, prepare refuses to go on)
         try:
             super().__init__(*args, **kwargs)
         finally:
             os.environ.update(env)
         self.fz3_config = None if fz3_config is None else _config(fz3_config, self.gradient_accumulation_steps)
         self.fz3_engines: list = []  # every engine prepare built, the trained one first
-
         asked = str(self.mixed_precision)
         if self.fz3_config is not None and asked in ("bf16", "fp16") and self.fz3_config.compute_dtype != asked \
                 and self.is_main_process:  # fz3's compute dtype is its config's: no autocast around it
