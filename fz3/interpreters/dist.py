@@ -273,7 +273,8 @@ class DistInterpreter:
         elif len(secondary) == len(ps):
             work, fulls, keep = self._launch(ops, lambda: self._hpz_gather(ps, prefetch))
         else:  # some from their secondary shards, the rest from their shards: two collectives
-            rest = tuple(p for p in ps if p not in set(secondary))
+            kept = set(secondary)
+            rest = tuple(p for p in ps if p not in kept)
             work, fulls, keep = self._launch(ops, lambda: _both(
                 ps, secondary, rest, self._hpz_gather(secondary, prefetch),
                 self.gather.gather(rest, self._shards(rest, prefetch))))

@@ -74,7 +74,8 @@ class PlanInterpreter:
         for e in effects:
             match e:
                 case AllGather(handle=h, params=ps, prefetch=pre, secondary=sec):
-                    rest = tuple(p for p in ps if p not in set(sec)) if sec else ps
+                    kept = set(sec)
+                    rest = tuple(p for p in ps if p not in kept) if sec else ps
                     if rest:  # from their shards, within the shard group
                         self._count_gather(rest, pre)
                     if sec:  # hpZ: from their secondary shards, within the hpZ group
