@@ -14,7 +14,8 @@ neither).
 import torch
 from hypothesis import example, given
 
-from fz3.testing.grad_naive import EDGES, PATHS, Scenario, divisor, run_scenario, scenarios
+from fz3.testing.grad_naive import PATHS
+from tests.support.grad_scenarios import EDGES, Scenario, divisor, run_scenario, scenarios
 
 
 def check_i3(sc: Scenario, path: str) -> None:

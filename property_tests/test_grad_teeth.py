@@ -21,7 +21,8 @@ from fz3.data import collectives, layout
 from fz3.interpreters import simulated
 from fz3.interpreters.simulated import SimulationError
 from fz3.testing.grad_machine import GradMachine
-from fz3.testing.grad_naive import EDGES, PATHS, divisor, run_scenario, scenarios
+from fz3.testing.grad_naive import PATHS
+from tests.support.grad_scenarios import EDGES, divisor, run_scenario, scenarios
 
 STRICT = settings(max_examples=300, deadline=None, database=None, derandomize=True,
                   phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False)

@@ -4,7 +4,7 @@ thread ranks against the simulated world, effect by effect, bit for bit.
 The real core, driven by the real engine, trains drawn models (tests/support/drawn_nets.py) under
 drawn configs on 2 or 3 thread ranks: every carrier for the gathers and for the reduces, overlap
 on and off, contiguous grads on and off, both reduce paths, 1 or 2 micro-steps per window, small
-and large buckets, fp32 and bf16 compute. A Shadow (fz3/testing/shadow.py) hands each effect
+and large buckets, fp32 and bf16 compute. A Shadow (tests/support/shadow.py) hands each effect
 the ranks run to one SimulatedWorld, with the grads the ranks read, and requires the ranks'
 effect streams to be equal (I6) and every rank's gathered full params and written grad
 partitions to equal the simulated world's, bit for bit, after every effect.
@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, example, given, note, settings
 
 import fz3.interpreters.carriers as carriers
 from tests.support import drawn_nets as dn
-from fz3.testing import shadow as sh
+from tests.support import shadow as sh
 from tests.support import shadowed
 
 

@@ -18,7 +18,7 @@ from fz3.core.param.invariants import check_fetched, check_quiescent
 from fz3.core.param.release import release
 from fz3.core.param.step import end_of_step, finish_backward, reset_step
 from fz3.core.param.trace import UNIT_GREW
-from fz3.testing.driver import Driver
+from tests.support.driver import Driver
 
 CFG = Config(prefetch_bucket_size=0, param_persistence_threshold=0, max_reuse_distance=0)
 BLOCK = ([("blk.w", 4)], [("", [], False), ("blk", [0], False)])

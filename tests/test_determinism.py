@@ -1,5 +1,5 @@
 """I6 across processes: the core emits the same effects, in the same order, on ranks that are
-processes with different hash seeds (fz3/testing/effect_streams.py, 40 drawn cases each), and a
+processes with different hash seeds (tests/support/effect_streams.py, 40 drawn cases each), and a
 core that iterates a set of names (planted) is caught."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ CASES = 40
 
 def streams(seed: int, *extra: str) -> list[str]:
     env = dict(os.environ, PYTHONHASHSEED=str(seed))
-    out = subprocess.run([sys.executable, "-m", "fz3.testing.effect_streams", str(CASES), *extra],
+    out = subprocess.run([sys.executable, "-m", "tests.support.effect_streams", str(CASES), *extra],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)

@@ -15,7 +15,7 @@ from fz3.core.ids import TraceMode
 from fz3.core.param.invariants import check_fetched, check_live_budget
 from fz3.core.param.release import release
 from fz3.core.param.step import reset_step
-from fz3.testing.driver import Driver
+from tests.support.driver import Driver
 
 HUGE = 10**9
 THREE = ([("a.w", 4), ("b.w", 4), ("c.w", 4)],

@@ -10,7 +10,7 @@ from fz3.core.param.hold import hold, unhold
 from fz3.core.param.invariants import check_quiescent
 from fz3.core.param.release import release
 from fz3.core.param.step import end_of_step, finish_backward, reset_step
-from fz3.testing.driver import Driver
+from tests.support.driver import Driver
 
 CFG = Config(prefetch_bucket_size=0, max_reuse_distance=0, param_persistence_threshold=1)
 # p0 4 elements (m1), p1 1 element: persistent (m2)

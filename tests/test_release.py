@@ -14,7 +14,7 @@ from fz3.core.param.fetch import fetch
 from fz3.core.ids import TraceMode
 from fz3.core.param.release import release
 from fz3.core.param.step import reset_step
-from fz3.testing.driver import Driver
+from tests.support.driver import Driver
 
 HUGE = 10**9
 TIED = ([("emb.w", 100), ("l1.w", 50), ("l1.b", 5)],

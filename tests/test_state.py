@@ -7,7 +7,7 @@ from fz3.core.param.fetch import fetch
 from fz3.core.spec import build_spec
 from fz3.core.param.state import initial_state
 from fz3.core.param.step import reset_step
-from fz3.testing.driver import Driver
+from tests.support.driver import Driver
 
 
 def test_initial_state_has_nothing_live_and_no_peak():

@@ -11,7 +11,7 @@ from fz3.core.param.invariants import check_quiescent
 from fz3.core.param.release import release
 from fz3.core.param.step import end_of_step, finish_backward, reset_step
 from fz3.core.param.trace import UNIT_GREW
-from fz3.testing.driver import Driver
+from tests.support.driver import Driver
 
 HUGE = 10**9
 # root owns a persistent bias (2 <= threshold 2); a and b own 4-element weights

@@ -13,7 +13,7 @@ from fz3.core.param.fetch import fetch
 from fz3.core.ids import TraceMode
 from fz3.core.param.step import reset_step
 from fz3.core.param.trace import UNIT_GREW, build_plan, initial_trace, invalidated, on_fetch, pass_kind, reset
-from fz3.testing.driver import Driver
+from tests.support.driver import Driver
 
 UNITS = {0: (), 1: (0,), 2: (1, 2), 3: (0,)}  # root, emb, l1, head (tied emb.w)
 NUMEL = {0: 100, 1: 50, 2: 5}

@@ -5,7 +5,7 @@
     report.results         per example: its failures, how close its numbers were, its shrink
     report.summary()       the text `python -m fz3 check` prints
 
-A failure names its check (CHECKS), the optimizer step (from 1) and micro-step (from 0), the
+A failure names its check (the table in docs/check.md), the optimizer step (from 1) and micro-step (from 0), the
 rank, the param, buffer or module, the values, and its example (world size, steps, config);
 `cause` is the likely cause when the failure has a signature fz3.check recognises.
 """
@@ -17,22 +17,9 @@ from typing import Optional
 from fz3.config.config import Config
 from fz3.checking.draw import Example, Shrunk, config_source
 
-CHECKS = {
-    "losses": "every rank's loss at every micro-step equals one process's on the same slice",
-    "params": "every param after every optimizer step equals one process's",
-    "buffers": "every forward starts from the same buffers on every rank, and from one process's",
-    "I1 live budget": "the live full params nothing pins never exceed max_live_parameters",
-    "prefetch reach": "the params prefetched for later steps never hold more than prefetch_bucket_size plus one",
-    "I2 counts": "after every backward the counters are 0 and nothing gathered leaks",
-    "determinism": "a second run of the example emits the same effects and losses on every rank",
-    "divergence": "no DivergenceError, and every rank emits the same effects as rank 0",
-    "error": "nothing raises on the ranks that did not raise in one process",
-}
-
-
 @dataclass(frozen=True)
 class Failure:
-    check: str  # a key of CHECKS
+    check: str  # one of docs/check.md's checks
     example: Example
     detail: str  # what differs, with the values
     step: Optional[int] = None  # optimizer step, from 1

@@ -70,12 +70,6 @@ class ModelSpec:
         return ModelSpec(tuple(p._replace(shard_numel=shard_numel(p.numel, H)) for p in self.params), self.modules,
                          H, 1, self.max_inflight)
 
-    def module_named(self, name: str) -> ModuleSpec:
-        for m in self.modules:
-            if m.name == name:
-                return m
-        raise KeyError(f"no module named {name!r}")
-
 
 def persistent_flags(numels: Sequence[int], persistence_threshold: int,
                      model_persistence_threshold: Optional[int] = None) -> tuple[bool, ...]:

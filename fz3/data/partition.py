@@ -34,11 +34,6 @@ def average(partition: torch.Tensor, divisor: int) -> torch.Tensor:
     return partition / divisor
 
 
-def zeros_partition(shard_numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The partition of a param that got no grad in the window."""
-    return torch.zeros(shard_numel, dtype=dtype)
-
-
 def to_master(t: torch.Tensor) -> torch.Tensor:
     """Cast to fp32 for the master shards and the optimizer (once, in step)."""
     return t.to(torch.float32)

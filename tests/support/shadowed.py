@@ -1,12 +1,12 @@
 """Drawn nets (tests/support/drawn_nets.py) trained on thread ranks under a Shadow
-(fz3/testing/shadow.py): the setups drawn, one rank's training, and the whole differential run.
+(tests/support/shadow.py): the setups drawn, one rank's training, and the whole differential run.
 Used by property_tests/test_interpreters_differential.py."""
 from __future__ import annotations
 
 import torch
 from hypothesis import strategies as st
 
-from fz3.testing.shadow import Shadow
+from tests.support.shadow import Shadow
 from tests.support import drawn_nets as dn
 
 

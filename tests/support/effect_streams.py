@@ -1,6 +1,6 @@
 """The effect streams of drawn cases, as digests: what two processes must print the same (I6).
 
-    python -m fz3.testing.effect_streams N [--plant NAME]
+    python -m tests.support.effect_streams N [--plant NAME]
 
 Draws N cases deterministically (Hypothesis, derandomized: the same cases in every process),
 runs each through the core (the param lifecycle's passes of fz3/testing/param_machine.py, and
@@ -19,9 +19,7 @@ import hashlib
 import json
 import sys
 
-import fz3.testing.extra  # noqa: F401 - Hypothesis, or an ImportError naming the test extra
 from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
 
 from fz3.core.param import state as core_state
 from fz3.core.grad.epilogue import epilogue, micro_step_end, optimizer_step
