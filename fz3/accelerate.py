@@ -11,7 +11,9 @@ import changed.
             optimizer.step(); scheduler.step(); optimizer.zero_grad()   # boundary: these do nothing
 
 The config: `fz3_config` (a fz3.Config, a DeepSpeed dict or a JSON path; "auto" values keep
-DeepSpeed's defaults, gradient_accumulation_steps the Accelerator's), or the DeepSpeed config of
+DeepSpeed's defaults, an "auto" or absent gradient_accumulation_steps is the Accelerator's, and
+a stated one that differs wins, with a WARNING, as Accelerate's DeepSpeed path rules:
+accelerate/accelerator.py `_prepare_deepspeed`), or the DeepSpeed config of
 Accelerate's own config file (`accelerate launch` with `deepspeed_config_file`, or a
 DeepSpeedPlugin given as deepspeed_plugin=), which then goes to fz3, DeepSpeed never set up.
 Without either: the plain Accelerator. What each call does, as Accelerate does under DeepSpeed
@@ -92,14 +94,19 @@ class EngineOptimizer(AcceleratedOptimizer):
 class Accelerator(accelerate.Accelerator):
     def __init__(self, *args, fz3_config=None, **kwargs) -> None:
         plugin = kwargs.get("deepspeed_plugin")
+        if fz3_config is None and isinstance(plugin, dict):
+            raise ValueError(f"fz3.accelerate: deepspeed_plugin is a dict of {len(plugin)} plugins "
+                             f"({', '.join(map(repr, plugin))}); fz3 takes one config for every model an "
+                             "Accelerator prepares: give one DeepSpeedPlugin, or fz3_config=")
         if fz3_config is None and plugin is not None:  # Accelerate's DeepSpeedPlugin: its config is fz3's
             fz3_config = plugin.hf_ds_config.config if hasattr(plugin, "hf_ds_config") else plugin.deepspeed_config
             kwargs["deepspeed_plugin"] = None
-        env = {}
         if fz3_config is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
             stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3"))  # the config file's zero_stage
             fz3_config = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or {"zero_optimization": {"stage": stage}}
-            env = {"ACCELERATE_USE_DEEPSPEED": os.environ.pop("ACCELERATE_USE_DEEPSPEED")}  # for super() only
+        env = {}  # fz3 takes DeepSpeed's place: Accelerate must not set DeepSpeed up from the environment
+        if fz3_config is not None and "ACCELERATE_USE_DEEPSPEED" in os.environ:  # (a plugin given under
+            env = {"ACCELERATE_USE_DEEPSPEED": os.environ.pop("ACCELERATE_USE_DEEPSPEED")}  # `accelerate launch` too)
         if fz3_config is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             import fz3.launch  # under torchrun on CPU, Accelerate leaves the group to the script: join it
             fz3.launch.init_from_env()  # (if Accelerate still sees one process, prepare refuses to go on)
@@ -108,6 +115,12 @@ class Accelerator(accelerate.Accelerator):
         finally:
             os.environ.update(env)
         self.fz3_config = None if fz3_config is None else _config(fz3_config, self.gradient_accumulation_steps)
+        if self.fz3_config is not None and self.fz3_config.gradient_accumulation_steps != self.gradient_accumulation_steps:
+            logging.getLogger("fz3").warning(
+                "fz3.accelerate: gradient accumulation steps mismatch: the Accelerator has %d, the DeepSpeed config "
+                "has %d. Using the DeepSpeed config's value (as Accelerate does under DeepSpeed)",
+                self.gradient_accumulation_steps, self.fz3_config.gradient_accumulation_steps)
+            self.gradient_accumulation_steps = self.fz3_config.gradient_accumulation_steps
         self.fz3_engines: list = []  # every engine prepare built, the trained one first
         asked = str(self.mixed_precision)
         if self.fz3_config is not None and asked in ("bf16", "fp16") and self.fz3_config.compute_dtype != asked \
@@ -231,8 +244,10 @@ AUTO_DROPPED = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_
 
 
 def _config(given, gas: int) -> Config:
-    """A fz3.Config from a Config, a DeepSpeed dict or a JSON path; its gradient_accumulation_steps
-    the Accelerator's (given as "auto" or absent), or an error where they differ."""
+    """A fz3.Config from a Config, a DeepSpeed dict or a JSON path. Its gradient_accumulation_steps:
+    the Accelerator's `gas` where the config leaves it "auto" or absent (a Config: at its default,
+    1), else the config's, which the Accelerator then takes (Accelerate's rule under DeepSpeed:
+    the DeepSpeed config's value wins, with a warning)."""
     import json
     import warnings
     if isinstance(given, Config):
@@ -242,16 +257,11 @@ def _config(given, gas: int) -> Config:
         # "auto" batch sizes are Accelerate's to fill from the dataloaders (fz3 needs none), and an
         # "auto" clipping keeps DeepSpeed's default ([Note: "auto"], fz3/config/deepspeed_keys.py)
         ds = {k: v for k, v in ds.items() if not (v == "auto" and k in AUTO_DROPPED)}
-        stated = ds.get("gradient_accumulation_steps", "auto")
-        if stated not in ("auto", None) and stated != gas:
-            raise ValueError(f"fz3.accelerate: the DeepSpeed config's gradient_accumulation_steps={stated}, the "
-                             f"Accelerator's {gas}: give the Accelerator the same (or \"auto\" in the config)")
+        if ds.get("gradient_accumulation_steps", "auto") in ("auto", None):
+            ds["gradient_accumulation_steps"] = gas
         with warnings.catch_warnings():  # the batch sizes are the dataloader's business
             warnings.filterwarnings("ignore", "fz3 accepts but does not use")
-            config = Config.from_deepspeed({**ds, "gradient_accumulation_steps": gas})
-    if config.gradient_accumulation_steps != gas:
-        if config.gradient_accumulation_steps != 1:
-            raise ValueError(f"fz3.accelerate: Config.gradient_accumulation_steps="
-                             f"{config.gradient_accumulation_steps}, the Accelerator's {gas}: make them the same")
+            return Config.from_deepspeed(ds)
+    if config.gradient_accumulation_steps == 1:
         config = config.replace(gradient_accumulation_steps=gas)
     return config

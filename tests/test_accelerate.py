@@ -12,6 +12,13 @@ trains through fz3, on 2 gloo ranks against the same script under plain Accelera
     launch       the DeepSpeed config of `accelerate launch` (ACCELERATE_USE_DEEPSPEED and
                  ACCELERATE_DEEPSPEED_CONFIG_FILE) goes to fz3, DeepSpeed never imported, the
                  environment left as it was
+    plugin       a DeepSpeedPlugin given as deepspeed_plugin=, made from a DeepSpeed dict
+                 (hf_ds_config) or from its own fields (zero_stage=3, ...): its config goes to fz3,
+                 with ACCELERATE_USE_DEEPSPEED still set by the launch run before it (as under
+                 `accelerate launch`), and DeepSpeed is never set up
+    accumulation a DeepSpeed config's gradient_accumulation_steps other than the Accelerator's
+                 wins, with a WARNING, as Accelerate rules under DeepSpeed (accelerate's
+                 accelerator.py `_prepare_deepspeed`: "Using DeepSpeed's value")
     errors       clip_grad_norm_ at another max_norm than the config's gradient_clipping
     imports      `import fz3` never imports accelerate
 """
@@ -43,6 +50,17 @@ def _script(rank: int, world: int, kind: str, root: str) -> dict:
     elif kind == "fz3":
         from fz3.accelerate import Accelerator
         acc = Accelerator(cpu=True, gradient_accumulation_steps=2, fz3_config=DS)
+    elif kind == "plugin":  # Accelerate's own DeepSpeed plugin, from a DeepSpeed dict
+        from accelerate.utils import DeepSpeedPlugin
+        from fz3.accelerate import Accelerator
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=2, deepspeed_plugin=DeepSpeedPlugin(
+            hf_ds_config={**DS, "gradient_accumulation_steps": "auto"}))
+    elif kind == "plugin_fields":  # ... and from its fields: the config Accelerate writes for them
+        from accelerate.utils import DeepSpeedPlugin
+        os.environ.pop("ACCELERATE_DEEPSPEED_CONFIG_FILE")  # else the plugin reads the launch run's file
+        from fz3.accelerate import Accelerator
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=2, deepspeed_plugin=DeepSpeedPlugin(
+            zero_stage=3, gradient_accumulation_steps=2, gradient_clipping=0.5))
     else:  # what `accelerate launch` with a DeepSpeed config file sets
         with open(f"{root}/ds.json", "w") as f:
             json.dump(DS, f)
@@ -92,10 +110,13 @@ def _script(rank: int, world: int, kind: str, root: str) -> dict:
     return out
 
 
+KINDS = ("plain", "fz3", "launch", "plugin", "plugin_fields")
+
+
 def _scripts(rank: int, world: int, root: str) -> dict:
-    """The three runs one after the other in the same ranks (one launch: process starts are slow)."""
+    """The runs one after the other in the same ranks (one launch: process starts are slow)."""
     out = {}
-    for kind in ("plain", "fz3", "launch"):
+    for kind in KINDS:
         os.makedirs(f"{root}/{kind}", exist_ok=True)
         out[kind] = _script(rank, world, kind, f"{root}/{kind}")
     return out
@@ -106,10 +127,10 @@ def runs(tmp_path_factory):
     with fz3.launch.spawn_environment({"FZ3_DEVICE": "cpu"}):
         per_rank = fz3.launch.run(_scripts, world_size=2, args=(str(tmp_path_factory.mktemp("accelerate")),),
                                   timeout=180)
-    return {kind: [r[kind] for r in per_rank] for kind in ("plain", "fz3", "launch")}
+    return {kind: [r[kind] for r in per_rank] for kind in KINDS}
 
 
-@pytest.mark.parametrize("kind", ["fz3", "launch"])
+@pytest.mark.parametrize("kind", ["fz3", "launch", "plugin", "plugin_fields"])
 def test_an_accelerate_script_trains_as_under_plain_accelerate(runs, kind):
     for got, want in zip(runs[kind], runs["plain"]):
         assert got["losses"] == want["losses"] and got["norms"] == want["norms"], (got, want)
@@ -144,3 +165,24 @@ def test_mixed_precision_the_config_does_not_give_is_said(caplog):
     assert acc.fz3_config.compute_dtype == "fp32"
     said = [r.getMessage() for r in caplog.records if "mixed_precision='bf16'" in r.getMessage()]
     assert said and "computes in fp32" in said[0] and '"bf16": {"enabled": true}' in said[0], caplog.text
+
+
+def test_the_deepspeed_configs_accumulation_wins_with_a_warning(caplog):
+    """A DeepSpeedPlugin made from a dict without gradient_accumulation_steps writes 1 into it
+    (accelerate's DeepSpeedPlugin.__post_init__); Accelerate then uses that, not the Accelerator's
+    2, and says so. fz3 does the same, and one plugin is all it takes."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+    from fz3.accelerate import Accelerator
+    try:
+        with caplog.at_level("WARNING", logger="fz3"):
+            acc = Accelerator(cpu=True, gradient_accumulation_steps=2,
+                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 3}}))
+        assert acc.fz3_config.gradient_accumulation_steps == 1 and acc.gradient_accumulation_steps == 1
+        assert acc.state.distributed_type.name != "DEEPSPEED"  # Accelerate never set DeepSpeed up
+        said = [r.getMessage() for r in caplog.records if "mismatch" in r.getMessage()]
+        assert said and "the Accelerator has 2, the DeepSpeed config has 1" in said[0], caplog.text
+        with pytest.raises(ValueError, match="deepspeed_plugin is a dict of 2 plugins .'a', 'b'.*one DeepSpeedPlugin"):
+            Accelerator(cpu=True, deepspeed_plugin={"a": None, "b": None})
+    finally:  # Accelerate's state is a process-wide singleton: the tests after this one start afresh
+        AcceleratorState._reset_state(reset_partial_state=True)
