@@ -290,10 +290,8 @@ REJECTED = [  # DeepSpeed dict, the key the message must name, the value it must
     (ds({"stage3_model_persistence_threshold": -1}), "model_persistence_threshold", "-1"),
     (ds({"load_from_fp32_weights": False}), "zero_optimization.load_from_fp32_weights", "False"),
     (ds({"pipeline_loading_checkpoint": True}), "zero_optimization.pipeline_loading_checkpoint", "True"),
-    (ds({"stage3_module_granularity_threshold": 100}),
-     "zero_optimization.stage3_module_granularity_threshold", "100"),
-    (ds({"module_granularity_threshold": 100}), "zero_optimization.module_granularity_threshold",
-     "100"),  # DeepSpeed's field name for the same key
+    (ds({"stage3_module_granularity_threshold": -1}), "module_granularity_threshold", "-1"),
+    (ds({"module_granularity_threshold": "big"}), "module_granularity_threshold", "'big'"),  # DeepSpeed's field name
     (ds({"leaf_module": {"class": ["Block"]}}), "leaf_module", "'class'"),
     (ds({"leaf_module": ["Block"]}), "leaf_module", "Block"),
     (ds(train_batch_size=32, train_micro_batch_size_per_gpu=4), "gradient_accumulation_steps", "32"),
@@ -328,7 +326,7 @@ ZERO_ACCEPTED = [
     ("stage3_gather_fp16_weights_on_model_save", True), 
     ("memory_efficient_linear", False), ("stage3_use_all_reduce_for_fetch_params", True),
     ("allgather_sequential", True), ("cpu_offload_use_pin_memory", True),
-    ("load_from_fp32_weights", True), ("module_granularity_threshold", 0),
+    ("load_from_fp32_weights", True),
 ]
 
 
@@ -360,10 +358,22 @@ def test_every_table_key_is_handled():
             Config.from_deepspeed(ds(**{key: off.get(key)}))
     for key in sorted(keys.ZERO_UNUSED) + sorted(keys.ZERO_LACKING) + sorted(keys.ZERO_ALIASES):
         value = off.get(key)
-        if keys.ZERO_ALIASES.get(key, key) in keys.ZERO_FIELDS:
-            continue  # translated: test_translated
+        if keys.ZERO_ALIASES.get(key, key) in keys.ZERO_FIELDS or key.endswith("module_granularity_threshold"):
+            continue  # translated: test_translated, test_the_granularity_threshold_is_stage_3s
         with pytest.warns(UserWarning, match=key):
             Config.from_deepspeed(ds({key: value}))
+
+
+def test_the_granularity_threshold_is_stage_3s():
+    """stage3_module_granularity_threshold (or its field name) sets Config.module_granularity_threshold
+    at stage 3; DeepSpeed's stages 0-2 never read it: ignored there, and reported."""
+    for key in ("stage3_module_granularity_threshold", "module_granularity_threshold"):
+        assert Config.from_deepspeed(ds({key: 2e3})).module_granularity_threshold == 2000
+    with pytest.warns(UserWarning, match="stage3_module_granularity_threshold"):
+        got = Config.from_deepspeed({"zero_optimization": {"stage": 2, "stage3_module_granularity_threshold": 100}})
+    assert got.module_granularity_threshold == 0
+    with pytest.raises(ValueError, match=r"module_granularity_threshold=100 .* at stage 1 .* use stage 3"):
+        Config(stage=1, module_granularity_threshold=100)
 
 
 # ---- defaults, predicates and messages of the translation (mutation testing, fz3/core) ---------

@@ -124,6 +124,11 @@ class Config:
     # backward gathers from those, within the group (a node). 1: off. Stage 3 only; it must
     # divide the shard group ([Note: hpZ], fz3/core/stage.py)
     zero_hpz_partition_size: int = 1
+    # DeepSpeed's stage3_module_granularity_threshold: every module whose params per layer
+    # (its subtree's params over its layers) are at most this is a leaf module, one fetch unit
+    # with no hooks below it ([Note: leaf modules by granularity], fz3/core/granularity.py).
+    # 0: off. Stage 3 only
+    module_granularity_threshold: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -148,6 +153,11 @@ class Config:
             raise ValueError(f"Config.zero_hpz_partition_size={self.zero_hpz_partition_size} keeps a secondary "
                              f"shard of each gathered param, but at stage {self.stage} params stay whole on every "
                              "rank (nothing is gathered): use stage 3, or leave zero_hpz_partition_size at 1")
+        _check_int("module_granularity_threshold", self.module_granularity_threshold, low=0)
+        if self.module_granularity_threshold and self.stage != 3:
+            raise ValueError(f"Config.module_granularity_threshold={self.module_granularity_threshold} makes small "
+                             f"modules leaf modules (fetch units), but at stage {self.stage} params stay whole on "
+                             "every rank (nothing is fetched): use stage 3, or leave module_granularity_threshold at 0")
         for name in ("contiguous_gradients", "reduce_scatter", "overlap_comm", "prescale_gradients",
                      "managed_gradient_accumulation", "consecutive_hysteresis"):
             if not isinstance(getattr(self, name), bool):

@@ -126,8 +126,6 @@ ZERO_LACKING: dict[str, tuple[Callable[[object], bool], str]] = {
     "zero_quantized_gradients": (bool, "fz3 reduces grads unquantized (communication_data_type "
                                  "picks their dtype): set false"),
     "zenflow": (lambda v: v is not None, "fz3 has no ZenFlow: remove it"),
-    "stage3_module_granularity_threshold": (bool, "fz3 forms fetch units from modules only: mark "
-                                            "fine-grained blocks as leaf modules (leaf_module)"),
     "load_from_fp32_weights": (lambda v: not v, "fz3 always loads the fp32 master weights from its "
                                "checkpoints: remove the key"),
     "pipeline_loading_checkpoint": (bool, "fz3 has no pipeline checkpoints: set false"),
@@ -285,6 +283,11 @@ def _zero(zero: object, fields: dict[str, object], ignored: list[str]) -> None:
             if value is None and field == "overlap_comm":  # DeepSpeed: None means True at stage 3
                 value = stage == 3
             fields[field] = _as_int(key, value) if field in INT_FIELDS else value
+        elif canonical == "stage3_module_granularity_threshold":  # read by stage 3's DeepSpeedZeRoOffload only
+            if value is not None and stage == 3:
+                fields["module_granularity_threshold"] = _as_int(key, value)
+            elif value not in (None, 0):
+                ignored.append(f"zero_optimization.{key}")
         elif key == "zero_hpz_partition_size":  # DeepSpeed's stages 0-2 never read it
             if value is not None and stage == 3:
                 fields["zero_hpz_partition_size"] = _as_int(key, value)

@@ -20,7 +20,9 @@
              global grad norm is not finite: the step and the first param whose grad is not
              finite (fp16 with a dynamic loss scale: the INFO below instead; with the verdict
              on the device, at the next boundary); and, rank 0, when
-             save_16bit_model writes nothing (DeepSpeed: INFO)
+             save_16bit_model writes nothing (DeepSpeed: INFO); and, at fz3.initialize, when
+             stage3_module_granularity_threshold makes no module a leaf: the smallest granularity
+             and its module's class, as DeepSpeed says it (fz3/shell/tables.py granular_leaves)
     INFO     rank 0, fp16 with a dynamic loss scale: each overflow (the step skipped, the scale
              halved or the hysteresis spent) and each growth of the scale, in DeepSpeed's words
              (with the scale on the device, at the next boundary)

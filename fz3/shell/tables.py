@@ -15,14 +15,16 @@ so; the config's choice holds for the tables read with that config only (nothing
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
+import torch
 from torch import nn
 
 from fz3.config.config import DEFAULT_LEAF_MODULE_CLASSES, Config
-from fz3.core import stage
+from fz3.core import granularity, stage
 from fz3.core.spec import ModelSpec, build_spec
 from fz3.shell import compiled, registry
 
@@ -89,6 +91,40 @@ def config_leaves(model: nn.Module, config: Config) -> list[nn.Module]:
     return [m for _, m in named if id(m) in found]
 
 
+def granular(model: nn.Module, numel=None) -> tuple[list[granularity.Node], list[nn.Module]]:
+    """The module tree as fz3/core/granularity.py reads it: one node per module object, the root
+    first, each with its class name, whether torch counts it a container (by class name, as
+    DeepSpeed asks), its own and its subtree's param numel, and its children's nodes. `numel`:
+    a param's full numel, where the params no longer show it (sharded)."""
+    numel = numel or torch.Tensor.numel
+    modules, index = [], {}
+    for m in model.modules():  # each object once
+        index[id(m)] = len(modules)
+        modules.append(m)
+    containers = set(torch.nn.modules.container.__all__)
+    tree = [granularity.Node(type(m).__name__, type(m).__name__ in containers,
+                             sum(map(numel, m.parameters(recurse=False))),
+                             sum(map(numel, m.parameters())), next(m.parameters(), None) is not None,
+                             tuple(index[id(c)] for c in m.children()))
+            for m in modules]
+    return tree, modules
+
+
+def granular_leaves(model: nn.Module, threshold: int, numel=None) -> list[nn.Module]:
+    """The modules stage3_module_granularity_threshold makes leaves ([Note: leaf modules by
+    granularity], fz3/core/granularity.py); the log names the smallest granularity when the
+    threshold is below it, as DeepSpeed's does."""
+    if threshold <= 0:
+        return []
+    tree, modules = granular(model, numel)
+    choice = granularity.leaves(tree, threshold)
+    if not choice.leaves:
+        logging.getLogger("fz3").warning("fz3: stage3_module_granularity_threshold=%d makes no module a leaf: the smallest module "
+                    "granularity is %s's, %s. To make the threshold effective, set it >= %s", threshold,
+                    choice.smallest_class, choice.smallest, choice.smallest)
+    return [modules[i] for i in choice.leaves]
+
+
 def _what_it_has(sub: str, named: list[tuple[str, nn.Module]]) -> str:
     if sub == "classes":
         return f"module classes {sorted({type(m).__name__ for _, m in named})}"
@@ -121,6 +157,9 @@ def read_tables(model: nn.Module, *, world_size: int, config: Config, numels: li
     units: list[tuple[str, list[int], bool]] = []
     seen: set[int] = set()
     leaves = {id(m) for m in config_leaves(model, config)}
+    sizes = [p.numel() for p in params] if numels is None else numels
+    by_granularity = {id(m) for m in granular_leaves(model, config.module_granularity_threshold,
+                                                     lambda p: sizes[index[p]])}
 
     compiled_units: list[int] = []
 
@@ -131,7 +170,9 @@ def read_tables(model: nn.Module, *, world_size: int, config: Config, numels: li
         # [Note: compiled regions]: a module compiled in place, or the one a torch.compile
         # wrapper (not the root) holds, is a leaf
         region = module is not model and (wrapped or compiled.compiled_in_place(module))
-        leaf = module is not model and (marked_leaf(module) or id(module) in leaves or region)
+        # (the root only by granularity, as DeepSpeed's walk may choose it: the whole model one unit)
+        leaf = (module is not model and (marked_leaf(module) or id(module) in leaves or region)) \
+            or id(module) in by_granularity
         own = module.parameters() if leaf else module.parameters(recurse=False)
         if region:
             compiled_units.append(len(modules))
@@ -144,7 +185,6 @@ def read_tables(model: nn.Module, *, world_size: int, config: Config, numels: li
                 visit(child, f"{name}.{child_name}" if name else child_name, wraps)
 
     visit(model, "")
-    sizes = [p.numel() for p in params] if numels is None else numels
     threshold, model_threshold = stage.persistence(config)  # every param at stages 0-2
     shard_world = stage.layout_world(config, world_size)  # 1 at stage 0: whole on every rank
     spec = build_spec(list(zip(names, sizes)), units, world_size=shard_world, persistence_threshold=threshold,
