@@ -111,9 +111,11 @@ def _case(name: str):
 
 
 CASES = ([(name, options, steps) for name in ("gpt", "frozen") for options in CONFIGS for steps in (1, 2)]
-         + [(name, CONFIGS[i], 2) for name in ("arange", "routed") for i in (1, 3)])
+         + [(name, CONFIGS[i], 2) for name in ("arange", "routed") for i in (1, 3)]
+         + [("gpt", {"param_persistence_threshold": 0, "module_granularity_threshold": 1569}, 2)])
 """Static models under every config; those that make tensors without a device or read their
-data (the fake-tensor cases, fz3/observe/fake.py) under two."""
+data (the fake-tensor cases, fz3/observe/fake.py) under two; the GPT with the granularity
+threshold that makes it one leaf (its root's granularity is 1,569: fz3/core/granularity.py)."""
 
 
 def _cases(world: int) -> list:
