@@ -19,6 +19,8 @@ trains through fz3, on 2 gloo ranks against the same script under plain Accelera
     accumulation a DeepSpeed config's gradient_accumulation_steps other than the Accelerator's
                  wins, with a WARNING, as Accelerate rules under DeepSpeed (accelerate's
                  accelerator.py `_prepare_deepspeed`: "Using DeepSpeed's value")
+    torchrun     the script launched by torchrun on 2 CPU ranks: the Accelerator joins the group
+                 from the environment, Accelerate sees 2 processes, the losses are plain's
     errors       clip_grad_norm_ at another max_norm than the config's gradient_clipping
     imports      `import fz3` never imports accelerate
 """
@@ -186,3 +188,26 @@ def test_the_deepspeed_configs_accumulation_wins_with_a_warning(caplog):
             Accelerator(cpu=True, deepspeed_plugin={"a": None, "b": None})
     finally:  # Accelerate's state is a process-wide singleton: the tests after this one start afresh
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_under_torchrun_the_accelerator_joins_the_group(runs, tmp_path):
+    import signal
+    from fz3.launch import free_port
+    from tests.support import accelerate_torchrun as script
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FZ3_DEVICE": "cpu"}
+    env.pop("ACCELERATE_USE_DEEPSPEED", None)
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script.__file__,
+                              str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        log = agent.communicate(timeout=240)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(agent.pid, signal.SIGKILL)
+        pytest.fail("torchrun did not finish within 240 s")
+    assert agent.returncode == 0, log[-4000:]
+    for rank in range(2):
+        got = json.load(open(tmp_path / f"rank{rank}.json"))
+        want = runs["plain"][rank]
+        assert got["num_processes"] == 2 and got["gathered"] == [0.0, 1.0]
+        assert got["losses"] == want["losses"] and got["norms"] == want["norms"], (got, want)
