@@ -6,6 +6,7 @@ model one unit included, bit for bit as without them ([Note: leaf modules by gra
 fz3/core/granularity.py; the rule's properties: property_tests/test_granularity.py)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -52,10 +53,11 @@ def test_a_threshold_below_every_granularity_is_said(caplog):
     assert "smallest module granularity is Pair's, 12" in caplog.text and "set it >= 12" in caplog.text
 
 
-def _train(rank: int, world: int, config: fz3.Config) -> dict:
+def _train(rank: int, world: int, config: fz3.Config, init: bool = False) -> dict:
     from gpt import GPT, GPTConfig, loss_fn, markov_batch
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab=256, d_model=16, n_head=2, n_layer=3, seq=8))
+    with fz3.Init() if init else contextlib.nullcontext():  # built sharded: the params show full shapes
+        model = GPT(GPTConfig(vocab=256, d_model=16, n_head=2, n_layer=3, seq=8))
     engine = fz3.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
     losses = []
     for step in range(3):
@@ -68,14 +70,18 @@ def _train(rank: int, world: int, config: fz3.Config) -> dict:
             "units": len(engine.spec.modules)}
 
 
-@pytest.mark.parametrize("threshold,units", [(0, 27), (468, 9), (699, 1)], ids=["off", "blocks", "whole"])
-def test_leaves_by_granularity_train_as_without(threshold, units):
+@pytest.mark.parametrize("threshold,units,init", [(0, 27, False), (468, 9, False), (699, 1, False), (468, 9, True)],
+                         ids=["off", "blocks", "whole", "blocks, built under fz3.Init"])
+def test_leaves_by_granularity_train_as_without(threshold, units, init):
     """This GPT's blocks have granularity 468 and the root 699 (off: 27 fetch units, one per
     module; from 468 each block is one; from 699 the whole model is one, gathered at the root's
     call, as DeepSpeed's walk chooses the root first)."""
     base = fz3.Config(param_persistence_threshold=0, gradient_clipping=1.0)
     plain = launch.run_threads(_train, 2, args=(base,))
-    got = launch.run_threads(_train, 2, args=(base.replace(module_granularity_threshold=threshold),))
+    config = base.replace(module_granularity_threshold=threshold)
+    # fz3.Init needs a process group: gloo processes, which train as thread ranks do, bit for bit
+    got = launch.run(_train, world_size=2, args=(config, True), timeout=120) if init else \
+        launch.run_threads(_train, 2, args=(config,))
     for a, b in zip(plain, got):
         assert_same_run(a, b)
     assert got[0]["units"] == units
