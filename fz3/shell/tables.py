@@ -10,8 +10,11 @@ Leaf modules are marked with `set_leaf_modules(model_or_submodule, [Class, ...])
 `initialize` (the module objects themselves are marked), as DeepSpeed's `set_z3_leaf_modules`,
 or named by the config (`Config.leaf_module_*`, DeepSpeed's zero_optimization.leaf_module):
 a mixture-of-experts block whose experts are chosen by the data is one fetch unit and one
-reduction trigger, so every rank runs the same collectives. A module is a leaf if either says
-so; the config's choice holds for the tables read with that config only (nothing is marked).
+reduction trigger, so every rank runs the same collectives. The config's granularity threshold
+(DeepSpeed's stage3_module_granularity_threshold) chooses leaves too, the root among them
+([Note: leaf modules by granularity], fz3/core/granularity.py). A module is a leaf if any of
+these says so; the config's choices hold for the tables read with that config only (nothing is
+marked).
 """
 from __future__ import annotations
 
@@ -119,9 +122,10 @@ def granular_leaves(model: nn.Module, threshold: int, numel=None) -> list[nn.Mod
     tree, modules = granular(model, numel)
     choice = granularity.leaves(tree, threshold)
     if not choice.leaves:
-        logging.getLogger("fz3").warning("fz3: stage3_module_granularity_threshold=%d makes no module a leaf: the smallest module "
-                    "granularity is %s's, %s. To make the threshold effective, set it >= %s", threshold,
-                    choice.smallest_class, choice.smallest, choice.smallest)
+        logging.getLogger("fz3").warning(
+            "fz3: stage3_module_granularity_threshold=%d makes no module a leaf: the smallest module granularity "
+            "is %s's, %s. To make the threshold effective, set it >= %s", threshold, choice.smallest_class,
+            choice.smallest, choice.smallest)
     return [modules[i] for i in choice.leaves]
 
 
