@@ -3,7 +3,7 @@ modules it makes leaves, against real DeepSpeed 0.19.8's choices on three models
 around every granularity they have (tests/data/deepspeed_granularity_0.19.8.json, written by
 bench/deepspeed_records/deepspeed_granularity.py), and training with those leaves, the whole
 model one unit included, bit for bit as without them ([Note: leaf modules by granularity],
-fz3/core/granularity.py; the rule's properties: property_tests/test_granularity.py)."""
+fz3/core/granularity.py; the rule's properties: property_tests/test_granularity_properties.py)."""
 from __future__ import annotations
 
 import contextlib
