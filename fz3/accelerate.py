@@ -115,12 +115,13 @@ class Accelerator(accelerate.Accelerator):
         finally:
             os.environ.update(env)
         self.fz3_config = None if fz3_config is None else _config(fz3_config, self.gradient_accumulation_steps)
-        if self.fz3_config is not None and self.fz3_config.gradient_accumulation_steps != self.gradient_accumulation_steps:
+        gas = None if self.fz3_config is None else self.fz3_config.gradient_accumulation_steps
+        if gas is not None and gas != self.gradient_accumulation_steps:
             logging.getLogger("fz3").warning(
                 "fz3.accelerate: gradient accumulation steps mismatch: the Accelerator has %d, the DeepSpeed config "
                 "has %d. Using the DeepSpeed config's value (as Accelerate does under DeepSpeed)",
-                self.gradient_accumulation_steps, self.fz3_config.gradient_accumulation_steps)
-            self.gradient_accumulation_steps = self.fz3_config.gradient_accumulation_steps
+                self.gradient_accumulation_steps, gas)
+            self.gradient_accumulation_steps = gas
         self.fz3_engines: list = []  # every engine prepare built, the trained one first
         asked = str(self.mixed_precision)
         if self.fz3_config is not None and asked in ("bf16", "fp16") and self.fz3_config.compute_dtype != asked \

@@ -2,7 +2,8 @@
 on the models of tests/support/granularity_models.py, at thresholds around every granularity
 they have; written for tests/test_granularity.py to hold fz3 to:
 
-    bench/.env/bin/python bench/deepspeed_records/deepspeed_granularity.py --out tests/data/deepspeed_granularity_0.19.8.json
+    bench/.env/bin/python bench/deepspeed_records/deepspeed_granularity.py \
+        --out tests/data/deepspeed_granularity_0.19.8.json
 
 DeepSpeed decides this in DeepSpeedZeRoOffload.__init__ (runtime/zero/parameter_offload.py):
 `_set_z3_leaf_modules_by_threshold` walks the module tree with `_get_granularity_recursively`
@@ -41,7 +42,8 @@ def choose(model, threshold: int) -> dict:
             del m._z3_leaf
     me = types.SimpleNamespace(min_granularity_value=sys.maxsize, min_granularity_layer=None, granularity_info=set(),
                                z3_leaf_layers=[])
-    for name in ("_get_granularity_recursively", "_set_leaf_by_threshold_preorder", "_set_z3_leaf_modules_by_threshold"):
+    for name in ("_get_granularity_recursively", "_set_leaf_by_threshold_preorder",
+                 "_set_z3_leaf_modules_by_threshold"):
         setattr(me, name, types.MethodType(getattr(DeepSpeedZeRoOffload, name), me))
     me._set_z3_leaf_modules_by_threshold(model, threshold)
     first = {id(m): n for n, m in model.named_modules()}

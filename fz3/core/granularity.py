@@ -29,8 +29,8 @@ DeepSpeed walks `children()`; a leaf is a leaf wherever it is met.
 The tree is the shell's description of the nn.Module tree (fz3/shell/tables.py `granular`):
 nodes by index, the root 0, each with its class name, whether torch counts it a container,
 its own params' numel and its children. It is numbers only, so the property tests draw trees
-(property_tests/test_granularity_properties.py) and the record of DeepSpeed's own choices on real models
-(tests/data/deepspeed_granularity_0.19.8.json) holds it to DeepSpeed's.
+(property_tests/test_granularity_properties.py) and the record of DeepSpeed's own choices on
+real models (tests/data/deepspeed_granularity_0.19.8.json) holds it to DeepSpeed's.
 """
 from __future__ import annotations
 
