@@ -2,6 +2,7 @@
 it ran) timed through the engine's door, per step, on one rank beside the plain model.
 
     python bench/diagnostics/event_costs.py [--model deep] [--steps 40] [--config '{"param_persistence_threshold": 0}']
+                                            [--md bench/RESULTS.md]   ('' prints only)
 
 One process (world 1, gloo, one intra-op thread) builds the plain model and fz3 from one seed
 (bench/systems/common.py's models, torch AdamW) and steps them in turn on the same batches; after
@@ -13,14 +14,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import json
 import os
+import platform
 import statistics
+import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+BENCH = os.path.dirname(HERE)
+sys.path.insert(0, BENCH)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="deep")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--config", default='{"param_persistence_threshold": 0}', help="fz3 Config fields, as JSON")
+    ap.add_argument("--md", default=os.path.join(BENCH, "RESULTS.md"), help="RESULTS.md to write ('' prints only)")
     args = ap.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
@@ -36,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     import fz3
-    from systems.common import batches, loss_fn, make_model, make_optimizer
+    from bench_env import write_section
+    from systems.common import batches, fz3_step, make_model, make_optimizer, peak_rss_bytes, plain_step
 
     torch.manual_seed(0)
     plain = make_model(args.model)
@@ -45,19 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(args.model)
     engine = fz3.initialize(model, make_optimizer(model.parameters()), fz3.Config(**json.loads(args.config)))
     data = batches(args.model, 0, 1, 10 + args.steps)
-
-    def plain_step(x, y):
-        plain_opt.zero_grad()
-        loss_fn(plain(x), y).backward()
-        plain_opt.step()
-
-    def fz3_step(x, y):
-        engine.backward(loss_fn(engine(x), y))
-        engine.step()
-
     for x, y in data[:10]:
-        plain_step(x, y)
-        fz3_step(x, y)
+        plain_step(plain, plain_opt, x, y)
+        fz3_step(engine, x, y)
     costs, ran = collections.defaultdict(list), []
     door, run = engine.apply, engine._run
 
@@ -75,24 +72,34 @@ def main(argv: list[str] | None = None) -> int:
 
     engine._run, engine.apply = timed_run, timed_apply
     plain_ms, fz3_ms = [], []
+    t0 = time.time()
     for x, y in data[10:]:
         t = time.perf_counter()
-        plain_step(x, y)
+        plain_step(plain, plain_opt, x, y)
         plain_ms.append((time.perf_counter() - t) * 1e3)
         t = time.perf_counter()
-        fz3_step(x, y)
+        fz3_step(engine, x, y)
         fz3_ms.append((time.perf_counter() - t) * 1e3)
     n = args.steps
-    print(f"{args.model}, world 1, config {args.config}: step median {statistics.median(fz3_ms):.2f} ms, "
-          f"the plain model {statistics.median(plain_ms):.2f} ms (timers on)\n")
-    print("| event | effects it ran | per step | ms a step | median us |\n|---|---|---:|---:|---:|")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=BENCH).stdout.strip()
+    lines = [f"Command: `python bench/diagnostics/event_costs.py --model {args.model} --steps {n} --config "
+             f"'{args.config}'` ({datetime.date.today()}, fz3 at {commit}, {platform.processor() or 'x86_64'}, "
+             f"torch {torch.__version__}, {time.time() - t0:.0f} s). One rank, one intra-op thread, the plain "
+             f"model and fz3 stepped in turn, {n} steps after 10 warm-up: fz3's step median "
+             f"{statistics.median(fz3_ms):.2f} ms (timers on), the plain model's {statistics.median(plain_ms):.2f} "
+             f"ms; peak RSS of the process (both models) {peak_rss_bytes() / 2**20:.0f} MiB. Each core event "
+             "timed through the engine's door with the effects it ran:", "",
+             "| event | effects it ran | per step | ms a step | median us |", "|---|---|---:|---:|---:|"]
     total = 0.0
     for (event, kinds), ts in sorted(costs.items(), key=lambda kv: -sum(kv[1])):
         total += sum(ts) / n
-        print(f"| {event} | {kinds or '-'} | {len(ts) / n:g} | {sum(ts) / n * 1e3:.2f} | "
-              f"{statistics.median(ts) * 1e6:.1f} |")
+        lines.append(f"| {event} | {kinds or '-'} | {len(ts) / n:g} | {sum(ts) / n * 1e3:.2f} | "
+                     f"{statistics.median(ts) * 1e6:.1f} |")
     rest = statistics.median(fz3_ms) - statistics.median(plain_ms) - total * 1e3
-    print(f"| all events | | | {total * 1e3:.2f} | |\n| unaccounted (outside the door) | | | {rest:.2f} | |")
+    lines += [f"| all events | | | {total * 1e3:.2f} | |", f"| unaccounted (outside the door) | | | {rest:.2f} | |"]
+    write_section(args.md, "event_costs", f"fz3's share of a steady step by core event, {args.model} GPT (issue #48)",
+                  "\n".join(lines) + "\n")
     dist.destroy_process_group()
     return 0
 
