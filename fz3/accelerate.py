@@ -99,7 +99,7 @@ class Accelerator(accelerate.Accelerator):
                              f"({', '.join(map(repr, plugin))}); fz3 takes one config for every model an "
                              "Accelerator prepares: give one DeepSpeedPlugin, or fz3_config=")
         if fz3_config is None and plugin is not None:  # Accelerate's DeepSpeedPlugin: its config is fz3's
-            fz3_config = plugin.hf_ds_config.config if hasattr(plugin, "hf_ds_config") else plugin.deepspeed_config
+            fz3_config = plugin.deepspeed_config  # (its hf_ds_config's dict, or the one its fields make)
             kwargs["deepspeed_plugin"] = None
         if fz3_config is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
             stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3"))  # the config file's zero_stage

@@ -14,7 +14,7 @@ thresholds around their granularities.
                    something is when a module with params is within it (one whose params are all
                    empty has granularity 0 and is never chosen)
 Teeth (planted bugs, each caught): containers allowed as leaves; children chosen before their
-parent (post-order); a layer count without the module itself.
+parent (post-order); every granularity one too large (a module at the threshold left out).
 """
 from __future__ import annotations
 
@@ -170,17 +170,17 @@ def _post_order(tree, threshold):
     return real._replace(leaves=tuple(sorted(real.leaves, reverse=True)))
 
 
-def _no_self_layer(tree):
+def _off_by_one(tree):
     g, order = _real_granularities(tree)
-    return [v if v == granularity.NONE else v + 1 for v in g], order  # params // (layers - 1), about
+    return [v if v == granularity.NONE else v + 1 for v in g], order
 
 
 _real_leaves, _real_granularities = granularity.leaves, granularity.granularities
 
 
 @pytest.mark.parametrize("where,fn", [("leaves", _containers_allowed), ("leaves", _post_order),
-                                      ("granularities", _no_self_layer)],
-                         ids=["containers allowed", "children first", "the module's own layer uncounted"])
+                                      ("granularities", _off_by_one)],
+                         ids=["containers allowed", "children first", "each granularity one too large"])
 def test_a_planted_bug_is_caught(monkeypatch, where, fn):
     monkeypatch.setattr(granularity, where, fn)
     with pytest.raises(AssertionError):

@@ -97,14 +97,13 @@ def leaves(tree: Sequence[Node], threshold: int) -> Choice:
             smallest, smallest_class = g[i], tree[i].cls
     if smallest > threshold:
         return Choice((), smallest, smallest_class)
-    chosen: list[int] = []
+    chosen: dict[int, None] = {}  # in the order first chosen; a shared module once
 
     def walk(i: int) -> None:
         if tree[i].subtree == 0:
             return
         if g[i] <= threshold:
-            if i not in chosen:
-                chosen.append(i)
+            chosen[i] = None
             return
         for c in tree[i].children:
             walk(c)
