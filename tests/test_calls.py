@@ -108,10 +108,31 @@ def test_enter_wraps_inputs_or_waits_and_leave_wraps_outputs():
     st, eff = calls.leave(st, Leave(module=2, grad_outputs=True), config=CFG)
     assert WrapOutputs(2) not in eff
     st, eff = calls.enter(st, Enter(module=4, grad=True, grad_inputs=True), config=CFG)
-    assert WrapInputs(4) in eff
+    # lin's own params are all trainable: released by its grads, no node ([Note: released by its grads])
+    assert WrapInputs(4) not in eff and [w.module for w in st.calls.waiting] == [1, 4]
     st, eff = calls.leave(st, Leave(module=4, grad_outputs=True), config=CFG)
     st, eff = calls.leave(st, Leave(module=0, grad_outputs=True), config=CFG)
     assert EndPass() in eff and not st.calls.stack
+
+
+def test_a_call_with_grad_inputs_is_released_by_its_grads_unless_a_param_is_frozen():
+    """[Note: released by its grads] lin (v) with grad inputs waits for v's grad and is
+    released at it, with no PostBackward node; with v frozen it gets the node, and is released
+    at its post-backward."""
+    st = forward_through_lin(lifecycle(*MODEL))
+    assert st.calls.tables.by_grads == (False, True, False, False, True)
+    assert [w.module for w in st.calls.waiting] == [4]
+    st, _ = calls.pre_backward(st, PreBackwardRan(module=0), config=CFG)
+    st, _ = calls.pre_backward(st, PreBackwardRan(module=4), config=CFG)
+    assert st.params.status(3) == Status.AVAILABLE
+    st, eff = calls.grad_ready(st, GradReady(param=3, dtype="float32"), config=CFG)
+    assert any(isinstance(e, Free) and 3 in e.params for e in eff) and not st.calls.waiting
+
+    st = lifecycle(*MODEL, trainable=[True, True, True, False])
+    assert not st.calls.tables.by_grads[4]
+    st, _ = calls.enter(st, Enter(module=0, grad=True, grad_inputs=True), config=CFG)
+    st, eff = calls.enter(st, Enter(module=4, grad=True, grad_inputs=True), config=CFG)
+    assert WrapInputs(4) in eff and not st.calls.waiting
 
 
 def test_a_waiting_call_that_saved_none_of_its_params_is_over_at_its_forward():
@@ -345,8 +366,10 @@ def test_a_grad_for_a_tied_param_reaches_each_module_waiting_on_it():
 def test_a_waiting_call_ends_at_its_modules_other_call_post_backward_when_that_comes_last():
     """emb called once with grad inputs, once without: w's grad alone does not end the waiting
     call (the other call's backward still reads w); that call's post_backward does, releasing
-    both (w freed once both are closed)."""
-    st = lifecycle(*MODEL)
+    both (w freed once both are closed). emb also holds g, frozen, so its call with grad inputs
+    gets a PostBackward node ([Note: released by its grads])."""
+    params, modules = MODEL
+    st = lifecycle(params, [modules[0], ("emb", [0, 1], False)] + modules[2:], trainable=[True, False, True, True])
     st, _ = calls.enter(st, Enter(module=0, grad=True, grad_inputs=True), config=CFG)
     st, _ = calls.enter(st, Enter(module=1, grad=True, grad_inputs=True), config=CFG)
     st, _ = calls.leave(st, Leave(module=1, grad_outputs=True), config=CFG)
@@ -359,6 +382,25 @@ def test_a_waiting_call_ends_at_its_modules_other_call_post_backward_when_that_c
     assert not any(isinstance(e, Free) for e in eff)
     assert st.calls.waiting == (calls.Waiting(1, 1, frozenset()),)
     st, eff = calls.post_backward(st, PostBackwardRan(module=1), config=CFG)
+    assert Free((0,)) in eff and st.calls.waiting == ()
+    assert st.params.modules[1].grads_remaining == 0 and st.params.modules[1].active == 0
+
+
+def test_both_calls_of_a_module_released_by_its_grads_end_at_its_last_grad():
+    """emb (w, trainable) called once with grad inputs, once without: both calls wait for w's
+    grad, which torch accumulates once both backwards are done, and both end at it."""
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, Enter(module=0, grad=True, grad_inputs=True), config=CFG)
+    st, eff = calls.enter(st, Enter(module=1, grad=True, grad_inputs=True), config=CFG)
+    assert WrapInputs(1) not in eff
+    st, _ = calls.leave(st, Leave(module=1, grad_outputs=True), config=CFG)
+    st, _ = calls.enter(st, Enter(module=1, grad=True, grad_inputs=False, saved=0), config=CFG)
+    st, _ = calls.leave(st, Leave(module=1, grad_outputs=True, saved=Log([0])), config=CFG)
+    st, _ = calls.leave(st, Leave(module=0, grad_outputs=True), config=CFG)
+    assert st.calls.waiting == (calls.Waiting(1, 2, frozenset({0})),)
+    for m in (0, 1, 1):
+        st, _ = calls.pre_backward(st, PreBackwardRan(module=m), config=CFG)
+    st, eff = calls.grad_ready(st, GradReady(param=0, dtype="float32"), config=CFG)
     assert Free((0,)) in eff and st.calls.waiting == ()
     assert st.params.modules[1].grads_remaining == 0 and st.params.modules[1].active == 0
 
@@ -621,8 +663,9 @@ def test_a_stale_unhold_inside_a_call_gathers_the_persistent_params_again():
 
 def test_enter_fetches_for_forward_and_counts_one_grad_input_for_a_wrapped_or_waiting_call():
     """The fetch is a forward one; a call whose inputs are wrapped, or that waits on its grads,
-    counts one grad input (GRADS_REMAINING), a call under no_grad none."""
-    st = lifecycle(*MODEL)
+    counts one grad input (GRADS_REMAINING), a call under no_grad none. (lin's v frozen: its
+    call is wrapped, [Note: released by its grads].)"""
+    st = lifecycle(*MODEL, trainable=[True, True, True, False])
     st, _ = calls.enter(st, Enter(module=0, grad=True, grad_inputs=True), config=CFG)  # gathers g: handle 0
     st, eff = calls.enter(st, Enter(module=4, grad=True, grad_inputs=True), config=CFG)
     assert eff[0] == WrapInputs(4) and AllGather(1, (3,), False, True) in eff

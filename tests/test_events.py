@@ -34,6 +34,7 @@ def _run_and_replay(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 6), Block(), Block(), nn.Linear(6, 10))
     model[3].weight = model[0].weight  # tied: a param read by two modules
+    model[1].a.bias.requires_grad_(False)  # a frozen param: its module's calls get PostBackward nodes
     engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                             fz3.Config(param_persistence_threshold=0, gradient_accumulation_steps=2,
                                        prefetch_bucket_size=100))

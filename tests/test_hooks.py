@@ -82,3 +82,48 @@ def test_a_wrapped_output_takes_in_place_ops():
         return engine.get_global_grad_norm(), torch.cat([p.grad.flatten() for p in ref.parameters()]).norm().item()
     ours, plain = launch.run_threads(fn, world_size=1)[0]
     assert abs(ours - plain) <= 1e-6 * plain
+
+
+def test_one_output_gets_a_pre_hook_that_runs_before_its_node():
+    """[Note: a pre-hook for one output] the output comes back as it is; the hook runs once,
+    when the grads reach the node, before the node computes (w's grad not in yet)."""
+    from fz3.shell.hooks import before_backward
+    w = torch.ones(3, requires_grad=True)
+    y = w * 2
+    seen = []
+    out = before_backward(y, lambda: seen.append(w.grad))
+    assert out is y
+    y.sum().backward()
+    assert seen == [None] and torch.equal(w.grad, torch.full((3,), 2.0))
+
+
+def test_a_view_output_is_hooked_on_its_base_node_and_survives_an_inplace_op():
+    """A Linear's output on a 3-d input is a view; an in-place op on it (the caller's
+    `h *= 2`) replaces the view's node, and the base's node, hooked, still runs first."""
+    from fz3.shell.hooks import before_backward
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 3, 4)
+    y = lin(x)
+    assert y._is_view()
+    seen = []
+    out = before_backward(y, lambda: seen.append(lin.weight.grad))
+    assert out is y
+    y *= 2
+    y.sum().backward()
+    assert seen == [None] and lin.weight.grad is not None
+
+
+def test_outputs_of_two_nodes_or_a_leaf_pass_through_one_prebackward_node():
+    from fz3.shell.hooks import before_backward
+    w = torch.ones(3, requires_grad=True)
+    a, b = w * 2, w + 1
+    calls = []
+    out = before_backward((a, b), lambda: calls.append(1))
+    assert out[0] is not a and type(out[0].grad_fn).__name__ == "PreBackwardBackward"
+    (out[0].sum() + out[1].sum()).backward()
+    assert calls == [1]
+    out = before_backward(w, lambda: None)  # a leaf: no node of its own
+    assert out is not w and type(out.grad_fn).__name__ == "PreBackwardBackward"
+    with torch.no_grad():
+        y = w * 2
+        assert before_backward(y, lambda: None) is y  # no grad: nothing to hook

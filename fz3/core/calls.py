@@ -79,6 +79,8 @@ class CallTables(NamedTuple):
     leaf_own_of: tuple[tuple[ParamId, ...], ...]  # by module: its leaf_own params (() unless a leaf)
     at_end: tuple[ParamId, ...]  # trainable, of one inert module alone, in id order: no hook,
     # reported at the end of backward ([Note: persistent grads at the end of backward])
+    by_grads: tuple[bool, ...]  # by module: every call waits for its own params' grads, its
+    # inputs get no PostBackward node ([Note: released by its grads])
 
 
 class Frame(NamedTuple):
@@ -141,8 +143,10 @@ def call_tables(spec: ModelSpec, trainable: Sequence[bool], *, hook_all: bool = 
                    for ms in spec.modules)
     leaf_own = tuple(sorted(p for ms in own_of for p in ms))
     quiet = inert if not saves_matter(spec) else (False,) * len(inert)
+    by_grads = tuple(bool(ms.params) and bool(grad_params[m]) and all(hooked[p] for p in ms.params)
+                     for m, ms in enumerate(spec.modules))
     return CallTables(inert, quiet, grad_params, {p: tuple(ms) for p, ms in waiters.items()}, tuple(trainable),
-                      hooked, leaf_own, own_of, at_end)
+                      hooked, leaf_own, own_of, at_end, by_grads)
 
 
 def saves_matter(spec: ModelSpec) -> bool:
@@ -183,7 +187,7 @@ def enter(st: Lifecycle, ev: Enter, *, config: Config) -> tuple[Lifecycle, tuple
         params, eff = hold.gather_persistent(params)
         effects += eff
     t = calls.tables
-    wrap = grad and grad_inputs and not t.inert[m]
+    wrap = grad and grad_inputs and not t.inert[m] and not t.by_grads[m]  # [Note: released by its grads]
     waits = grad and not wrap and bool(t.grad_params[m])
     if wrap:
         effects.append(WrapInputs(m))
@@ -532,6 +536,22 @@ def _reduce_leaf(calls: CallState, grads: GradState, m: ModuleId, config: Config
 # called once on a grad-requiring input, once not): so the waiting calls end only when every
 # other call of the module has ended its backward (its grads remaining are the waiting calls'),
 # at the last grad or at that other call's post_backward, whichever comes later.
+#
+# [Note: released by its grads] The same holds for a call whose inputs need grad, where every
+# own param of its module is trainable and hooked (`CallTables.by_grads`): its backward's last
+# read of a param comes before that param's grad is accumulated. An op that reads a trainable
+# param for backward has an edge to it (the grad of its input and the grad of the param come
+# from one node: Linear's addmm, LayerNorm's native_layer_norm), so autograd runs it before the
+# param's AccumulateGrad, whose hook reports the grad. So such a call waits for its own grads
+# as a call without grad inputs does, and its inputs get no PostBackward node: one autograd
+# Function and one event less per call (98 a step on the deep narrow benchmark GPT with every
+# param sharded, issue #48), and the params go back as soon as their grads are in, where the
+# node ran after the input grads too. A param read for backward through a detached alias (no
+# edge) would be read after the release: the saved-tensor watch (fz3/shell/saved.py) raises,
+# naming it, rather than read freed memory. A module with a frozen or unhooked own param (a
+# leaf's, or one reported at the end of backward) keeps the node: no grad tells when its
+# backward is done. A param that gets no grad in a backward leaves its call waiting to the end
+# of backward, as DeepSpeed releases a call without a post-backward.
 #
 # [Note: backward reads no param] Such a call whose forward saved none of its params for backward
 # (the saved-tensor hooks logged none: F.embedding saves the ids and the weight's row count)

@@ -7,7 +7,8 @@
 One process per rank (pid = rank), three lanes each:
 
     compute        each module's forward (its pre-forward hook to its forward hook) and backward
-                   (the core's PreBackwardRan to its PostBackwardRan), named by module
+                   (the core's PreBackwardRan to the event that ends it: its PostBackwardRan,
+                   or the GradReady that releases it), named by module
     communication  each all-gather from issue to the end of its wait; each reduce from issue to
                    completion (the interpreter's deferred completion, or the effect itself)
     core           each core event (fz3/core/events.py: Enter, Leave, PreBackwardRan, GradReady,
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from fz3.core import replay
 from fz3.core.effects import AllGather, ReduceBucket, Refresh, Wait
-from fz3.core.events import PostBackwardRan, PreBackwardRan, Read
+from fz3.core.events import GradReady, PostBackwardRan, PreBackwardRan, Read
 
 COMPUTE, COMM, CORE = 1, 2, 3
 LANES = {COMPUTE: "compute", COMM: "communication", CORE: "core"}
@@ -101,8 +102,8 @@ class Recorder:
 
     def _update(self, inner):
         """The core's door, timed: each event's transition on the core lane (by its type), the
-        live bytes after it, and a module's backward from its PreBackwardRan to its
-        PostBackwardRan on the compute lane."""
+        live bytes after it, and a module's backward from its PreBackwardRan to the event
+        that ends it on the compute lane."""
         names = self.engine.tables.module_names
 
         def timed(state, event, *, config):
@@ -113,9 +114,13 @@ class Recorder:
             end = time.perf_counter_ns()
             if effects or type(event) is not Read:  # a param read that borrows nothing: no span
                 self.span(CORE, type(event).__name__, start, end)
-            if type(event) is PostBackwardRan and self.backward_start.get(event.module):
-                self.span(COMPUTE, f"{names[event.module] or '<root>'} backward",
-                          self.backward_start[event.module].pop(), end)
+            # a call's backward ends where the core ends it: at its PostBackwardRan, or at the
+            # grad that releases it ([Note: released by its grads], fz3/core/calls.py)
+            if type(event) is PostBackwardRan or type(event) is GradReady:
+                was, now = replay.view(state).params, replay.view(new).params
+                for m, starts in self.backward_start.items():
+                    for _ in range(min(len(starts), was.grads_remaining(m) - now.grads_remaining(m))):
+                        self.span(COMPUTE, f"{names[m] or '<root>'} backward", starts.pop(), end)
             self.live(end, replay.view(new).params.live_numel)
             return new, effects
         return timed

@@ -4,7 +4,7 @@
                        (or Raised); a param read off another module -> Read (hooks.py: the
                        autograd nodes; fz3/core/events.py: the events)
     engine.backward(loss) / loss.backward()
-                       PreBackward -> PreBackwardRan, PostBackward -> PostBackwardRan, grad
+                       PreBackward (or its pre-hook) -> PreBackwardRan, PostBackward -> PostBackwardRan, grad
                        hooks -> GradReady, end of backward (queue_callback) -> BackwardEnded
     engine.step()      at the accumulation boundary: the global grad norm, then Stepped:
                        StepOptimizer (clip, optimizer.step() on the fp32 master shards, shards
@@ -81,7 +81,7 @@ from fz3.shell import checks, generation, log, optimizer_names, pytree, state_di
 from fz3.shell.buffers import BufferSync
 from fz3.shell.compiled import compile_stats, outside_graph, refuse_compiled_engine
 from fz3.shell.log import StepLog
-from fz3.shell.hooks import ParamDict, PostBackward, PreBackward, flatten, needs_grad, wrap_tensors
+from fz3.shell.hooks import ParamDict, PostBackward, before_backward, flatten, needs_grad, wrap_tensors
 from fz3.shell.memory import memory_stats
 from fz3.shell.saved import SavedParams
 from fz3.shell.flat_step import FlatSteps, group_runs
@@ -485,7 +485,7 @@ class Engine(DeepSpeedSurface):
             case WrapInputs(m):
                 return wrap_tensors(tree, PostBackward, lambda: self._post_backward(m), flat)[0]
             case WrapOutputs(m):
-                return wrap_tensors(tree, PreBackward, lambda: self._pre_backward(m), flat)[0]
+                return before_backward(tree, lambda: self._pre_backward(m), flat)
             case GradDue(params):
                 self.store.grad_due.update(params)
             case ClearGradDue():

@@ -1,9 +1,10 @@
 """The hooks that turn module calls and autograd into core events.
 
     pre-forward   (every registered module)  wrap grad inputs in PostBackward, fetch
-    post-forward                             externals in outputs, wrap outputs in PreBackward,
-                                             release
+    post-forward                             externals in outputs, a pre-hook on the node of
+                                             the outputs (or wrap them in PreBackward), release
     PreBackward.backward   grads reached a forward call's outputs  -> pre_backward (fetch)
+      (or that pre-hook)
     PostBackward.backward  grads of a forward call's inputs done    -> post_backward (release)
     ParamDict.__getitem__  a module reads a param it does not own (nn.MultiheadAttention reads
                            out_proj.weight without calling out_proj) -> register_external
@@ -84,6 +85,41 @@ def flatten(tree: Any) -> tuple[list, Any]:
 def needs_grad(leaves: list) -> bool:
     """Some tensor among a pytree's leaves requires grad (whether or not grad mode is on)."""
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+
+
+def before_backward(tree: Any, on_backward: Callable[[], None], flat: tuple[list, Any] | None = None) -> Any:
+    """WrapOutputs: `on_backward` runs once autograd has the grads of the call's outputs, before
+    it computes anything of the call. [Note: a pre-hook for one output] Where every
+    grad-requiring output comes from one autograd node, that is a pre-hook on the node, and the
+    outputs are returned as they are; else the outputs pass through one PreBackward node. Same moment: autograd runs a node's pre-hooks once all its grads are in,
+    which is when the PreBackward node before it would run. Cheaper: a pre-hook costs ~8 us
+    a call forward and backward where the Function costs ~28 (bench/diagnostics/apply_cost.py),
+    and most calls return one tensor (98 a step on the deep narrow benchmark GPT, issue #48).
+    For a view (a Linear's output on a 3-d input is one) the node is its base's: an in-place
+    op on the view replaces the view's own node, which then never runs, but autograd still
+    runs the base's node after the op's; the view's node between them computes nothing of
+    the call. `flat`: `flatten(tree)`, if made (its leaves are consumed). -> the outputs."""
+    leaves, treedef = flat if flat is not None else flatten(tree)
+    node = _one_node(leaves)
+    if node is not None:
+        node.register_prehook(lambda grads: on_backward())
+        return tree
+    return wrap_leaves(tree, leaves, treedef, PreBackward, on_backward)[0]
+
+
+def _one_node(leaves: list):
+    """The autograd node every grad-requiring tensor among `leaves` comes from (a view's: its
+    base's), if there is one, grad is on and no functorch transform is active; else None."""
+    if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+        return None
+    node = None
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            fn = x._base.grad_fn if x._is_view() else x.grad_fn
+            if fn is None or (node is not None and fn is not node):
+                return None
+            node = fn
+    return node
 
 
 def wrap_tensors(tree: Any, fn: type[torch.autograd.Function], on_backward: Callable[[], None],

@@ -45,6 +45,15 @@ in the nodes that compute their grads, so once those are accumulated its backwar
 params it borrowed reads those, which stay gathered (externals). The simulation orders a call's
 computes that way, so its I5 check holds the core to that claim and no stronger one.
 
+[Note: no read after the last grad] Torch runs a param's AccumulateGrad (and its hook) once every
+node with an edge to it has run, and a node that reads a trainable param for backward has that
+edge: the grad of its input and the grad of the param come from one node (addmm,
+native_layer_norm). So the compute for a call's input grads never reads a trainable param whose
+grad this backward has already accumulated whole (such a param was not read by it, or was read
+before), and the simulation does not check those: a call released at its own grads with grad
+inputs ([Note: released by its grads], fz3/core/calls.py) is held to exactly that. A read
+through a detached alias, which has no edge, is the engine's saved-tensor watch's to catch.
+
 The driver (fz3/testing/calls_machine.py) runs each event on the core and checks it:
 `driver.fire(event) -> effects` (an event record of fz3/core/events.py), `driver.state` (the
 Lifecycle now) and
@@ -315,7 +324,7 @@ class AutogradSim:
         for child in reversed(node.children):
             self._backward(child)
         if hit and node.call.grad_inputs:
-            self.compute_backward(node)
+            self.compute_backward(node, inputs=True)
         if hit and node.inputs_node:
             self.event(PostBackwardRan(module=m, with_grad=frozenset(self.holding)))
 
@@ -323,12 +332,15 @@ class AutogradSim:
         self.events += 1
         self.fire(event)
 
-    def compute_backward(self, node: Node) -> None:
-        """I5 in backward: a call that saved params reads them (and all it used) again."""
+    def compute_backward(self, node: Node, inputs: bool = False) -> None:
+        """I5 in backward: a call that saved params reads them (and all it used) again. The
+        compute for its input grads (`inputs`) reads no trainable param whose grad this backward
+        has accumulated whole ([Note: no read after the last grad])."""
         if not node.call.saves:
             return
         m, params = node.call.module, self.driver.state.params
-        for p in sorted(set(unit_of(params, m)) | node.used):
+        done = {p for p in self.contributed if self.remaining[p] == 0} if inputs else set()
+        for p in sorted((set(unit_of(params, m)) | node.used) - done):
             if params.status(p) != AVAILABLE:
                 raise SimError(f"I5 in backward: {self._m(m)} computes with {self._p(p)}, which "
                                f"is {self._status(p)}")

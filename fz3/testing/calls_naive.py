@@ -8,9 +8,11 @@ have.
 
     inert        not the root, not a leaf, and every own param persistent (numel <=
                  param_persistence_threshold), or none at all: its calls get no autograd nodes
-    enter        the root: BeginPass. Grad on, inputs need grad, not inert: WrapInputs
+    enter        the root: BeginPass. Grad on, inputs need grad, not inert, and some own param
+                 frozen, or none, or a leaf: WrapInputs
     waiting      grad on, inputs not wrapped, not a leaf, not inert, some own param trainable:
-                 the call is released by its params' grads
+                 the call is released by its params' grads (with grad inputs too, when every
+                 own param is trainable)
     reads none   a waiting call that began while a root forward watched the saves (the root's
                  own call begins before they are watched) and saved none of its unit's params:
                  GradDue(its trainable own params) at its leave, and no PreBackward node
@@ -96,7 +98,10 @@ class NaiveCalls:
         if m == 0:
             out.append(BeginPass())
             self.open, self.grad_leaves = [], set()
-        wrapped = grad and grad_inputs and not self.inert[m]
+        # released by its grads: every own param trainable (and so hooked: not a leaf, not inert)
+        by_grads = bool(self.own[m]) and not self.leaf[m] and not self.inert[m] and \
+            all(self.trainable[p] for p in self.own[m])
+        wrapped = grad and grad_inputs and not self.inert[m] and not by_grads
         if wrapped:
             out.append(WrapInputs(m))
         waiting = (grad and not wrapped and not self.leaf[m] and not self.inert[m]
