@@ -135,6 +135,56 @@ def test_a_call_with_grad_inputs_is_released_by_its_grads_unless_a_param_is_froz
     assert WrapInputs(4) in eff and not st.calls.waiting
 
 
+def test_only_the_first_call_with_grad_of_a_module_in_a_pass_is_released_by_its_grads():
+    """[Note: released by its grads] lin applied twice (ALBERT): v's grad comes after both
+    calls' backwards, so the second call gets its node and releases what it fetched at its own
+    backward ([Note: release per call]); the first waits, its backward the last. The next pass
+    (and the next backward) starts over."""
+    st = lifecycle(*MODEL)
+    for _ in range(2):
+        st, _ = calls.enter(st, Enter(module=0, grad=True, grad_inputs=True), config=CFG)
+        st, eff = calls.enter(st, Enter(module=4, grad=True, grad_inputs=True), config=CFG)
+        assert WrapInputs(4) not in eff
+        st, _ = calls.leave(st, Leave(module=4, grad_outputs=True), config=CFG)
+        st, eff = calls.enter(st, Enter(module=4, grad=True, grad_inputs=True), config=CFG)
+        assert WrapInputs(4) in eff and st.params.grads_remaining(4) == 2
+        st, _ = calls.leave(st, Leave(module=4, grad_outputs=True), config=CFG)
+        st, _ = calls.leave(st, Leave(module=0, grad_outputs=True), config=CFG)
+        for m in (0, 4):
+            st, _ = calls.pre_backward(st, PreBackwardRan(module=m), config=CFG)
+        st, eff = calls.post_backward(st, PostBackwardRan(module=4), config=CFG)  # the second call's
+        assert st.params.grads_remaining(4) == 1
+        st, _ = calls.pre_backward(st, PreBackwardRan(module=4), config=CFG)
+        st, eff = calls.grad_ready(st, GradReady(param=3, dtype="float32"), config=CFG)
+        assert any(isinstance(e, Free) and 3 in e.params for e in eff) and st.params.grads_remaining(4) == 0
+        st, _ = calls.end_of_backward(st, BackwardEnded(), config=CFG)
+        st, _ = stepped(st)
+
+
+def test_a_call_holding_a_param_another_module_uses_gets_its_post_backward_node():
+    """[Note: released by its grads] A tied param's grad comes once every module using it is
+    done (a tied lm_head's weight: at the token embedding's grad, the end of backward), and so
+    does a borrowed one's: a call waiting for it would hold its unit that long. Tied (lin holds
+    e too, the leaf's): lin's calls get the node. Borrowed (the root reads emb's w): emb's next
+    call does."""
+    params, modules = MODEL
+    st = lifecycle(params, modules[:4] + [("lin", [2, 3], False)])
+    assert not st.calls.tables.by_grads[4]
+    st, _ = calls.enter(st, Enter(module=0, grad=True, grad_inputs=True), config=CFG)
+    st, eff = calls.enter(st, Enter(module=4, grad=True, grad_inputs=True), config=CFG)
+    assert WrapInputs(4) in eff
+
+    st = lifecycle(*MODEL)
+    st, _ = calls.enter(st, Enter(module=0, grad=True, grad_inputs=True), config=CFG)
+    st, eff = calls.enter(st, Enter(module=1, grad=True, grad_inputs=True), config=CFG)
+    assert WrapInputs(1) not in eff  # nobody borrows w yet
+    st, _ = calls.leave(st, Leave(module=1, grad_outputs=True), config=CFG)
+    st, _ = calls.read(st, Read(owner=1, param=0, grad=True), config=CFG)  # the root reads emb's w
+    assert st.params.is_external(0)
+    st, eff = calls.enter(st, Enter(module=1, grad=True, grad_inputs=True), config=CFG)
+    assert WrapInputs(1) in eff
+
+
 def test_a_waiting_call_that_saved_none_of_its_params_is_over_at_its_forward():
     st = lifecycle(*MODEL)
     st, _ = calls.enter(st, Enter(module=0, grad=True, grad_inputs=False, saved=0), config=CFG)

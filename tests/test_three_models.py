@@ -131,6 +131,10 @@ def test_a_policy_a_frozen_reference_and_a_value_model_train_as_one_process(tmp_
 def _two_forwards(rank: int, world: int) -> str:
     import fz3
     model = _policy_like(0)
+    # a frozen bias: the head's calls get PostBackward nodes, each releasing what its call
+    # fetched, so the first forward's backward finds the head freed ([Note: released by its
+    # grads], fz3/core/calls.py: a call released by its grads would hold it to the last use)
+    model[2].bias.requires_grad_(False)
     engine = fz3.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                             fz3.Config(param_persistence_threshold=0))
     x = torch.randn(2, IN)

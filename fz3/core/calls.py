@@ -79,8 +79,8 @@ class CallTables(NamedTuple):
     leaf_own_of: tuple[tuple[ParamId, ...], ...]  # by module: its leaf_own params (() unless a leaf)
     at_end: tuple[ParamId, ...]  # trainable, of one inert module alone, in id order: no hook,
     # reported at the end of backward ([Note: persistent grads at the end of backward])
-    by_grads: tuple[bool, ...]  # by module: every call waits for its own params' grads, its
-    # inputs get no PostBackward node ([Note: released by its grads])
+    by_grads: tuple[bool, ...]  # by module: its calls wait for its own params' grads, its inputs
+    # get no PostBackward node, unless another module borrows one ([Note: released by its grads])
 
 
 class Frame(NamedTuple):
@@ -106,6 +106,8 @@ class CallState(NamedTuple):
     waiting: tuple[Waiting, ...]  # by module
     leaves: frozenset[ModuleId]  # leaf modules run with grad in this pass, not yet reduced
     backward: bool  # a backward is running: end_of_backward is queued
+    entered: frozenset[ModuleId] = frozenset()  # modules released by their grads (by_grads) called
+    # with grad since the pass began or the last backward ended ([Note: released by its grads])
 
 
 class Lifecycle(NamedTuple):
@@ -143,7 +145,7 @@ def call_tables(spec: ModelSpec, trainable: Sequence[bool], *, hook_all: bool = 
                    for ms in spec.modules)
     leaf_own = tuple(sorted(p for ms in own_of for p in ms))
     quiet = inert if not saves_matter(spec) else (False,) * len(inert)
-    by_grads = tuple(bool(ms.params) and bool(grad_params[m]) and all(hooked[p] for p in ms.params)
+    by_grads = tuple(bool(ms.params) and bool(grad_params[m]) and all(hooked[p] and alone[p] for p in ms.params)
                      for m, ms in enumerate(spec.modules))
     return CallTables(inert, quiet, grad_params, {p: tuple(ms) for p, ms in waiters.items()}, tuple(trainable),
                       hooked, leaf_own, own_of, at_end, by_grads)
@@ -181,14 +183,17 @@ def enter(st: Lifecycle, ev: Enter, *, config: Config) -> tuple[Lifecycle, tuple
                                  aborted=calls.aborted or bool(calls.stack), grad_inputs=grad_inputs)
         grads = new_pass(grads)  # [Note: a pass forgets] (fz3/core/replay.py)
         # a backward still marked running never reached its end (it raised): it is over now
-        calls = calls._replace(stack=(), aborted=False, waiting=(), leaves=frozenset(), backward=False)
+        calls = calls._replace(stack=(), aborted=False, waiting=(), leaves=frozenset(), backward=False,
+                               entered=frozenset())
         effects += eff + (BeginPass(),)
     if not calls.stack and not recomputing:  # the outermost call: [Note: persistent params stay live]
         params, eff = hold.gather_persistent(params)
         effects += eff
     t = calls.tables
-    wrap = grad and grad_inputs and not t.inert[m] and not t.by_grads[m]  # [Note: released by its grads]
+    wrap = grad and grad_inputs and not t.inert[m] and not _by_grads(params, calls, m)
     waits = grad and not wrap and bool(t.grad_params[m])
+    if grad and t.by_grads[m]:
+        calls = calls._replace(entered=calls.entered | {m})
     if wrap:
         effects.append(WrapInputs(m))
     elif waits:
@@ -198,6 +203,14 @@ def enter(st: Lifecycle, ev: Enter, *, config: Config) -> tuple[Lifecycle, tuple
     params, eff = fetch(params, m, forward=True, config=config, grad_inputs=int(wrap or waits))
     frame = Frame(m, saved if waits else -1)
     return Lifecycle(params, grads, calls._replace(stack=calls.stack + (frame,))), tuple(effects) + eff
+
+
+def _by_grads(params: ParamState, calls: CallState, m: ModuleId) -> bool:
+    """[Note: released by its grads] A call of `m` with grad inputs waits for its own params'
+    grads: `m`'s own params are all trainable, hooked and its alone, no other module borrows one
+    now, and it is `m`'s first call with grad in this pass."""
+    return calls.tables.by_grads[m] and m not in calls.entered and \
+        not any(params.is_external(p) for p in params.spec.modules[m].params)
 
 
 def hold_ended(st: Lifecycle, ev: Unhold, *, config: Config) -> tuple[Lifecycle, tuple]:
@@ -345,7 +358,7 @@ def end_of_backward(st: Lifecycle, ev: BackwardEnded, *, config: Config) -> tupl
             effects += eff
     grads, eff = epilogue(grads, config=config)
     params, eff2 = finish_backward(st.params, config=config)
-    calls = calls._replace(waiting=(), backward=False)
+    calls = calls._replace(waiting=(), backward=False, entered=frozenset())
     return Lifecycle(params, grads, calls), effects + eff + eff2 + (EndOfBackward(),)
 
 
@@ -538,7 +551,8 @@ def _reduce_leaf(calls: CallState, grads: GradState, m: ModuleId, config: Config
 # at the last grad or at that other call's post_backward, whichever comes later.
 #
 # [Note: released by its grads] The same holds for a call whose inputs need grad, where every
-# own param of its module is trainable and hooked (`CallTables.by_grads`): its backward's last
+# own param of its module is trainable, hooked and its alone (`CallTables.by_grads`), and no
+# other module borrows one (an external elsewhere, `_by_grads`): its backward's last
 # read of a param comes before that param's grad is accumulated. An op that reads a trainable
 # param for backward has an edge to it (the grad of its input and the grad of the param come
 # from one node: Linear's addmm, LayerNorm's native_layer_norm), so autograd runs it before the
@@ -550,8 +564,17 @@ def _reduce_leaf(calls: CallState, grads: GradState, m: ModuleId, config: Config
 # edge) would be read after the release: the saved-tensor watch (fz3/shell/saved.py) raises,
 # naming it, rather than read freed memory. A module with a frozen or unhooked own param (a
 # leaf's, or one reported at the end of backward) keeps the node: no grad tells when its
-# backward is done. A param that gets no grad in a backward leaves its call waiting to the end
-# of backward, as DeepSpeed releases a call without a post-backward.
+# backward is done. So does a module's second call with grad in a pass (an ALBERT block applied
+# k times; `CallState.entered`): its params' grads come once every call's backward is done, so
+# waiting for them would hold the unit from the last call's backward to the first's, where each
+# call's node releases what that call fetched ([Note: release per call], fz3/core/param/
+# backward.py); the first call alone waits, and its backward is the last. And so does one with
+# a param another module uses too (tied, or borrowed): that
+# param's grad comes once the other module's backward is done as well, which can be the end of
+# backward (a tied lm_head's weight is the token embedding's; the parity test's tiny live
+# budget found it), and the call would hold its unit that long. A param that gets no grad in a
+# backward leaves its call waiting to the end of backward, as DeepSpeed releases a call
+# without a post-backward.
 #
 # [Note: backward reads no param] Such a call whose forward saved none of its params for backward
 # (the saved-tensor hooks logged none: F.embedding saves the ids and the weight's row count)

@@ -9,7 +9,8 @@ have.
     inert        not the root, not a leaf, and every own param persistent (numel <=
                  param_persistence_threshold), or none at all: its calls get no autograd nodes
     enter        the root: BeginPass. Grad on, inputs need grad, not inert, and some own param
-                 frozen, or none, or a leaf: WrapInputs
+                 frozen, or in another module, or borrowed by one, or none, or a leaf:
+                 WrapInputs
     waiting      grad on, inputs not wrapped, not a leaf, not inert, some own param trainable:
                  the call is released by its params' grads (with grad inputs too, when every
                  own param is trainable)
@@ -53,7 +54,9 @@ class NaiveCalls:
         self.inert = [m > 0 and not self.leaf[m] and all(persistent[p] for p in self.own[m])
                       for m in range(len(self.own))]
         self.trainable = trainable
+        self.homes = [sum(p in own for own in self.own) for p in range(len(spec.params))]
         self.externals: list[set[int]] = [set() for _ in self.own]
+        self.entered: set[int] = set()  # modules released by their grads called with grad this pass
         self.open: list[_Open] = []
         self.grad_leaves: set[int] = set()  # leaves called with grad in this pass
         self.in_backward = False
@@ -64,8 +67,8 @@ class NaiveCalls:
         """The hook effects (less ZeroGrads) `event` (fz3/core/events.py) must return; updates
         this model."""
         match event:
-            case Enter(module=m, grad=grad, grad_inputs=grad_inputs, saved=saved):
-                return self.enter(m, grad=grad, grad_inputs=grad_inputs, saved=saved)
+            case Enter(module=m, grad=grad, grad_inputs=grad_inputs, saved=saved, recomputing=recomputing):
+                return self.enter(m, grad=grad, grad_inputs=grad_inputs, saved=saved, recomputing=recomputing)
             case Read(owner=owner, param=p):
                 return self.read(owner, p)
             case Leave(module=m, grad_outputs=grad_outputs, returned=returned):
@@ -77,7 +80,7 @@ class NaiveCalls:
             case GradReady(param=p):
                 return self._backward_event() + [GradIn(p)]
             case BackwardEnded():
-                self.in_backward = False
+                self.in_backward, self.entered = False, set()
                 return [ClearGradDue(), EndOfBackward()]
             case Stepped(finite=finite):
                 return self.stepped(finite=finite)
@@ -93,14 +96,20 @@ class NaiveCalls:
             c.saved |= params
 
     # ---- forward ---------------------------------------------------------------------------------
-    def enter(self, m: int, *, grad: bool, grad_inputs: bool, saved: int = -1) -> list:
+    def enter(self, m: int, *, grad: bool, grad_inputs: bool, saved: int = -1, recomputing: bool = False) -> list:
         out: list = []
-        if m == 0:
+        if m == 0 and not recomputing:
             out.append(BeginPass())
-            self.open, self.grad_leaves = [], set()
-        # released by its grads: every own param trainable (and so hooked: not a leaf, not inert)
-        by_grads = bool(self.own[m]) and not self.leaf[m] and not self.inert[m] and \
-            all(self.trainable[p] for p in self.own[m])
+            self.open, self.grad_leaves, self.entered = [], set(), set()
+        # released by its grads: every own param trainable (and so hooked: not a leaf, not
+        # inert), in no other module and borrowed by none; its first call with grad since the
+        # pass began or a backward ended
+        borrowed = set().union(*self.externals)
+        static = bool(self.own[m]) and not self.leaf[m] and not self.inert[m] and \
+            all(self.trainable[p] and self.homes[p] == 1 for p in self.own[m])
+        by_grads = static and m not in self.entered and not (self.own[m] & borrowed)
+        if grad and static:
+            self.entered.add(m)
         wrapped = grad and grad_inputs and not self.inert[m] and not by_grads
         if wrapped:
             out.append(WrapInputs(m))
