@@ -49,15 +49,25 @@ def _worker(rank: int, world: int, dtype: torch.dtype, grouping: str) -> dict:
     fulls_b = [torch.full((n,), float("nan"), dtype=dtype) for n in NUMELS]
     grads = [_full(i, n, rank, dtype) for i, n in enumerate(NUMELS)]
     before = [g.clone() for g in grads]
-    scratch = torch.full((p2p.scratch_numel(NUMELS, rank, world),), float("nan"), dtype=dtype)
     groups = GROUPINGS[grouping]
+    # packed groups travel as padded rows ([Note: packed groups in rows]): the layout says how much
+    numel = p2p.ReduceLayout(NUMELS, rank, world, groups).scratch_numel if groups else \
+        p2p.scratch_numel(NUMELS, rank, world)
+    scratch = torch.full((numel,), float("nan"), dtype=dtype)
     a = p2p.all_gather(fulls_a, shards, Counting(), tag=1, groups=groups)
     rs, result = p2p.reduce_scatter(grads, scratch, Counting(), tag=2, groups=groups)
     b = p2p.all_gather(fulls_b, shards, Counting(), tag=3, groups=groups)
-    for w in (b, rs, a):  # waited out of issue order
+    fulls_c = None
+    if groups:  # a gather by rows, into buffers padded to W * s_i ([Note: packed groups in rows])
+        plan = p2p.GatherPlan(NUMELS, rank, world, groups)
+        bufs = [torch.full((n,), float("nan"), dtype=dtype) for n in p2p.padded_numels(NUMELS, world, plan)]
+        fulls_c = [buf[:n] for buf, n in zip(bufs, NUMELS)]
+        c = p2p.all_gather(fulls_c, shards, Counting(), tag=4, groups=groups,
+                           layout=p2p.GatherLayout(fulls_c, rank, world, groups, plan, padded=bufs))
+    for w in (b, rs, a) + ((c,) if groups else ()):  # waited out of issue order
         w.wait()
-    return {"gathered": fulls_a, "gathered_again": fulls_b, "reduced": result(), "grads": grads,
-            "before": before, "sends": Counting.sends}
+    return {"gathered": fulls_a, "gathered_again": fulls_b, "by_rows": fulls_c, "reduced": result(),
+            "grads": grads, "before": before, "sends": Counting.sends}
 
 
 def _sends(groups, world: int, rank: int) -> int:
@@ -73,11 +83,14 @@ def test_p2p_gather_and_reduce_scatter_match_the_layout(world, dtype, grouping):
     out = run(_worker, world_size=world, args=(dtype, grouping), timeout=90)
     groups = GROUPINGS[grouping] or tuple((i,) for i in range(len(NUMELS)))
     for rank, res in enumerate(out):
-        assert res["sends"] == _sends(groups, world, rank), rank
+        by_rows = accounting.p2p_sends(NUMELS, groups, rank, world, gather=True) if res["by_rows"] else 0
+        assert res["sends"] == _sends(groups, world, rank) + by_rows, rank
         for i, n in enumerate(NUMELS):
             want = _full(i, n, -1, dtype)
             assert torch.equal(res["gathered"][i], want), (rank, n)
             assert torch.equal(res["gathered_again"][i], want), (rank, n)
+            if res["by_rows"]:
+                assert torch.equal(res["by_rows"][i], want), (rank, n)
             total = sum(_full(i, n, r, dtype) for r in range(world))
             part = layout.rank_slice(total, rank, world)
             assert res["reduced"][i].shape == part.shape, (rank, n)
@@ -94,10 +107,13 @@ def test_span_and_scratch_numel():
     assert [rank_span(0, r, 2) for r in range(2)] == [(0, 0), (0, 0)]
     assert p2p.scratch_numel([7, 1, 0], 0, 3) == 2 * (3 + 1)
     assert p2p.scratch_numel([7, 1, 0], 2, 3) == 2 * 1
-    for rank in range(3):  # the reduce's layout receives as much, packed or not
-        for groups in (((0,), (1,), (2,)), ((0, 1, 2),), ((1, 2), (0,))):
-            layout = p2p.ReduceLayout([7, 1, 0], rank, 3, groups)
-            assert layout.scratch_numel == p2p.scratch_numel([7, 1, 0], rank, 3), (rank, groups)
+    for rank in range(3):  # the reduce's layout receives as much with every param alone ...
+        layout = p2p.ReduceLayout([7, 1, 0], rank, 3, ((0,), (1,), (2,)))
+        assert layout.scratch_numel == p2p.scratch_numel([7, 1, 0], rank, 3), rank
+    # ... and a packed group's padded row from each peer, where this rank holds an element of one
+    # of its params: shards of 3 and 1 ([Note: packed groups in rows]); only rank 0 holds p1's
+    for groups, want in ((((0, 1, 2),), [8, 8, 8]), (((1, 2), (0,)), [2 * (1 + 3), 2 * 3, 2 * 1])):
+        assert [p2p.ReduceLayout([7, 1, 0], r, 3, groups).scratch_numel for r in range(3)] == want, groups
 
 
 def _subgroup_worker(rank: int, world: int) -> dict | None:

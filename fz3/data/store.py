@@ -114,6 +114,7 @@ class TensorStore:
         self.from_disk: Callable[[int], torch.Tensor] | None = None
         self.grad_due: set[int] = set()  # freed params whose grad autograd has yet to accumulate
         self.full_spans: dict[int, list[tuple[int, int, int]]] = {}  # storage -> (offset, numel, param)
+        self.full_key: list[int] = [0] * len(params)  # by param: the storage of full[p] while it is set
         self.full: list[torch.Tensor | None] = [None] * len(params)
         for p in range(len(self.params)):
             self.free(p)
@@ -163,6 +164,14 @@ class TensorStore:
             return shard.to(self.device, non_blocking=self.pin, copy=True)
         return shard
 
+    def shards_of(self, ps: Sequence[int]) -> list[torch.Tensor]:
+        """`shard` of each of `ps` (a gather's): the shards themselves where none is on disk or
+        in host memory (196 calls a step on the deep narrow GPT, every param sharded)."""
+        if self.from_disk is None and not self.params_on_host:
+            shards = self.shards
+            return [shards[p] for p in ps]
+        return [self.shard(p) for p in ps]
+
     def set_full(self, p: int, flat: torch.Tensor) -> None:
         """Param p becomes AVAILABLE: its .data is the gathered full value (numel,). A persistent
         param's compute shard becomes its slice of that value ([Note: a kept param holds its
@@ -178,7 +187,8 @@ class TensorStore:
             if full[p] is not None:
                 self._forget(p)
             full[p] = flat
-            spans.setdefault(_storage(flat), []).append((flat.storage_offset(), flat.numel(), p))
+            key = self.full_key[p] = _storage(flat)
+            spans.setdefault(key, []).append((flat.storage_offset(), flat.numel(), p))
             if spec is not None and spec.params[p].persistent and self.separate and not self.params_on_host \
                     and padding(flat.numel(), self.world_size) == 0:
                 n = self.shards[p].numel()
@@ -242,7 +252,7 @@ class TensorStore:
     def _forget(self, p: int) -> None:
         flat, self.full[p] = self.full[p], None
         if flat is not None:
-            key = _storage(flat)
+            key = self.full_key[p]  # its storage, as set_fulls found it
             spans = [s for s in self.full_spans[key] if s[2] != p]
             if spans:
                 self.full_spans[key] = spans

@@ -191,9 +191,13 @@ class P2P(Carrier):
     def gather(self, ps: Sequence[int], shards: Sequence[torch.Tensor]):
         it = self.ctx
         # a buffer per param: freeing one frees its memory (a flat buffer for the batch would
-        # live until the last of its params is freed)
-        fulls = it.take_many([it.spec.params[p].numel for p in ps], shards[0].dtype)
-        layout = p2p.GatherLayout(fulls, it.rank, it.world_size, self.groups(ps), self.gather_plan(ps))
+        # live until the last of its params is freed); a packed group's params padded to W * s_i,
+        # so that its rows are copied out in one op ([Note: packed groups in rows], p2p.py)
+        plan = self.gather_plan(ps)
+        numels = [it.spec.params[p].numel for p in ps]
+        bufs = it.take_many(p2p.padded_numels(numels, it.world_size, plan), shards[0].dtype)
+        fulls = [b if b.numel() == n else b[:n] for b, n in zip(bufs, numels)]
+        layout = p2p.GatherLayout(fulls, it.rank, it.world_size, self.groups(ps), plan, padded=bufs)
         return self._gather_into(ps, shards, fulls, layout), (lambda: fulls), None
 
     def _gather_into(self, ps: Sequence[int], shards: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor],

@@ -260,7 +260,7 @@ class DistInterpreter:
 
     def _shards(self, ps: tuple[int, ...], prefetch: bool) -> list[torch.Tensor]:
         """The shards a gather of `ps` sends, the gather counted."""
-        shards = [self.store.shard(p) for p in ps]
+        shards = self.store.shards_of(ps)
         accounting.count_gather(self.counts, carrier=self.gather.name, shard_numel=sum(s.numel() for s in shards),
                                 world_size=self.shard_world, element_size=shards[0].element_size(),
                                 prefetch=prefetch, local=self.local)

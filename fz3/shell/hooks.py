@@ -92,8 +92,8 @@ def before_backward(tree: Any, on_backward: Callable[[], None], flat: tuple[list
     it computes anything of the call. [Note: a pre-hook for one output] Where every
     grad-requiring output comes from one autograd node, that is a pre-hook on the node, and the
     outputs are returned as they are; else the outputs pass through one PreBackward node. Same moment: autograd runs a node's pre-hooks once all its grads are in,
-    which is when the PreBackward node before it would run. Cheaper: a pre-hook costs ~8 us
-    a call forward and backward where the Function costs ~28 (bench/diagnostics/apply_cost.py),
+    which is when the PreBackward node before it would run. Cheaper: a pre-hook costs ~7 us
+    a call forward and backward where the Function costs ~19 (bench/diagnostics/apply_cost.py),
     and most calls return one tensor (98 a step on the deep narrow benchmark GPT, issue #48).
     For a view (a Linear's output on a 3-d input is one) the node is its base's: an in-place
     op on the view replaces the view's own node, which then never runs, but autograd still
