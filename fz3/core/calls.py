@@ -552,8 +552,8 @@ def _reduce_leaf(calls: CallState, grads: GradState, m: ModuleId, config: Config
 #
 # [Note: released by its grads] The same holds for a call whose inputs need grad, where every
 # own param of its module is trainable, hooked and its alone (`CallTables.by_grads`), and no
-# other module borrows one (an external elsewhere, `_by_grads`): its backward's last
-# read of a param comes before that param's grad is accumulated. An op that reads a trainable
+# other module borrows one (an external elsewhere, `_by_grads`): its backward's last read of
+# a param comes before that param's grad is accumulated. An op that reads a trainable
 # param for backward has an edge to it (the grad of its input and the grad of the param come
 # from one node: Linear's addmm, LayerNorm's native_layer_norm), so autograd runs it before the
 # param's AccumulateGrad, whose hook reports the grad. So such a call waits for its own grads
@@ -569,12 +569,11 @@ def _reduce_leaf(calls: CallState, grads: GradState, m: ModuleId, config: Config
 # waiting for them would hold the unit from the last call's backward to the first's, where each
 # call's node releases what that call fetched ([Note: release per call], fz3/core/param/
 # backward.py); the first call alone waits, and its backward is the last. And so does one with
-# a param another module uses too (tied, or borrowed): that
-# param's grad comes once the other module's backward is done as well, which can be the end of
-# backward (a tied lm_head's weight is the token embedding's; the parity test's tiny live
-# budget found it), and the call would hold its unit that long. A param that gets no grad in a
-# backward leaves its call waiting to the end of backward, as DeepSpeed releases a call
-# without a post-backward.
+# a param another module uses too (tied, or borrowed): that param's grad comes once the other
+# module's backward is done as well, which can be the end of backward (a tied lm_head's weight
+# is the token embedding's; the parity test's tiny live budget found it), and the call would
+# hold its unit that long. A param that gets no grad in a backward leaves its call waiting to
+# the end of backward, as DeepSpeed releases a call without a post-backward.
 #
 # [Note: backward reads no param] Such a call whose forward saved none of its params for backward
 # (the saved-tensor hooks logged none: F.embedding saves the ids and the weight's row count)
