@@ -140,3 +140,14 @@ def test_p2p_in_a_subgroup_uses_group_ranks():
             assert torch.equal(res["gathered"][i], _full(i, n, -1)), n
             total = _full(i, n, 0) + _full(i, n, 1)
             assert torch.equal(res["reduced"][i], layout.rank_slice(total, res["me"], 2)), n
+
+
+def test_a_refresh_goes_by_rows_only_into_the_padded_buffers_a_gather_made():
+    """P2P.refresh gathers into the full values the last gather made: by rows where they lie at
+    the start of buffers padded to W * s_i ([Note: packed groups in rows]), else span by span."""
+    from fz3.interpreters.carriers import _padded_bases
+    bufs = [torch.zeros(6), torch.zeros(4)]
+    fulls = [bufs[0][:5], bufs[1]]  # 5 elements padded to 6 at W = 2; 4 unpadded
+    assert [b is x for b, x in zip(_padded_bases(fulls, [6, 4]), bufs)] == [True, True]
+    assert _padded_bases([torch.zeros(5), bufs[1]], [6, 4]) is None  # a value of its own: no buffer
+    assert _padded_bases([bufs[0][1:6], bufs[1]], [6, 4]) is None  # not at its buffer's start

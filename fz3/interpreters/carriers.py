@@ -212,12 +212,15 @@ class P2P(Carrier):
     def refresh(self, ps: Sequence[int], shards: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor]):
         """The peers' shards received straight into `fulls` (p2p.all_gather writes in place), by
         the layout made the last time these params were refreshed into these same full values:
-        every step's refresh after the first (p2p.GatherLayout)."""
+        every step's refresh after the first (p2p.GatherLayout). By rows where the full values lie
+        in the padded buffers a gather by rows made them in (`gather`)."""
         it = self.ctx
         key, layout = tuple(ps), self.layout
         if layout is None or key != self.layout_key or not layout.same_fulls(fulls):
-            layout = self.layout = p2p.GatherLayout(fulls, it.rank, it.world_size, self.groups(key),
-                                                    self.gather_plan(key))
+            plan = self.gather_plan(key)
+            want = p2p.padded_numels([f.numel() for f in fulls], it.world_size, plan)
+            layout = self.layout = p2p.GatherLayout(fulls, it.rank, it.world_size, self.groups(key), plan,
+                                                    padded=_padded_bases(fulls, want))
             self.layout_key, self.layout_params = key, frozenset(key)
         return self._gather_into(ps, shards, fulls, layout), _nothing
 
@@ -231,6 +234,18 @@ class P2P(Carrier):
             work, reduced = p2p.reduce_scatter(grads, keep, it.comm, tag=tag, take=self.stage,
                                                layout=layout)
         return self.posted(work, posted), (lambda: dict(zip(params, reduced()))), keep
+
+
+def _padded_bases(fulls: Sequence[torch.Tensor], want: Sequence[int]) -> Optional[list[torch.Tensor]]:
+    """The buffer of `want[i]` elements each full value starts, as `P2P.gather` made it (the
+    value itself, or the view it is of), or None where one is not such a buffer."""
+    out = []
+    for f, n in zip(fulls, want):
+        b = f if f.numel() == n else f._base
+        if b is None or b.numel() != n or b.data_ptr() != f.data_ptr() or not b.is_contiguous():
+            return None
+        out.append(b)
+    return out
 
 
 class Native(Carrier):
