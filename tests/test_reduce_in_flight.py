@@ -92,6 +92,7 @@ def test_one_pooled_buffer_serves_every_bucket_size():
     size stayed in the pool through the backward (300 MiB per rank on the 0.3 B GPT)."""
     for rank, most in enumerate(launch.run(_reduce_buffers, world_size=2, timeout=200)):
         # p2p: the receive scratch; native: the packed input and the output. Staging: a p2p
-        # gather's packed send and receive, and (p2p reduce) the packed send, one size for all
+        # gather's (W, S) rows, and (p2p reduce) the reduce's, one size for all ([Note: packed
+        # groups in rows], fz3/interpreters/p2p.py: one buffer where a send and a receive were)
         assert [m[0] for m in most] == [1, 2], f"rank {rank}: pooled reduce buffers at once, per carrier {most}"
-        assert [m[1] for m in most] == [3, 2], f"rank {rank}: staging buffers at once, per carrier {most}"
+        assert [m[1] for m in most] == [2, 1], f"rank {rank}: staging buffers at once, per carrier {most}"
