@@ -4,6 +4,7 @@ of bench/RESULTS.md.
     ensure_env(__file__)                           # re-run the script under bench/.env
     replace_section(path, section, begin, end)     # its section, the rest of the file kept
     write_section(path, key, title, body)         # the same between <!-- key:begin/end --> markers
+    commit()                                       # fz3's short commit, for a figure's line
 """
 from __future__ import annotations
 
@@ -42,3 +43,9 @@ def write_section(path: str, key: str, title: str, body: str) -> None:
     if path:
         begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
         replace_section(path, f"{begin}\n## {title}\n\n{body}{end}", begin, end)
+
+
+def commit() -> str:
+    """fz3's short commit (HEAD of this checkout), as each figure's line names it."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=HERE).stdout.strip()

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import os
 import platform
-import subprocess
 import sys
 import time
 
@@ -73,7 +72,7 @@ def _rank(rank: int, world: int, bucket) -> dict:
 
 
 def main() -> None:
-    from bench_env import ensure_env, write_section
+    from bench_env import ensure_env, write_section, commit as bench_commit
     ensure_env(__file__)
     from fz3 import launch
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -81,8 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     t_start = time.time()
     rows = {name: launch.run(_rank, world_size=2, args=(bucket,), timeout=600) for name, bucket in CASES}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=HERE).stdout.strip()
+    commit = bench_commit()
     numel = rows[CASES[0][0]][0]["numel"]
     lines = [f"Command: `python bench/export.py` ({datetime.date.today()}, fz3 at {commit}, "
              f"{platform.processor() or 'x86_64'}, {time.time() - t_start:.0f} s). examples/gpt.py GPT("

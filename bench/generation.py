@@ -27,7 +27,6 @@ import datetime
 import os
 import platform
 import resource
-import subprocess
 import sys
 import time
 
@@ -95,7 +94,7 @@ def _rank(rank: int, world: int, system: str, tokens: int) -> dict:
 
 
 def main() -> None:
-    from bench_env import ensure_env, write_section
+    from bench_env import ensure_env, write_section, commit as bench_commit
     ensure_env(__file__)
     import torch
     from fz3 import launch
@@ -109,8 +108,7 @@ def main() -> None:
         rows[system] = launch.run(_rank, world_size=2, args=(system, args.tokens), timeout=600)
     ref = rows["unsharded"]
     params = sum(p.numel() for p in _model().parameters())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=HERE).stdout.strip()
+    commit = bench_commit()
     lines = [f"Command: `python bench/generation.py --tokens {args.tokens}` ({datetime.date.today()}, fz3 at {commit}, "
              f"{platform.processor() or 'x86_64'}, {os.cpu_count()} cores, torch {torch.__version__}, "
              f"{time.time() - t_start:.0f} s). A tiny Llama ({params:,} params, fp32) on 2 gloo ranks, greedy, "

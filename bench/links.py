@@ -19,7 +19,6 @@ import argparse
 import datetime
 import os
 import platform
-import subprocess
 import sys
 import time
 
@@ -102,15 +101,14 @@ def gpt_measured() -> dict[str, tuple[dict, dict]]:
 
 
 def main() -> None:
-    from bench_env import ensure_env, write_section
+    from bench_env import ensure_env, write_section, commit as bench_commit
     ensure_env(__file__)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--md", default=os.path.join(HERE, "RESULTS.md"))
     args = ap.parse_args()
     t0 = time.time()
     plans, measured = llama_plans(), gpt_measured()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=HERE).stdout.strip()
+    commit = bench_commit()
     lines = [f"Command: `python bench/links.py` ({datetime.date.today()}, fz3 at {commit}, "
              f"{platform.processor() or 'x86_64'}, "
              f"{time.time() - t0:.0f} s). Bytes a rank sends per step on each link ([Note: bytes on each link], "

@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -42,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     import fz3
-    from bench_env import write_section
+    from bench_env import write_section, commit as bench_commit
     from systems.common import batches, fz3_step, make_model, make_optimizer, peak_rss_bytes, plain_step
 
     torch.manual_seed(0)
@@ -81,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         fz3_step(engine, x, y)
         fz3_ms.append((time.perf_counter() - t) * 1e3)
     n = args.steps
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=BENCH).stdout.strip()
+    commit = bench_commit()
     lines = [f"Command: `python bench/diagnostics/event_costs.py --model {args.model} --steps {n} --config "
              f"'{args.config}'` ({datetime.date.today()}, fz3 at {commit}, {platform.processor() or 'x86_64'}, "
              f"torch {torch.__version__}, {time.time() - t0:.0f} s). One rank, one intra-op thread, the plain "

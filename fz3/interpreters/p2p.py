@@ -195,9 +195,8 @@ class GatherLayout:
                 keep.append(into)
                 dsts += parts
                 srcs += into.split([t.numel() for t in parts])
-        rows = {i for g, *_ in self.rows for i in g}
         for g in self.groups:
-            if g and g[0] in rows:
+            if len(g) > 1 and self.rows:  # a packed group: gone as rows above
                 continue
             out = _packed([mine[i] for i in g], take)
             if out.numel():
